@@ -1,0 +1,1 @@
+"""The declarative beat schedule, installed into django-celery-beat's DatabaseScheduler."""

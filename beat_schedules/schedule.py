@@ -1,0 +1,60 @@
+"""One entry per sweep: its task, interval and why.
+
+``python manage.py install_beat_schedule`` writes these into django-celery-beat's tables (run by
+the Procfile's ``release``); the ``beat`` process reads them with the ``DatabaseScheduler``.
+Every sweep is idempotent and claims rows with ``FOR UPDATE SKIP LOCKED``, so two beats running
+at once do no harm. Each message expires after a few intervals: a sweeper that was down does not
+come back to a pile of identical sweeps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from django.conf import settings
+
+
+@dataclass(frozen=True)
+class Sweep:
+    name: str
+    task: str
+    every_s: float
+    why: str
+
+
+def sweeps() -> list[Sweep]:
+    tick = settings.QUIRE["SWEEP_INTERVAL_S"]
+    return [
+        Sweep(
+            "quire: publish outbox",
+            "tasks.sweeps.publish_outbox",
+            tick,
+            "Backstop for the on_commit fast path: a crash or broker outage between commit and "
+            "confirm leaves rows unpublished; this publishes them (DESIGN §6).",
+        ),
+        Sweep(
+            "quire: recover expired leases",
+            "tasks.sweeps.recover_expired_leases",
+            tick,
+            "A dead or frozen worker's job runs again within lease TTL + one interval (§7.6).",
+        ),
+        Sweep(
+            "quire: requeue due retries",
+            "tasks.sweeps.requeue_due_retries",
+            tick,
+            "Retry timers are Postgres timestamps; this turns due ones into new generations.",
+        ),
+        Sweep(
+            "quire: republish stale queued jobs",
+            "tasks.sweeps.republish_stale_queued",
+            max(tick, 30.0),
+            "A message lost inside the broker (dead-lettered, purged) must not strand a job; "
+            "only jobs queued past QUIRE_DISPATCH_TIMEOUT_S are touched.",
+        ),
+        Sweep(
+            "quire: remove stale work directories",
+            "tasks.sweeps.remove_stale_work_dirs",
+            60.0,
+            "A killed worker cannot clean its attempt directory; no later attempt may read it.",
+        ),
+    ]

@@ -1,0 +1,1 @@
+"""The conversion job domain: models, services, selectors, API, converters."""

@@ -1,0 +1,96 @@
+"""Django admin for operators (staff only): read-only views, and two actions that go through
+the same services as the API."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib import admin, messages
+from django.db.models import QuerySet
+from django.http import HttpRequest
+
+from conversion_jobs.exceptions import QuireError
+from conversion_jobs.models import (
+    CancellationRequest,
+    ConversionAttempt,
+    ConversionJob,
+    ExecutionAuditEvent,
+    PageCheckpoint,
+)
+from conversion_jobs.pseudonym import actor_pseudonym
+from conversion_jobs.services.cancellation import conversion_job_cancel
+from conversion_jobs.services.recovery import conversion_job_retry_failed
+
+
+class ReadOnlyAdmin(admin.ModelAdmin):
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+def _operator(request: HttpRequest) -> str:
+    return actor_pseudonym(tenant="operators", subject=str(request.user.pk))
+
+
+@admin.action(description="Cancel selected jobs")
+def cancel_jobs(modeladmin: Any, request: HttpRequest, queryset: QuerySet[ConversionJob]) -> None:
+    for job in queryset:
+        try:
+            result = conversion_job_cancel(job_id=job.id, tenant=job.tenant, actor=_operator(request))
+            modeladmin.message_user(request, f"{job.id}: {result.outcome}")
+        except QuireError as exc:
+            modeladmin.message_user(request, f"{job.id}: {exc.code}", level=messages.WARNING)
+
+
+@admin.action(description="Retry selected failed jobs")
+def retry_jobs(modeladmin: Any, request: HttpRequest, queryset: QuerySet[ConversionJob]) -> None:
+    for job in queryset:
+        try:
+            conversion_job_retry_failed(job_id=job.id, tenant=None, actor=_operator(request))
+            modeladmin.message_user(request, f"{job.id}: queued")
+        except QuireError as exc:
+            modeladmin.message_user(request, f"{job.id}: {exc.code}", level=messages.WARNING)
+
+
+@admin.register(ConversionJob)
+class ConversionJobAdmin(ReadOnlyAdmin):
+    list_display = ("id", "state", "generation", "output", "attempts", "created_at", "finished_at")
+    list_filter = ("state", "output")
+    search_fields = ("id",)
+    actions = [cancel_jobs, retry_jobs]
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        # Actions need "change" on the changelist; the form itself stays read-only.
+        return obj is None and bool(request.user.is_staff)
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
+        return [f.name for f in ConversionJob._meta.fields]
+
+
+@admin.register(ConversionAttempt)
+class ConversionAttemptAdmin(ReadOnlyAdmin):
+    list_display = ("id", "job_id", "generation", "number", "worker", "outcome", "started_at", "finished_at")
+    list_filter = ("outcome",)
+
+
+@admin.register(PageCheckpoint)
+class PageCheckpointAdmin(ReadOnlyAdmin):
+    list_display = ("job_id", "page_number", "state", "attempts", "generation", "error_code")
+    list_filter = ("state",)
+
+
+@admin.register(CancellationRequest)
+class CancellationRequestAdmin(ReadOnlyAdmin):
+    list_display = ("job_id", "outcome", "generation_seen", "state_seen", "requested_at", "resolved_at")
+    list_filter = ("outcome",)
+
+
+@admin.register(ExecutionAuditEvent)
+class ExecutionAuditEventAdmin(ReadOnlyAdmin):
+    list_display = ("job_id", "seq", "event_type", "generation", "created_at")
+    list_filter = ("event_type",)

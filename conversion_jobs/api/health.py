@@ -1,0 +1,76 @@
+"""Liveness, readiness and the Prometheus endpoint."""
+
+from __future__ import annotations
+
+import hmac
+import os
+
+from django.db import connection
+from django.db.migrations.executor import MigrationExecutor
+from django.http import HttpRequest, HttpResponse, JsonResponse
+
+_migrated = False
+
+
+def live(request: HttpRequest) -> JsonResponse:
+    return JsonResponse({"status": "ok"})
+
+
+def _database_ok() -> bool:
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
+        return True
+    except Exception:
+        connection.close()
+        return False
+
+
+def _migrations_ok() -> bool:
+    global _migrated
+    if not _migrated:
+        executor = MigrationExecutor(connection)
+        _migrated = not executor.migration_plan(executor.loader.graph.leaf_nodes())
+    return _migrated
+
+
+def _broker_ok() -> bool:
+    from project.celery import app
+
+    try:
+        with app.connection_for_write() as conn:
+            conn.ensure_connection(max_retries=1, timeout=1)
+        return True
+    except Exception:
+        return False
+
+
+def ready(request: HttpRequest) -> JsonResponse:
+    checks = {"database": _database_ok()}
+    checks["migrations"] = checks["database"] and _migrations_ok()
+    checks["broker"] = _broker_ok()
+    ok = all(checks.values())
+    return JsonResponse({"status": "ok" if ok else "unavailable", "checks": checks}, status=200 if ok else 503)
+
+
+def metrics_view(request: HttpRequest) -> HttpResponse:
+    """Prometheus text. Protected by ``QUIRE_METRICS_TOKEN`` (bearer) when it is set."""
+    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+    from prometheus_client import REGISTRY as DEFAULT_REGISTRY
+
+    from conversion_jobs.observability.gauges import DatabaseGauges
+
+    token = os.environ.get("QUIRE_METRICS_TOKEN")
+    if token:
+        given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(given.encode(), token.encode()):
+            return HttpResponse(status=401, headers={"WWW-Authenticate": 'Bearer realm="metrics"'})
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        from prometheus_client import multiprocess
+
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+    else:
+        registry = DEFAULT_REGISTRY
+    body = generate_latest(registry) + generate_latest(DatabaseGauges.registry())
+    return HttpResponse(body, content_type=CONTENT_TYPE_LATEST)

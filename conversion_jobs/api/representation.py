@@ -1,0 +1,86 @@
+"""The job representation (DESIGN.md §9), built as plain dicts on the hot path; the
+serializers in ``serializers.py`` describe the same shapes for the OpenAPI document."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from conversion_jobs.models import ConversionJob, ExecutionAuditEvent, PageCheckpoint
+from conversion_jobs.states import TERMINAL_STATES, State
+
+API = "/api/v1/jobs/"
+
+
+def _iso(value: Any) -> str | None:
+    return value.isoformat().replace("+00:00", "Z") if value is not None else None
+
+
+def job_representation(job: ConversionJob) -> dict[str, Any]:
+    base = f"{API}{job.id}"
+    error = None
+    if job.error_code and job.state in (State.FAILED, State.RETRY_WAIT, State.QUEUED):
+        error = {"code": job.error_code, "retryable": job.error_retryable, "detail": job.error_detail}
+    return {
+        "id": str(job.id),
+        "state": job.state,
+        "generation": job.generation,
+        "state_version": job.state_version,
+        "output": job.output,
+        "options": job.options,
+        "source": {
+            "media_type": job.source_media_type,
+            "size": job.source_size,
+            "sha256": job.source_sha256,
+            "page_count": job.source_page_count,
+        },
+        "attempts": job.attempts,
+        "max_attempts": job.max_attempts,
+        "pages": {
+            "total": job.source_page_count,
+            "done": job.pages_done,
+            "failed": job.pages_failed,
+        },
+        "error": error,
+        "next_attempt_at": _iso(job.next_attempt_at),
+        "created_at": _iso(job.created_at),
+        "updated_at": _iso(job.updated_at),
+        "finished_at": _iso(job.finished_at),
+        "result": (
+            {"sha256": job.result_sha256, "size": job.result_size, "media_type": job.result_media_type}
+            if job.result_key and job.state in TERMINAL_STATES
+            else None
+        ),
+        "links": {
+            "self": base,
+            "result": f"{base}/result",
+            "cancel": f"{base}/cancel",
+            "pages": f"{base}/pages",
+            "events": f"{base}/events",
+        },
+    }
+
+
+def page_representation(job_id: Any, page: PageCheckpoint) -> dict[str, Any]:
+    return {
+        "page": page.page_number,
+        "state": page.state,
+        "attempts": page.attempts,
+        "media_type": page.media_type,
+        "sha256": page.artifact_sha256,
+        "size": page.artifact_size,
+        "error_code": page.error_code,
+        "links": {"self": f"{API}{job_id}/pages/{page.page_number}"},
+    }
+
+
+def event_representation(event: ExecutionAuditEvent) -> dict[str, Any]:
+    return {
+        "seq": event.seq,
+        "type": event.event_type,
+        "generation": event.generation,
+        "attempt": event.attempt_id,
+        "actor": event.actor,
+        "details": event.details,
+        "at": _iso(event.created_at),
+        "hash": event.hash,
+    }

@@ -1,0 +1,76 @@
+"""Streams the multipart ``file`` part straight to the storage filesystem while hashing it.
+
+Nothing is buffered in memory and nothing past the size limit is stored: the handler refuses an
+oversized ``Content-Length`` before reading, and stops (deleting the partial file) the moment a
+chunked or lying upload crosses the limit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+from django.core.files.uploadedfile import UploadedFile
+from django.core.files.uploadhandler import FileUploadHandler, StopFutureHandlers
+
+from conversion_jobs import storage
+from conversion_jobs.exceptions import PayloadTooLarge
+from conversion_jobs.services.acceptance import StagedUpload
+
+# Room for the multipart envelope and the small form fields around the file.
+ENVELOPE = 64 * 1024
+
+
+class StagedFile(UploadedFile):
+    def __init__(self, staged: StagedUpload) -> None:
+        super().__init__(file=None, name="upload", size=staged.size)
+        self.staged = staged
+
+
+class StagingUploadHandler(FileUploadHandler):
+    chunk_size = 256 * 1024
+
+    def __init__(self, request: Any = None, *, max_bytes: int) -> None:
+        super().__init__(request)
+        self.max_bytes = max_bytes
+        self._fh: Any = None
+        self._path: Path | None = None
+        self._digest = hashlib.sha256()
+        self._size = 0
+        self.staged: list[Path] = []
+
+    def handle_raw_input(self, input_data: Any, META: Any, content_length: int, boundary: Any, encoding: Any = None) -> None:
+        if content_length and content_length > self.max_bytes + ENVELOPE:
+            raise PayloadTooLarge(f"the upload limit is {self.max_bytes} bytes", limit=self.max_bytes)
+
+    def new_file(self, field_name: str, *args: Any, **kwargs: Any) -> None:
+        super().new_file(field_name, *args, **kwargs)
+        self._fh, self._path = storage.staging_file()
+        self.staged.append(self._path)
+        self._digest = hashlib.sha256()
+        self._size = 0
+        raise StopFutureHandlers()
+
+    def receive_data_chunk(self, raw_data: bytes, start: int) -> None:
+        self._size += len(raw_data)
+        if self._size > self.max_bytes:
+            self.cleanup()
+            raise PayloadTooLarge(f"the upload limit is {self.max_bytes} bytes", limit=self.max_bytes)
+        self._fh.write(raw_data)
+        self._digest.update(raw_data)
+        return None
+
+    def file_complete(self, file_size: int) -> StagedFile:
+        self._fh.close()
+        assert self._path is not None
+        return StagedFile(StagedUpload(path=self._path, sha256=self._digest.hexdigest(), size=self._size))
+
+    def upload_interrupted(self) -> None:
+        self.cleanup()
+
+    def cleanup(self) -> None:
+        if self._fh is not None and not self._fh.closed:
+            self._fh.close()
+        for path in self.staged:
+            path.unlink(missing_ok=True)

@@ -1,0 +1,310 @@
+"""REST views: parse the request, call one service or selector, render. No business logic."""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from typing import Any
+
+from django.conf import settings
+from django.http import FileResponse, HttpResponse
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from conversion_jobs import converters, faults, selectors, storage
+from conversion_jobs.api.auth import HasScope, Principal
+from conversion_jobs.api.representation import (
+    event_representation,
+    job_representation,
+    page_representation,
+)
+from conversion_jobs.api.serializers import (
+    EventSerializer,
+    JobPageSerializer,
+    JobSerializer,
+    PageSerializer,
+    ProblemSerializer,
+    SubmitSerializer,
+)
+from conversion_jobs.api.uploads import StagedFile, StagingUploadHandler
+from conversion_jobs.exceptions import InvalidRequest, NotFound, NotReady, QuireError
+from conversion_jobs.models import ConversionJob, Output, PageState
+from conversion_jobs.observability import metrics, tracing
+from conversion_jobs.services.acceptance import conversion_job_accept
+from conversion_jobs.services.cancellation import conversion_job_cancel
+from conversion_jobs.services.recovery import conversion_job_retry_failed
+from conversion_jobs.states import TERMINAL_STATES, State
+
+IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,255}$")
+PROBLEMS = {code: ProblemSerializer for code in (400, 401, 403, 404, 409, 413, 415, 422, 429, 503)}
+RESULT_EXT = {"text": "txt", "png": "zip", "pdf": "pdf"}
+
+
+class QuireView(APIView):
+    permission_classes = [HasScope]
+    required_scopes: dict[str, str] = {}
+
+    @property
+    def principal(self) -> Principal:
+        assert isinstance(self.request.user, Principal)
+        return self.request.user
+
+    def job(self, job_id: uuid.UUID) -> ConversionJob:
+        return selectors.conversion_job_get(job_id=job_id, tenant=self.principal.tenant)
+
+
+def _job_response(job: ConversionJob, *, status: int, **headers: str) -> Response:
+    response = Response(job_representation(job), status=status)
+    response["ETag"] = f'"v{job.state_version}"'
+    for name, value in headers.items():
+        response[name.replace("_", "-")] = value
+    return response
+
+
+class JobCollectionView(QuireView):
+    required_scopes = {"GET": "jobs:read", "POST": "jobs:submit"}
+
+    @extend_schema(
+        request={"multipart/form-data": SubmitSerializer},
+        parameters=[OpenApiParameter("Idempotency-Key", OpenApiTypes.STR, OpenApiParameter.HEADER)],
+        responses={202: JobSerializer, 200: JobSerializer, **PROBLEMS},
+        summary="Submit a document for conversion",
+    )
+    def post(self, request: Request) -> Response:
+        handler = StagingUploadHandler(request._request, max_bytes=settings.QUIRE["MAX_UPLOAD_BYTES"])
+        request._request.upload_handlers = [handler]
+        try:
+            if not request.content_type.startswith("multipart/form-data"):
+                raise InvalidRequest("send multipart/form-data with a file part")
+            upload = request.FILES.get("file")
+            if not isinstance(upload, StagedFile):
+                raise InvalidRequest("the file part is required")
+            output = request.data.get("output")
+            if output not in Output.values:
+                raise InvalidRequest(f"output must be one of {', '.join(Output.values)}")
+            key = request.headers.get("Idempotency-Key")
+            if key is not None and not IDEMPOTENCY_KEY.match(key):
+                raise InvalidRequest("Idempotency-Key must be 1-255 printable ASCII characters")
+            acceptance = conversion_job_accept(
+                tenant=self.principal.tenant,
+                actor=self.principal.actor,
+                upload=upload.staged,
+                output=output,
+                raw_options=request.data.get("options"),
+                idempotency_key=key,
+                traceparent=tracing.current_traceparent(),
+            )
+        except QuireError as exc:
+            reason = exc.code
+            metrics.ADMISSIONS.labels(result="rejected", reason=reason).inc()
+            raise
+        finally:
+            handler.cleanup()
+        faults.hit("accept.after_commit")
+        if acceptance.created:
+            metrics.ADMISSIONS.labels(result="accepted", reason="").inc()
+            return _job_response(
+                acceptance.job, status=202, Location=f"/api/v1/jobs/{acceptance.job.id}"
+            )
+        if acceptance.replayed:
+            metrics.ADMISSIONS.labels(result="replayed", reason="").inc()
+            metrics.IDEMPOTENT_REPLAYS.inc()
+            return _job_response(acceptance.job, status=200, Idempotent_Replayed="true")
+        metrics.ADMISSIONS.labels(result="duplicate", reason="").inc()
+        return _job_response(acceptance.job, status=200)
+
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("state", OpenApiTypes.STR, enum=State.values),
+            OpenApiParameter("cursor", OpenApiTypes.STR),
+            OpenApiParameter("limit", OpenApiTypes.INT),
+        ],
+        responses={200: JobPageSerializer, **PROBLEMS},
+        summary="List the tenant's jobs, newest first",
+    )
+    def get(self, request: Request) -> Response:
+        state = request.query_params.get("state") or None
+        if state is not None and state not in State.values:
+            raise InvalidRequest(f"state must be one of {', '.join(State.values)}")
+        try:
+            limit = int(request.query_params.get("limit", 20))
+        except ValueError as exc:
+            raise InvalidRequest("limit must be an integer") from exc
+        if not 1 <= limit <= 100:
+            raise InvalidRequest("limit must be from 1 to 100")
+        jobs, next_cursor = selectors.conversion_job_list(
+            tenant=self.principal.tenant,
+            state=state,
+            cursor=request.query_params.get("cursor"),
+            limit=limit,
+        )
+        return Response({"jobs": [job_representation(j) for j in jobs], "next_cursor": next_cursor})
+
+
+def _etag_version(header: str | None) -> int | None:
+    match = re.fullmatch(r'\s*(?:W/)?"v(\d+)"\s*', header or "")
+    return int(match.group(1)) if match else None
+
+
+class JobDetailView(QuireView):
+    required_scopes = {"GET": "jobs:read"}
+
+    @extend_schema(
+        parameters=[OpenApiParameter("wait", OpenApiTypes.INT, description="long-poll seconds (max 30)")],
+        responses={200: JobSerializer, 304: None, **PROBLEMS},
+        summary="Get a job (ETag = state_version; ?wait=N long-polls for a change)",
+    )
+    def get(self, request: Request, job_id: uuid.UUID) -> Response | HttpResponse:
+        tenant = self.principal.tenant
+        try:
+            wait = min(float(request.query_params.get("wait", 0)), settings.QUIRE["LONG_POLL_MAX_S"])
+        except ValueError as exc:
+            raise InvalidRequest("wait must be a number of seconds") from exc
+        known = _etag_version(request.headers.get("If-None-Match"))
+        version = selectors.conversion_job_state_version(job_id=job_id, tenant=tenant)
+        if version is None:
+            raise NotFound()
+        if wait > 0:
+            baseline = known if known is not None else version
+            deadline = time.monotonic() + wait
+            while version == baseline and time.monotonic() < deadline:
+                time.sleep(0.1)
+                version = selectors.conversion_job_state_version(job_id=job_id, tenant=tenant)
+                if version is None:
+                    raise NotFound()
+        if known is not None and version == known:
+            response = HttpResponse(status=304)
+            response["ETag"] = f'"v{version}"'
+            return response
+        return _job_response(self.job(job_id), status=200)
+
+
+class JobCancelView(QuireView):
+    required_scopes = {"POST": "jobs:cancel"}
+
+    @extend_schema(request=None, responses={200: JobSerializer, 202: JobSerializer, **PROBLEMS},
+                   summary="Cancel a job")
+    def post(self, request: Request, job_id: uuid.UUID) -> Response:
+        result = conversion_job_cancel(
+            job_id=job_id, tenant=self.principal.tenant, actor=self.principal.actor
+        )
+        status = 202 if result.job.state == State.CANCELLING else 200
+        return _job_response(result.job, status=status)
+
+
+class JobRetryView(QuireView):
+    required_scopes = {"POST": "jobs:admin"}
+
+    @extend_schema(request=None, responses={202: JobSerializer, **PROBLEMS},
+                   summary="Operator retry of a failed job (generation + 1)")
+    def post(self, request: Request, job_id: uuid.UUID) -> Response:
+        job = conversion_job_retry_failed(
+            job_id=job_id, tenant=self.principal.tenant, actor=self.principal.actor
+        )
+        return _job_response(job, status=202)
+
+
+def _artifact_response(*, key: str, sha256: str, media_type: str, filename: str, request: Request) -> HttpResponse:
+    etag = f'"{sha256}"'
+    if request.headers.get("If-None-Match") == etag:
+        response = HttpResponse(status=304)
+    else:
+        path = storage.path_of(key)
+        if not path.exists():
+            raise NotFound()
+        response = FileResponse(open(path, "rb"), content_type=media_type)
+        response["Content-Disposition"] = f'attachment; filename="{filename}"'
+    response["ETag"] = etag
+    return response
+
+
+class JobResultView(QuireView):
+    required_scopes = {"GET": "jobs:read"}
+
+    @extend_schema(responses={(200, "application/octet-stream"): OpenApiTypes.BINARY, **PROBLEMS},
+                   summary="Download the result")
+    def get(self, request: Request, job_id: uuid.UUID) -> HttpResponse:
+        job = self.job(job_id)
+        if job.state not in TERMINAL_STATES:
+            raise NotReady(job_state=job.state)
+        if not job.result_key or job.expired_at is not None:
+            raise NoResult(job_state=job.state)
+        return _artifact_response(
+            key=job.result_key,
+            sha256=job.result_sha256 or "",
+            media_type=job.result_media_type or "application/octet-stream",
+            filename=f"{job.id}.{RESULT_EXT[job.output]}",
+            request=request,
+        )
+
+
+class NoResult(QuireError):
+    """The job finished without a result (failed, cancelled, or expired by retention)."""
+
+    code = "no_result"
+    status = 409
+
+
+class JobPagesView(QuireView):
+    required_scopes = {"GET": "jobs:read"}
+
+    @extend_schema(responses={200: PageSerializer(many=True), **PROBLEMS}, summary="List page checkpoints")
+    def get(self, request: Request, job_id: uuid.UUID) -> Response:
+        job = self.job(job_id)
+        pages = selectors.page_checkpoint_list(job_id=job.id)
+        return Response({"pages": [page_representation(job.id, p) for p in pages]})
+
+
+class JobPageView(QuireView):
+    required_scopes = {"GET": "jobs:read"}
+
+    @extend_schema(responses={(200, "application/octet-stream"): OpenApiTypes.BINARY, **PROBLEMS},
+                   summary="Download one page artifact")
+    def get(self, request: Request, job_id: uuid.UUID, page: int) -> HttpResponse:
+        job = self.job(job_id)
+        if job.state not in TERMINAL_STATES:
+            raise NotReady(job_state=job.state)
+        checkpoint = selectors.page_checkpoint_list(job_id=job.id).filter(page_number=page).first()
+        if checkpoint is None or checkpoint.state != PageState.DONE or job.expired_at is not None:
+            raise NotFound()
+        ext = RESULT_EXT[job.output] if job.output != "png" else "png"
+        return _artifact_response(
+            key=checkpoint.artifact_key or "",
+            sha256=checkpoint.artifact_sha256 or "",
+            media_type=checkpoint.media_type or "application/octet-stream",
+            filename=f"{job.id}-page-{page:05d}.{ext}",
+            request=request,
+        )
+
+
+class JobEventsView(QuireView):
+    required_scopes = {"GET": "jobs:read"}
+
+    @extend_schema(responses={200: EventSerializer(many=True), **PROBLEMS}, summary="Audit events")
+    def get(self, request: Request, job_id: uuid.UUID) -> Response:
+        job = self.job(job_id)
+        return Response({"events": [event_representation(e) for e in selectors.audit_event_list(job_id=job.id)]})
+
+
+class CapabilitiesView(APIView):
+    authentication_classes: list[Any] = []
+    permission_classes: list[Any] = []
+
+    @extend_schema(responses={200: OpenApiTypes.OBJECT}, summary="What this installation converts")
+    def get(self, request: Request) -> Response:
+        from conversion_jobs.services.runner import limits_from_settings
+
+        return Response(
+            {
+                "conversions": converters.capabilities(),
+                "limits": {
+                    "max_upload_bytes": settings.QUIRE["MAX_UPLOAD_BYTES"],
+                    **converters.limits_description(limits_from_settings()),
+                },
+                "outputs": list(Output.values),
+            }
+        )

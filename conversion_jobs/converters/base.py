@@ -1,0 +1,98 @@
+"""Value types shared by the parent (worker) and the isolated child. No Django."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Protocol
+
+OUTPUTS = ("text", "png", "pdf")
+
+PDF = "application/pdf"
+PNG = "image/png"
+JPEG = "image/jpeg"
+TIFF = "image/tiff"
+DOCX = "application/vnd.openxmlformats-officedocument.wordprocessingml.document"
+PPTX = "application/vnd.openxmlformats-officedocument.presentationml.presentation"
+XLSX = "application/vnd.openxmlformats-officedocument.spreadsheetml.sheet"
+ODT = "application/vnd.oasis.opendocument.text"
+DOC = "application/msword"
+RTF = "application/rtf"
+
+IMAGE_TYPES = frozenset({PNG, JPEG, TIFF})
+OFFICE_TYPES = frozenset({DOCX, PPTX, XLSX, ODT, DOC, RTF})
+
+TEXT_PLAIN = "text/plain; charset=utf-8"
+ZIP = "application/zip"
+
+DEFAULT_DPI = 150
+#: Exit status of the child for MemoryError under RLIMIT_AS (reported as converter_crashed).
+EXIT_OUT_OF_MEMORY = 75
+#: Exit status of the child for any other unexpected exception (reported as converter_crashed).
+EXIT_UNEXPECTED = 70
+
+#: PDF 1.7 (ISO 32000-1, annex C): a page side may not exceed 14 400 user units (200 in).
+MAX_PAGE_SIDE_PT = 14_400.0
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_pages: int = 2000
+    max_pixels: int = 40_000_000  # per rendered page / per decoded image
+    page_timeout_s: float = 60.0  # wall clock per child call
+    prepare_timeout_s: float = 180.0  # e.g. LibreOffice conversion
+    memory_bytes: int = 1_500_000_000  # RLIMIT_AS for the child
+    max_dpi: int = 600
+
+
+def limits_description(limits: Limits) -> dict:
+    """The limits as the capabilities endpoint shows them."""
+    return {
+        **asdict(limits),
+        "default_dpi": DEFAULT_DPI,
+        "max_page_side_pt": MAX_PAGE_SIDE_PT,
+    }
+
+
+@dataclass(frozen=True)
+class Prepared:
+    document: Path  # the file pages are taken from (the source, or the PDF LibreOffice made)
+    media_type: str  # media type of `document`
+    page_count: int
+
+
+@dataclass(frozen=True)
+class PageArtifact:
+    path: Path
+    media_type: str  # text/plain; charset=utf-8 | image/png | application/pdf
+
+
+class Converter(Protocol):
+    name: str
+    media_types: frozenset[str]
+    outputs: frozenset[str]
+
+    def available(self) -> bool: ...
+
+    def prepare(
+        self,
+        *,
+        source: Path,
+        media_type: str,
+        workdir: Path,
+        limits: Limits,
+        should_stop: Callable[[], bool],
+    ) -> Prepared: ...
+
+    def convert_page(
+        self,
+        *,
+        prepared: Prepared,
+        page: int,
+        output: str,
+        options: dict,
+        dest_dir: Path,
+        limits: Limits,
+        should_stop: Callable[[], bool],
+    ) -> PageArtifact: ...

@@ -1,0 +1,83 @@
+"""Conversion errors. Each carries a stable ``code`` and whether retrying can help.
+
+This module must stay importable without Django: the isolated child imports it.
+"""
+
+from __future__ import annotations
+
+
+class ConversionError(Exception):
+    """The conversion failed."""
+
+    code: str = "conversion_failed"
+    retryable: bool = False
+
+    def __init__(self, detail: str | None = None) -> None:
+        self.detail = detail or (self.__doc__ or "").strip()
+        super().__init__(self.detail)
+
+
+class EncryptedInput(ConversionError):
+    """The document is encrypted and needs a password."""
+
+    code = "encrypted_input"
+
+
+class InvalidInput(ConversionError):
+    """The input is damaged or not what it claims to be."""
+
+    code = "invalid_input"
+
+
+class InputTooLarge(ConversionError):
+    """The input exceeds a page, pixel or size limit."""
+
+    code = "input_too_large"
+
+
+class ConversionTimeout(ConversionError):
+    """The converter did not finish within its time limit."""
+
+    code = "conversion_timeout"
+
+
+class UnsupportedConversion(ConversionError):
+    """This input type cannot be converted to the requested output here."""
+
+    code = "unsupported_conversion"
+
+
+class ConverterCrashed(ConversionError):
+    """The converter process crashed (signal, out of memory or unexpected exit)."""
+
+    code = "converter_crashed"
+    retryable = True
+
+
+class ConversionStopped(ConversionError):
+    """The conversion was stopped on request (cancellation, lost lease); not an input fault."""
+
+    code = "conversion_stopped"
+
+
+#: code -> class, used to rebuild an error reported by the isolated child.
+ERRORS_BY_CODE: dict[str, type[ConversionError]] = {
+    cls.code: cls
+    for cls in (
+        EncryptedInput,
+        InvalidInput,
+        InputTooLarge,
+        ConversionTimeout,
+        UnsupportedConversion,
+        ConverterCrashed,
+        ConversionStopped,
+    )
+}
+
+
+def error_from_code(code: str, detail: str | None = None) -> ConversionError:
+    """The error for a code reported by the child; unknown codes count as a crash."""
+    cls = ERRORS_BY_CODE.get(code)
+    if cls is None:
+        return ConverterCrashed(f"unknown error code from converter: {code}: {detail}")
+    return cls(detail)

@@ -1,0 +1,133 @@
+"""PDF work done inside the isolated child: open, count, extract text, render, split.
+
+Runs only in ``conversion_jobs.converters.child``; never import it in the worker.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pypdfium2 as pdfium
+import pypdfium2.raw as pdfium_c
+
+from .base import MAX_PAGE_SIDE_PT, PDF, PNG, TEXT_PLAIN, Limits
+from .errors import EncryptedInput, InputTooLarge, InvalidInput
+
+
+def open_pdf(path: Path) -> pdfium.PdfDocument:
+    try:
+        return pdfium.PdfDocument(str(path))
+    except pdfium.PdfiumError as exc:
+        if exc.err_code == pdfium_c.FPDF_ERR_PASSWORD:
+            raise EncryptedInput() from None
+        if exc.err_code == pdfium_c.FPDF_ERR_SECURITY:
+            raise EncryptedInput("the document uses an unsupported security handler") from None
+        raise InvalidInput(f"not a readable PDF ({exc})") from None
+
+
+def pdf_prepare(*, path: str, limits: Limits) -> dict:
+    """Open the PDF, count its pages and reject absurd page sizes (whole-document checks)."""
+    doc = open_pdf(Path(path))
+    try:
+        count = len(doc)
+        if count < 1:
+            raise InvalidInput("the PDF has no pages")
+        if count > limits.max_pages:
+            raise InputTooLarge(f"{count} pages; the limit is {limits.max_pages}")
+        for index in range(count):
+            _check_page_size(doc, index)
+        return {"page_count": count}
+    finally:
+        doc.close()
+
+
+def _check_page_size(doc: pdfium.PdfDocument, index: int) -> tuple[float, float]:
+    try:
+        width, height = doc.get_page_size(index)
+    except pdfium.PdfiumError:
+        raise InvalidInput(f"page {index + 1} is unreadable") from None
+    if not (math.isfinite(width) and math.isfinite(height)) or width <= 0 or height <= 0:
+        raise InvalidInput(f"page {index + 1} has an invalid size")
+    if width > MAX_PAGE_SIDE_PT or height > MAX_PAGE_SIDE_PT:
+        raise InputTooLarge(
+            f"page {index + 1} is {width:.0f} x {height:.0f} pt; "
+            f"the limit is {MAX_PAGE_SIDE_PT:.0f} pt per side"
+        )
+    return width, height
+
+
+def pdf_page(*, path: str, page: int, output: str, dpi: int, dest: str, limits: Limits) -> dict:
+    doc = open_pdf(Path(path))
+    try:
+        if not 1 <= page <= len(doc):
+            raise InvalidInput(f"page {page} does not exist (the document has {len(doc)})")
+        if output == "text":
+            return _text(doc, page, Path(dest))
+        if output == "png":
+            return _render(doc, page, dpi, Path(dest), limits)
+        if output == "pdf":
+            return _split(path, page, Path(dest))
+        raise ValueError(output)
+    finally:
+        doc.close()
+
+
+def _text(doc: pdfium.PdfDocument, page: int, dest: Path) -> dict:
+    try:
+        pdf_page_obj = doc[page - 1]
+        textpage = pdf_page_obj.get_textpage()
+        text = textpage.get_text_range()
+    except pdfium.PdfiumError as exc:
+        raise InvalidInput(f"page {page}: cannot extract text ({exc})") from None
+    # pdfium separates lines with CRLF; the result is plain UTF-8 text with LF.
+    text = text.replace("\r\n", "\n").replace("\r", "\n").replace("\x00", "")
+    dest.write_text(text, encoding="utf-8")
+    return {"media_type": TEXT_PLAIN}
+
+
+def render_size(width_pt: float, height_pt: float, dpi: int, max_pixels: int) -> tuple[int, int]:
+    """Pixel size of a page at ``dpi``: round(pt * dpi / 72), shrunk to fit ``max_pixels``."""
+    width = max(1, round(width_pt * dpi / 72))
+    height = max(1, round(height_pt * dpi / 72))
+    if width * height > max_pixels:
+        shrink = math.sqrt(max_pixels / (width * height))
+        width = max(1, math.floor(width * shrink))
+        height = max(1, math.floor(height * shrink))
+    return width, height
+
+
+def _render(doc: pdfium.PdfDocument, page: int, dpi: int, dest: Path, limits: Limits) -> dict:
+    dpi = max(1, min(int(dpi), limits.max_dpi))
+    _check_page_size(doc, page - 1)
+    try:
+        pdf_page_obj = doc[page - 1]
+        width, height = render_size(
+            pdf_page_obj.get_width(), pdf_page_obj.get_height(), dpi, limits.max_pixels
+        )
+        bitmap = pdfium.PdfBitmap.new_native(
+            width, height, pdfium_c.FPDFBitmap_BGR, rev_byteorder=True
+        )
+        bitmap.fill_rect((255, 255, 255, 255), 0, 0, width, height)
+        flags = pdfium_c.FPDF_ANNOT | pdfium_c.FPDF_REVERSE_BYTE_ORDER
+        pdfium_c.FPDF_RenderPageBitmap(bitmap, pdf_page_obj, 0, 0, width, height, 0, flags)
+        image = bitmap.to_pil()
+    except pdfium.PdfiumError as exc:
+        raise InvalidInput(f"page {page}: cannot render ({exc})") from None
+    image.save(dest, format="PNG", compress_level=6)
+    return {"media_type": PNG, "width": width, "height": height}
+
+
+def _split(path: str, page: int, dest: Path) -> dict:
+    from pypdf import PdfReader, PdfWriter
+    from pypdf.errors import PdfReadError
+
+    try:
+        reader = PdfReader(path)
+        writer = PdfWriter()
+        writer.add_page(reader.pages[page - 1])
+        with open(dest, "wb") as fh:
+            writer.write(fh)
+    except (PdfReadError, IndexError, KeyError, ValueError) as exc:
+        raise InvalidInput(f"page {page}: cannot extract ({exc})") from None
+    return {"media_type": PDF}

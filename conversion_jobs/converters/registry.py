@@ -1,0 +1,248 @@
+"""The converters, which one handles what, and what this machine can do."""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+from .base import (
+    DEFAULT_DPI,
+    IMAGE_TYPES,
+    OFFICE_TYPES,
+    OUTPUTS,
+    PDF,
+    Converter,
+    Limits,
+    PageArtifact,
+    Prepared,
+)
+from .errors import InvalidInput, UnsupportedConversion
+from .isolation import run_isolated, test_fault_from
+from .sniff import sniff_media_type
+
+_SUFFIX = {"text": ".txt", "png": ".png", "pdf": ".pdf"}
+
+
+def _check_magic(source: Path, media_type: str) -> None:
+    """The bytes must be what the job was accepted as (wrong magic -> invalid_input)."""
+    actual = sniff_media_type(source)
+    if actual != media_type:
+        raise InvalidInput(f"the content is not {media_type} (detected: {actual or 'unknown'})")
+
+
+def _page_call(
+    *,
+    op: str,
+    prepared: Prepared,
+    page: int,
+    output: str,
+    options: dict,
+    dest_dir: Path,
+    limits: Limits,
+    should_stop: Callable[[], bool],
+) -> PageArtifact:
+    if not 1 <= page <= prepared.page_count:
+        raise InvalidInput(f"page {page} does not exist (the document has {prepared.page_count})")
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    dest = dest_dir / f"page-{page:04d}{_SUFFIX[output]}"
+    dpi = int((options or {}).get("dpi") or DEFAULT_DPI)
+    try:
+        result = run_isolated(
+            op=op,
+            args={
+                "path": str(prepared.document),
+                "page": page,
+                "output": output,
+                "dpi": max(1, min(dpi, limits.max_dpi)),
+                "dest": str(dest),
+            },
+            limits=limits,
+            timeout_s=limits.page_timeout_s,
+            scratch_dir=dest_dir,
+            should_stop=should_stop,
+            fault=test_fault_from(options),
+        )
+    except BaseException:
+        # A killed or failed child may have left half an artifact; it must never be promoted.
+        dest.unlink(missing_ok=True)
+        raise
+    return PageArtifact(path=dest, media_type=result["media_type"])
+
+
+class PdfConverter:
+    """PDF -> text (pypdfium2 text layer) or png (pypdfium2 render at options.dpi)."""
+
+    name = "pdfium"
+    media_types = frozenset({PDF})
+    outputs = frozenset({"text", "png"})
+
+    def available(self) -> bool:
+        return True
+
+    def prepare(self, *, source, media_type, workdir, limits, should_stop) -> Prepared:
+        _check_magic(source, media_type)
+        result = run_isolated(
+            op="pdf_prepare",
+            args={"path": str(source)},
+            limits=limits,
+            timeout_s=limits.prepare_timeout_s,
+            scratch_dir=workdir,
+            should_stop=should_stop,
+        )
+        return Prepared(document=Path(source), media_type=PDF, page_count=result["page_count"])
+
+    def convert_page(
+        self, *, prepared, page, output, options, dest_dir, limits, should_stop
+    ) -> PageArtifact:
+        if output not in self.outputs:
+            raise UnsupportedConversion(f"{prepared.media_type} -> {output}")
+        return _page_call(
+            op="pdf_page",
+            prepared=prepared,
+            page=page,
+            output=output,
+            options=options,
+            dest_dir=dest_dir,
+            limits=limits,
+            should_stop=should_stop,
+        )
+
+
+class ImageConverter:
+    """PNG / JPEG / TIFF, one page per frame -> png, pdf (img2pdf), text (tesseract)."""
+
+    name = "image"
+    media_types = IMAGE_TYPES
+    outputs = frozenset({"text", "png", "pdf"})
+
+    def available(self) -> bool:
+        return True
+
+    def prepare(self, *, source, media_type, workdir, limits, should_stop) -> Prepared:
+        _check_magic(source, media_type)
+        result = run_isolated(
+            op="image_prepare",
+            args={"path": str(source)},
+            limits=limits,
+            timeout_s=limits.prepare_timeout_s,
+            scratch_dir=workdir,
+            should_stop=should_stop,
+        )
+        return Prepared(
+            document=Path(source), media_type=media_type, page_count=result["page_count"]
+        )
+
+    def convert_page(
+        self, *, prepared, page, output, options, dest_dir, limits, should_stop
+    ) -> PageArtifact:
+        if output not in self.outputs:
+            raise UnsupportedConversion(f"{prepared.media_type} -> {output}")
+        if output == "text" and not tesseract_available():
+            raise UnsupportedConversion("OCR (tesseract) is not installed")
+        return _page_call(
+            op="image_page",
+            prepared=prepared,
+            page=page,
+            output=output,
+            options=options,
+            dest_dir=dest_dir,
+            limits=limits,
+            should_stop=should_stop,
+        )
+
+
+class OfficeConverter:
+    """Office documents -> PDF with LibreOffice headless (private profile per call), then as PDF.
+
+    Per-page ``pdf`` is that page split out of LibreOffice's PDF with pypdf.
+    """
+
+    name = "libreoffice"
+    media_types = OFFICE_TYPES
+    outputs = frozenset({"text", "png", "pdf"})
+
+    def available(self) -> bool:
+        return soffice_available()
+
+    def prepare(self, *, source, media_type, workdir, limits, should_stop) -> Prepared:
+        _check_magic(source, media_type)
+        base = Path(workdir) / f"office-{uuid.uuid4().hex}"
+        failed = True
+        try:
+            result = run_isolated(
+                op="office_prepare",
+                args={"path": str(source), "media_type": media_type, "base": str(base)},
+                limits=limits,
+                timeout_s=limits.prepare_timeout_s,
+                scratch_dir=workdir,
+                should_stop=should_stop,
+            )
+            failed = False
+        finally:
+            # LibreOffice's leftovers (profile, copy of the input) go; its PDF stays on success.
+            leftovers = [base] if failed else [base / n for n in ("in", "profile", "home")]
+            for leftover in leftovers:
+                shutil.rmtree(leftover, ignore_errors=True)
+        return Prepared(
+            document=Path(result["document"]), media_type=PDF, page_count=result["page_count"]
+        )
+
+    def convert_page(
+        self, *, prepared, page, output, options, dest_dir, limits, should_stop
+    ) -> PageArtifact:
+        if output not in self.outputs:
+            raise UnsupportedConversion(f"{prepared.media_type} -> {output}")
+        return _page_call(
+            op="pdf_page",
+            prepared=prepared,
+            page=page,
+            output=output,
+            options=options,
+            dest_dir=dest_dir,
+            limits=limits,
+            should_stop=should_stop,
+        )
+
+
+CONVERTERS: tuple[Converter, ...] = (PdfConverter(), ImageConverter(), OfficeConverter())
+
+
+@functools.cache
+def tesseract_available() -> bool:
+    return shutil.which("tesseract") is not None
+
+
+@functools.cache
+def soffice_available() -> bool:
+    return shutil.which("soffice") is not None
+
+
+@functools.cache
+def _capabilities() -> tuple[tuple[str, tuple[str, ...]], ...]:
+    table = []
+    for converter in CONVERTERS:
+        if not converter.available():
+            continue
+        outputs = set(converter.outputs)
+        if converter.media_types == IMAGE_TYPES and not tesseract_available():
+            outputs.discard("text")
+        for media_type in sorted(converter.media_types):
+            table.append((media_type, tuple(o for o in OUTPUTS if o in outputs)))
+    return tuple(table)
+
+
+def capabilities() -> dict[str, list[str]]:
+    """media type -> outputs this installed machine can produce. Cached per process."""
+    return {media_type: list(outputs) for media_type, outputs in _capabilities()}
+
+
+def converter_for(media_type: str, output: str) -> Converter:
+    """The converter for this input type and output; UnsupportedConversion if there is none."""
+    if output in capabilities().get(media_type, []):
+        for converter in CONVERTERS:
+            if media_type in converter.media_types:
+                return converter
+    raise UnsupportedConversion(f"cannot convert {media_type or 'unknown content'} to {output}")

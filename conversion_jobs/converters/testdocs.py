@@ -1,0 +1,307 @@
+"""Generators of test documents with known content, and of hostile inputs.
+
+Used by the converter tests, e2e tests and benchmarks. Every function takes the target path
+and keyword-only parameters, writes the file and returns the path. No Django, no network.
+
+Text in generated PDFs round-trips exactly through pypdfium2 text extraction (and the ``text``
+output): lines are joined by "\\n"; keep to printable ASCII.
+"""
+
+from __future__ import annotations
+
+import io
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+from PIL import Image, ImageDraw, ImageFont
+
+
+def default_page_text(n: int) -> str:
+    return f"Page {n} of the Quire test document"
+
+
+# -- PDF ------------------------------------------------------------------------------------------
+
+
+def _pdf_string(text: str) -> bytes:
+    raw = text.encode("cp1252")
+    return b"(" + raw.replace(b"\\", b"\\\\").replace(b"(", b"\\(").replace(b")", b"\\)") + b")"
+
+
+def _content_stream(text: str, height: float) -> bytes:
+    lines = text.split("\n")
+    parts = [b"BT /F1 12 Tf 14 TL 36 %.2f Td" % (height - 48)]
+    for index, line in enumerate(lines):
+        if index:
+            parts.append(b"T*")
+        parts.append(_pdf_string(line) + b" Tj")
+    parts.append(b"ET")
+    return b"\n".join(parts)
+
+
+def pdf_bytes(
+    *,
+    pages: int,
+    text_of: Callable[[int], str] = default_page_text,
+    page_size: tuple[float, float] = (612, 792),
+) -> bytes:
+    """A minimal valid PDF (Helvetica, WinAnsi). The catalog and page tree are written last,
+    as streaming writers do, so a truncated copy has no document catalog."""
+    width, height = page_size
+    objects: dict[int, bytes] = {}
+    font = 3
+    objects[font] = (
+        b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica /Encoding /WinAnsiEncoding >>"
+    )
+    kids = []
+    for n in range(1, pages + 1):
+        page_obj, content_obj = 2 + 2 * n, 3 + 2 * n
+        stream = _content_stream(text_of(n), height)
+        objects[content_obj] = b"<< /Length %d >>\nstream\n" % len(stream) + stream + b"\nendstream"
+        objects[page_obj] = (
+            b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 %s %s] "
+            b"/Resources << /Font << /F1 %d 0 R >> >> /Contents %d 0 R >>"
+            % (_num(width), _num(height), font, content_obj)
+        )
+        kids.append(b"%d 0 R" % page_obj)
+    objects[2] = b"<< /Type /Pages /Kids [%s] /Count %d >>" % (b" ".join(kids), pages)
+    objects[1] = b"<< /Type /Catalog /Pages 2 0 R >>"
+    order = [font, *sorted(k for k in objects if k > font), 2, 1]
+    out = io.BytesIO()
+    out.write(b"%PDF-1.7\n%\xe2\xe3\xcf\xd3\n")
+    offsets = {}
+    for number in order:
+        offsets[number] = out.tell()
+        out.write(b"%d 0 obj\n" % number + objects[number] + b"\nendobj\n")
+    xref = out.tell()
+    size = max(objects) + 1
+    out.write(b"xref\n0 %d\n0000000000 65535 f \n" % size)
+    for number in range(1, size):
+        out.write(b"%010d 00000 n \n" % offsets[number])
+    out.write(b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (size, xref))
+    return out.getvalue()
+
+
+def _num(value: float) -> bytes:
+    return (b"%d" % value) if float(value).is_integer() else (b"%.4f" % value)
+
+
+def make_pdf(
+    path: Path,
+    *,
+    pages: int,
+    text_of: Callable[[int], str] = default_page_text,
+    page_size: tuple[float, float] = (612, 792),
+) -> Path:
+    """A ``pages``-page PDF whose page n carries exactly ``text_of(n)``; size in points."""
+    Path(path).write_bytes(pdf_bytes(pages=pages, text_of=text_of, page_size=page_size))
+    return Path(path)
+
+
+# -- images ---------------------------------------------------------------------------------------
+
+
+def _font(size: int) -> ImageFont.ImageFont | ImageFont.FreeTypeFont:
+    for candidate in (
+        "/usr/share/fonts/truetype/dejavu/DejaVuSans-Bold.ttf",
+        "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+    ):
+        if Path(candidate).exists():
+            return ImageFont.truetype(candidate, size)
+    return ImageFont.load_default(size=size)
+
+
+def image(*, width: int, height: int, text: str | None = None, font_size: int = 48) -> Image.Image:
+    """A white RGB image with ``text`` in large black letters (good for OCR)."""
+    img = Image.new("RGB", (width, height), "white")
+    if text:
+        draw = ImageDraw.Draw(img)
+        draw.multiline_text(
+            (font_size // 2, font_size // 2),
+            text,
+            fill="black",
+            font=_font(font_size),
+            spacing=font_size // 2,
+        )
+    return img
+
+
+def make_png(
+    path: Path, *, width: int = 800, height: int = 200, text: str | None = None, font_size: int = 48
+) -> Path:
+    image(width=width, height=height, text=text, font_size=font_size).save(path, format="PNG")
+    return Path(path)
+
+
+def make_jpeg(
+    path: Path, *, width: int = 800, height: int = 200, text: str | None = None, font_size: int = 48
+) -> Path:
+    image(width=width, height=height, text=text, font_size=font_size).save(
+        path, format="JPEG", quality=92
+    )
+    return Path(path)
+
+
+def make_tiff(
+    path: Path,
+    *,
+    sizes: list[tuple[int, int]] | None = None,
+    frames: int = 3,
+    text_of: Callable[[int], str] | None = None,
+) -> Path:
+    """A multi-page TIFF; frame n (1-based) has ``sizes[n-1]`` (default 300x100 + n*10 wide)."""
+    sizes = sizes or [(300 + n * 10, 100) for n in range(1, frames + 1)]
+    images = [
+        image(width=w, height=h, text=text_of(n) if text_of else None, font_size=24)
+        for n, (w, h) in enumerate(sizes, start=1)
+    ]
+    images[0].save(
+        path, format="TIFF", save_all=True, append_images=images[1:], compression="tiff_deflate"
+    )
+    return Path(path)
+
+
+# -- office ---------------------------------------------------------------------------------------
+
+
+def make_docx(path: Path, *, paragraphs: list[str], page_break_after_each: bool = False) -> Path:
+    """A DOCX with one paragraph per string; with ``page_break_after_each`` one page each."""
+    import docx
+
+    document = docx.Document()
+    for index, paragraph in enumerate(paragraphs):
+        document.add_paragraph(paragraph)
+        if page_break_after_each and index < len(paragraphs) - 1:
+            document.add_page_break()
+    document.save(str(path))
+    return Path(path)
+
+
+def make_odt(path: Path, *, paragraphs: list[str]) -> Path:
+    """A minimal ODF text document built by hand (no LibreOffice needed)."""
+    from xml.sax.saxutils import escape
+
+    body = "".join(f"<text:p>{escape(p)}</text:p>" for p in paragraphs)
+    content = (
+        '<?xml version="1.0" encoding="UTF-8"?>'
+        '<office:document-content xmlns:office="urn:oasis:names:tc:opendocument:xmlns:office:1.0"'
+        ' xmlns:text="urn:oasis:names:tc:opendocument:xmlns:text:1.0" office:version="1.2">'
+        f"<office:body><office:text>{body}</office:text></office:body></office:document-content>"
+    )
+    manifest = (
+        '<?xml version="1.0" encoding="UTF-8"?>'
+        '<manifest:manifest xmlns:manifest="urn:oasis:names:tc:opendocument:xmlns:manifest:1.0"'
+        ' manifest:version="1.2">'
+        '<manifest:file-entry manifest:full-path="/"'
+        ' manifest:media-type="application/vnd.oasis.opendocument.text"/>'
+        '<manifest:file-entry manifest:full-path="content.xml" manifest:media-type="text/xml"/>'
+        "</manifest:manifest>"
+    )
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr(
+            zipfile.ZipInfo("mimetype"),
+            "application/vnd.oasis.opendocument.text",
+            compress_type=zipfile.ZIP_STORED,
+        )
+        zf.writestr("content.xml", content, compress_type=zipfile.ZIP_DEFLATED)
+        zf.writestr("META-INF/manifest.xml", manifest, compress_type=zipfile.ZIP_DEFLATED)
+    return Path(path)
+
+
+def make_rtf(path: Path, *, paragraphs: list[str]) -> Path:
+    body = "".join(
+        p.replace("\\", "\\\\").replace("{", "\\{").replace("}", "\\}") + "\\par\n"
+        for p in paragraphs
+    )
+    header = "{\\rtf1\\ansi\\deff0{\\fonttbl{\\f0 Helvetica;}}\\f0\\fs24\n"
+    Path(path).write_text(header + body + "}")
+    return Path(path)
+
+
+# -- hostile --------------------------------------------------------------------------------------
+
+
+def make_encrypted_pdf(path: Path, *, pages: int = 2, password: str = "secret") -> Path:  # noqa: S107
+    """Needs a user password to open (expected: encrypted_input)."""
+    from pypdf import PdfReader, PdfWriter
+
+    writer = PdfWriter(clone_from=PdfReader(io.BytesIO(pdf_bytes(pages=pages))))
+    writer.encrypt(user_password=password, owner_password=password + "-owner", algorithm="RC4-128")
+    with open(path, "wb") as fh:
+        writer.write(fh)
+    return Path(path)
+
+
+def make_truncated_pdf(path: Path, *, pages: int = 5, keep_fraction: float = 0.5) -> Path:
+    """A PDF cut short: no catalog, page tree, xref or trailer (expected: invalid_input)."""
+    data = pdf_bytes(pages=pages)
+    Path(path).write_bytes(data[: int(len(data) * keep_fraction)])
+    return Path(path)
+
+
+def make_malformed_xref_pdf(path: Path) -> Path:
+    """Header and trailer present, but the xref points nowhere and no object is parsable
+    (pdfium's repair finds nothing; expected: invalid_input)."""
+    Path(path).write_bytes(
+        b"%PDF-1.7\n"
+        b"1 0 bj << /Type /Catalog /Pages 2 0 R >> endob\n"
+        b"2 0 bj << /Type /Pages /Kids [] /Count 1 >> endob\n"
+        b"xref\n0 3\n0000000000 65535 f \n0000099999 00000 n \n0000088888 00000 n \n"
+        b"trailer\n<< /Size 3 /Root 1 0 R >>\nstartxref\n77777\n%%EOF\n"
+    )
+    return Path(path)
+
+
+def make_zero_page_pdf(path: Path) -> Path:
+    """A well-formed PDF whose page tree is empty (expected: invalid_input)."""
+    data = pdf_bytes(pages=1)
+    Path(path).write_bytes(data.replace(b"/Kids [4 0 R] /Count 1", b"/Kids [     ] /Count 0"))
+    return Path(path)
+
+
+def make_wrong_magic(path: Path, *, size: int = 4096) -> Path:
+    """Bytes that are no known format, e.g. uploaded as application/pdf (expected:
+    sniff None; prepare with a declared type -> invalid_input)."""
+    Path(path).write_bytes(b"GIF89a not really" + bytes(range(256)) * (size // 256))
+    return Path(path)
+
+
+def make_png_bomb(path: Path, *, width: int = 100_000, height: int = 100_000) -> Path:
+    """A tiny PNG declaring ``width`` x ``height`` pixels (expected: input_too_large)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, payload: bytes) -> bytes:
+        return (
+            struct.pack(">I", len(payload))
+            + kind
+            + payload
+            + struct.pack(">I", zlib.crc32(kind + payload) & 0xFFFFFFFF)
+        )
+
+    row = b"\x00" + b"\x00" * ((width + 7) // 8)
+    compressor = zlib.compressobj(9)
+    idat = compressor.compress(row * 16) + compressor.flush()
+    Path(path).write_bytes(
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0))
+        + chunk(b"IDAT", idat)
+        + chunk(b"IEND", b"")
+    )
+    return Path(path)
+
+
+def make_huge_page_pdf(
+    path: Path, *, width_pt: float = 200_000, height_pt: float = 200_000
+) -> Path:
+    """A one-page PDF with an absurd MediaBox (expected: input_too_large)."""
+    return make_pdf(path, pages=1, page_size=(width_pt, height_pt))
+
+
+def make_zip_as_pdf(path: Path) -> Path:
+    """A plain ZIP (e.g. uploaded as application/pdf; expected: sniff None -> invalid_input)."""
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("document.pdf", pdf_bytes(pages=1))
+        zf.writestr("readme.txt", "not a PDF")
+    return Path(path)

@@ -1,0 +1,137 @@
+"""One error root. Each subclass's docstring is its default message; ``code`` is stable.
+
+The API maps them to RFC 9457 problems in one place (``conversion_jobs.api.problems``).
+"""
+
+from __future__ import annotations
+
+
+class QuireError(Exception):
+    """Something went wrong."""
+
+    code = "internal_error"
+    status = 500
+    retryable = False
+
+    def __init__(self, detail: str | None = None, **extra: object) -> None:
+        self.detail = detail or (self.__doc__ or "").strip()
+        self.extra = extra
+        super().__init__(self.detail)
+
+
+class InvalidRequest(QuireError):
+    """The request is malformed."""
+
+    code = "invalid_request"
+    status = 400
+
+
+class InvalidOptions(InvalidRequest):
+    """The options are not valid for this output."""
+
+    code = "invalid_options"
+
+
+class InvalidCursor(InvalidRequest):
+    """The pagination cursor is not valid."""
+
+    code = "invalid_cursor"
+
+
+class NotAuthenticated(QuireError):
+    """A valid bearer token is required."""
+
+    code = "not_authenticated"
+    status = 401
+
+
+class PermissionDenied(QuireError):
+    """The token does not carry the scope this operation needs."""
+
+    code = "insufficient_scope"
+    status = 403
+
+
+class NotFound(QuireError):
+    """No such job."""
+
+    code = "not_found"
+    status = 404
+
+
+class NotReady(QuireError):
+    """The job has not finished; there is nothing to serve yet."""
+
+    code = "not_ready"
+    status = 409
+
+
+class TooLate(QuireError):
+    """The job already finished; the result stands."""
+
+    code = "too_late"
+    status = 409
+
+
+class NotRetryable(QuireError):
+    """Only a failed job can be retried."""
+
+    code = "not_retryable"
+    status = 409
+
+
+class PayloadTooLarge(QuireError):
+    """The upload exceeds the size limit."""
+
+    code = "payload_too_large"
+    status = 413
+
+
+class UnsupportedMediaType(QuireError):
+    """The uploaded bytes are not a supported document type."""
+
+    code = "unsupported_media_type"
+    status = 415
+
+
+class UnsupportedOutput(QuireError):
+    """This output cannot be produced from this kind of document on this installation."""
+
+    code = "unsupported_output"
+    status = 422
+
+
+class IdempotencyKeyReused(QuireError):
+    """This Idempotency-Key was used with a different request."""
+
+    code = "idempotency_key_reused"
+    status = 422
+
+
+class Rejected(QuireError):
+    """Admission control turned the job away; nothing was written. Retry after a while."""
+
+    def __init__(self, detail: str | None = None, *, retry_after: int) -> None:
+        super().__init__(detail, retry_after=retry_after)
+        self.retry_after = retry_after
+
+
+class TenantQuotaExceeded(Rejected):
+    """The tenant has too many live jobs."""
+
+    code = "tenant_quota_exceeded"
+    status = 429
+
+
+class CapacityExceeded(Rejected):
+    """The service is at capacity."""
+
+    code = "capacity_exceeded"
+    status = 503
+
+
+class ServiceUnavailable(QuireError):
+    """A dependency is unavailable; nothing was written."""
+
+    code = "service_unavailable"
+    status = 503

@@ -1,0 +1,42 @@
+"""Content-free logging (DESIGN.md §11): a filter that redacts what must never be logged.
+
+Code never logs content, file names or tokens on purpose; this filter is the net under that
+rule. It drops bearer tokens and JWTs, ``filename=`` parameters and multipart headers, and any
+record attribute named like a secret, from every record before a handler formats it.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+_PATTERNS = [
+    (re.compile(r"(?i)bearer\s+[A-Za-z0-9\-_\.=]+"), "Bearer [redacted]"),
+    (re.compile(r"eyJ[A-Za-z0-9_\-]+\.[A-Za-z0-9_\-]+\.[A-Za-z0-9_\-]*"), "[jwt redacted]"),
+    (re.compile(r'(?i)filename\*?=("[^"]*"|[^;\s]+)'), "filename=[redacted]"),
+    (re.compile(r"(?i)(password|passwd|secret|token)=([^&\s]+)"), r"\1=[redacted]"),
+    (re.compile(r"(amqps?|postgres(?:ql)?)://([^:/@\s]+):([^@\s]+)@"), r"\1://\2:[redacted]@"),
+]
+_SECRET_ATTRS = re.compile(r"(?i)(token|password|secret|authorization|filename|content|text)")
+_STANDARD = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
+
+
+def redact(text: str) -> str:
+    for pattern, replacement in _PATTERNS:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+class RedactFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # a broken format string: keep the template only
+            message = str(record.msg)
+        record.msg, record.args = redact(message), None
+        if record.exc_text:
+            record.exc_text = redact(record.exc_text)
+        for name in list(record.__dict__):
+            if name not in _STANDARD and _SECRET_ATTRS.search(name):
+                setattr(record, name, "[redacted]")
+        return True

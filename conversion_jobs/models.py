@@ -1,0 +1,335 @@
+"""The eight tables of DESIGN.md §3, with their invariants in the database.
+
+Every state change goes through ``conversion_jobs.services`` as one guarded UPDATE; nothing
+here saves a job after reading it.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from django.db import models
+from django.db.models import Q
+
+from conversion_jobs.states import LEASED_STATES, LIVE_STATES, TERMINAL_STATES, State
+
+
+def _in(states: frozenset[State]) -> list[str]:
+    return sorted(s.value for s in states)
+
+
+class Output(models.TextChoices):
+    #: UTF-8 text, pages separated by form feeds.
+    TEXT = "text"
+    #: A ZIP of one PNG per page.
+    PNG = "png"
+    #: One PDF document.
+    PDF = "pdf"
+
+
+class ConversionJobQuerySet(models.QuerySet["ConversionJob"]):
+    def for_tenant(self, tenant: str) -> ConversionJobQuerySet:
+        return self.filter(tenant=tenant)
+
+    def live(self) -> ConversionJobQuerySet:
+        return self.filter(state__in=_in(LIVE_STATES))
+
+    def due_for_retry(self) -> ConversionJobQuerySet:
+        return self.filter(state=State.RETRY_WAIT, next_attempt_at__lte=models.functions.Now())
+
+
+class ConversionJob(models.Model):
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    tenant = models.CharField(max_length=64)
+    state = models.CharField(max_length=16, choices=State.choices, default=State.QUEUED)
+    generation = models.PositiveIntegerField(default=1)
+    state_version = models.PositiveIntegerField(default=1)
+
+    source_key = models.CharField(max_length=128)
+    source_sha256 = models.CharField(max_length=64)
+    source_size = models.BigIntegerField()
+    source_media_type = models.CharField(max_length=128)
+    source_page_count = models.PositiveIntegerField(null=True, blank=True)
+    pages_done = models.PositiveIntegerField(default=0)
+    pages_failed = models.PositiveIntegerField(default=0)
+
+    output = models.CharField(max_length=8, choices=Output.choices)
+    options = models.JSONField(default=dict)
+    #: sha256 of the canonical JSON of ``options``: part of the content identity.
+    options_digest = models.CharField(max_length=64)
+    policy_version = models.PositiveIntegerField(default=1)
+
+    attempts = models.PositiveIntegerField(default=0)
+    max_attempts = models.PositiveIntegerField(default=5)
+    next_attempt_at = models.DateTimeField(null=True, blank=True)
+    queued_at = models.DateTimeField(null=True, blank=True)
+    #: The fence: set at claim, cleared when the lease ends. ``worker_lease`` holds its expiry.
+    lease_token = models.UUIDField(null=True, blank=True)
+    traceparent = models.CharField(max_length=64, blank=True, default="")
+
+    result_key = models.CharField(max_length=128, null=True, blank=True)
+    result_sha256 = models.CharField(max_length=64, null=True, blank=True)
+    result_size = models.BigIntegerField(null=True, blank=True)
+    result_media_type = models.CharField(max_length=64, null=True, blank=True)
+
+    error_code = models.CharField(max_length=64, null=True, blank=True)
+    error_retryable = models.BooleanField(default=False)
+    error_detail = models.CharField(max_length=256, blank=True, default="")
+
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    expired_at = models.DateTimeField(null=True, blank=True)
+
+    objects = ConversionJobQuerySet.as_manager()
+
+    class Meta:
+        db_table = "conversion_job"
+        constraints = [
+            models.CheckConstraint(
+                name="job_terminal_iff_finished",
+                condition=(Q(state__in=_in(TERMINAL_STATES)) & Q(finished_at__isnull=False))
+                | (~Q(state__in=_in(TERMINAL_STATES)) & Q(finished_at__isnull=True)),
+            ),
+            models.CheckConstraint(
+                name="job_retry_wait_has_timer",
+                condition=~Q(state=State.RETRY_WAIT) | Q(next_attempt_at__isnull=False),
+            ),
+            models.CheckConstraint(
+                name="job_leased_iff_token",
+                condition=(Q(state__in=_in(LEASED_STATES)) & Q(lease_token__isnull=False))
+                | (~Q(state__in=_in(LEASED_STATES)) & Q(lease_token__isnull=True)),
+            ),
+            models.CheckConstraint(
+                name="job_published_has_result",
+                condition=~Q(state__in=[State.SUCCEEDED, State.PARTIAL])
+                | Q(result_key__isnull=False, result_sha256__isnull=False),
+            ),
+            models.CheckConstraint(
+                name="job_failed_has_code",
+                condition=~Q(state=State.FAILED) | Q(error_code__isnull=False),
+            ),
+            models.CheckConstraint(name="job_generation_positive", condition=Q(generation__gte=1)),
+            models.CheckConstraint(
+                name="job_attempts_within_max", condition=Q(attempts__lte=models.F("max_attempts"))
+            ),
+            models.UniqueConstraint(
+                name="job_content_identity_live_or_succeeded",
+                fields=["tenant", "source_sha256", "output", "options_digest", "policy_version"],
+                condition=Q(state__in=[*_in(LIVE_STATES), State.SUCCEEDED.value]),
+            ),
+        ]
+        indexes = [
+            models.Index(name="job_tenant_created", fields=["tenant", "-created_at", "-id"]),
+            models.Index(
+                name="job_live_tenant",
+                fields=["tenant"],
+                condition=Q(state__in=_in(LIVE_STATES)),
+            ),
+            models.Index(
+                name="job_retry_due",
+                fields=["next_attempt_at"],
+                condition=Q(state=State.RETRY_WAIT),
+            ),
+            models.Index(
+                name="job_queued_since", fields=["queued_at"], condition=Q(state=State.QUEUED)
+            ),
+            models.Index(
+                name="job_finished_unexpired",
+                fields=["finished_at"],
+                condition=Q(finished_at__isnull=False, expired_at__isnull=True),
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"job {self.id} ({self.state})"
+
+
+class ConversionOutbox(models.Model):
+    id = models.BigAutoField(primary_key=True)
+    job = models.ForeignKey(ConversionJob, on_delete=models.CASCADE, related_name="outbox")
+    generation = models.PositiveIntegerField()
+    traceparent = models.CharField(max_length=64, blank=True, default="")
+    created_at = models.DateTimeField(auto_now_add=True)
+    published_at = models.DateTimeField(null=True, blank=True)
+    publish_attempts = models.PositiveIntegerField(default=0)
+    last_error_code = models.CharField(max_length=64, null=True, blank=True)
+
+    class Meta:
+        db_table = "conversion_outbox"
+        indexes = [
+            models.Index(
+                name="outbox_unpublished", fields=["id"], condition=Q(published_at__isnull=True)
+            ),
+            models.Index(
+                name="outbox_published_at",
+                fields=["published_at"],
+                condition=Q(published_at__isnull=False),
+            ),
+        ]
+
+
+class AttemptOutcome(models.TextChoices):
+    #: The attempt published the result (succeeded or partial).
+    SUCCEEDED = "succeeded"
+    #: A retryable error: the job went to retry_wait (or failed, attempts exhausted).
+    RETRYABLE_ERROR = "retryable_error"
+    #: A terminal error: the job failed.
+    TERMINAL_ERROR = "terminal_error"
+    #: The lease ended before the attempt did (expiry, another worker, a fenced write lost).
+    LEASE_LOST = "lease_lost"
+    #: The job was cancelled during the attempt.
+    CANCELLED = "cancelled"
+
+
+class ConversionAttempt(models.Model):
+    id = models.BigAutoField(primary_key=True)
+    job = models.ForeignKey(ConversionJob, on_delete=models.CASCADE, related_name="attempt_set")
+    generation = models.PositiveIntegerField()
+    number = models.PositiveIntegerField()
+    worker = models.CharField(max_length=128)
+    started_at = models.DateTimeField(auto_now_add=True)
+    heartbeat_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    outcome = models.CharField(max_length=16, choices=AttemptOutcome.choices, null=True)
+    error_code = models.CharField(max_length=64, null=True, blank=True)
+    pages_converted = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        db_table = "conversion_attempt"
+        constraints = [
+            # One claim per generation: the claim CAS makes a second one impossible anyway.
+            models.UniqueConstraint(name="attempt_one_per_generation", fields=["job", "generation"]),
+            models.CheckConstraint(
+                name="attempt_outcome_iff_finished",
+                condition=Q(outcome__isnull=True, finished_at__isnull=True)
+                | Q(outcome__isnull=False, finished_at__isnull=False),
+            ),
+        ]
+        indexes = [
+            models.Index(
+                name="attempt_open", fields=["job"], condition=Q(finished_at__isnull=True)
+            ),
+        ]
+
+
+class WorkerLease(models.Model):
+    job = models.OneToOneField(
+        ConversionJob, on_delete=models.CASCADE, primary_key=True, related_name="lease"
+    )
+    generation = models.PositiveIntegerField()
+    attempt = models.ForeignKey(ConversionAttempt, on_delete=models.CASCADE)
+    token = models.UUIDField()
+    expires_at = models.DateTimeField()
+
+    class Meta:
+        db_table = "worker_lease"
+        indexes = [models.Index(name="lease_expires", fields=["expires_at"])]
+
+
+class PageState(models.TextChoices):
+    #: Not converted yet (or failed with attempts left).
+    PENDING = "pending"
+    #: Converted, promoted to storage, checkpointed.
+    DONE = "done"
+    #: Failed permanently (its own attempt budget is spent).
+    FAILED = "failed"
+
+
+class PageCheckpoint(models.Model):
+    id = models.BigAutoField(primary_key=True)
+    job = models.ForeignKey(ConversionJob, on_delete=models.CASCADE, related_name="pages")
+    page_number = models.PositiveIntegerField()
+    state = models.CharField(max_length=8, choices=PageState.choices, default=PageState.PENDING)
+    attempts = models.PositiveIntegerField(default=0)
+    artifact_key = models.CharField(max_length=160, null=True, blank=True)
+    artifact_sha256 = models.CharField(max_length=64, null=True, blank=True)
+    artifact_size = models.BigIntegerField(null=True, blank=True)
+    media_type = models.CharField(max_length=64, null=True, blank=True)
+    error_code = models.CharField(max_length=64, null=True, blank=True)
+    generation = models.PositiveIntegerField()
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        db_table = "page_checkpoint"
+        constraints = [
+            models.UniqueConstraint(name="page_unique_per_job", fields=["job", "page_number"]),
+            models.CheckConstraint(
+                name="page_done_has_artifact",
+                condition=~Q(state=PageState.DONE)
+                | Q(artifact_key__isnull=False, artifact_sha256__isnull=False),
+            ),
+            models.CheckConstraint(name="page_number_positive", condition=Q(page_number__gte=1)),
+        ]
+
+
+class CancellationOutcome(models.TextChoices):
+    #: queued / retry_wait -> cancelled at once.
+    CANCELLED = "cancelled"
+    #: running -> cancelling; resolved when the worker (or the lease sweep) ends it.
+    CANCELLING = "cancelling"
+    #: The job was already cancelling or cancelled: nothing changed.
+    ALREADY_CANCELLED = "already_cancelled"
+    #: The job had already finished: 409, the result stands.
+    TOO_LATE = "too_late"
+    #: The cancel lost the race to a completion that committed first.
+    LOST_TO_COMPLETION = "lost_to_completion"
+
+
+class CancellationRequest(models.Model):
+    id = models.BigAutoField(primary_key=True)
+    job = models.ForeignKey(ConversionJob, on_delete=models.CASCADE, related_name="cancellations")
+    tenant = models.CharField(max_length=64)
+    actor = models.CharField(max_length=64)
+    generation_seen = models.PositiveIntegerField()
+    state_seen = models.CharField(max_length=16, choices=State.choices)
+    requested_at = models.DateTimeField(auto_now_add=True)
+    resolved_at = models.DateTimeField(null=True, blank=True)
+    outcome = models.CharField(max_length=20, choices=CancellationOutcome.choices)
+
+    class Meta:
+        db_table = "cancellation_request"
+        indexes = [
+            models.Index(
+                name="cancel_unresolved", fields=["job"], condition=Q(resolved_at__isnull=True)
+            )
+        ]
+
+
+class IdempotencyRecord(models.Model):
+    id = models.BigAutoField(primary_key=True)
+    tenant = models.CharField(max_length=64)
+    key = models.CharField(max_length=255)
+    fingerprint = models.CharField(max_length=64)
+    job = models.ForeignKey(ConversionJob, on_delete=models.CASCADE, related_name="+")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        db_table = "idempotency_record"
+        constraints = [
+            models.UniqueConstraint(name="idempotency_tenant_key", fields=["tenant", "key"])
+        ]
+
+
+class ExecutionAuditEvent(models.Model):
+    """Append-only evidence, hash-chained per job. Postgres rejects UPDATE/DELETE by trigger."""
+
+    id = models.BigAutoField(primary_key=True)
+    # No foreign key: audit events outlive the job rows they describe (their own retention).
+    job_id = models.UUIDField()
+    seq = models.PositiveIntegerField()
+    event_type = models.CharField(max_length=48)
+    generation = models.PositiveIntegerField(null=True)
+    attempt_id = models.BigIntegerField(null=True)
+    actor = models.CharField(max_length=64)
+    details = models.JSONField(default=dict)
+    created_at = models.DateTimeField()
+    prev_hash = models.CharField(max_length=64)
+    hash = models.CharField(max_length=64)
+
+    class Meta:
+        db_table = "execution_audit_event"
+        constraints = [
+            models.UniqueConstraint(name="audit_seq_per_job", fields=["job_id", "seq"]),
+        ]
+        indexes = [models.Index(name="audit_created", fields=["created_at"])]

@@ -1,0 +1,1 @@
+"""Metrics, traces and content-free logging."""

@@ -1,0 +1,61 @@
+"""Gauges read from the database at scrape time: one scrape is the truth for the cluster."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from django.db.models import Count, Min
+from django.utils import timezone
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from conversion_jobs.models import ConversionJob, ConversionOutbox, WorkerLease
+from conversion_jobs.states import State
+
+
+class DatabaseGauges(Collector):
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        from django.conf import settings
+
+        now = timezone.now()
+        by_state = GaugeMetricFamily("quire_jobs", "Jobs by state", labels=["state"])
+        counts = dict(
+            ConversionJob.objects.values_list("state").annotate(n=Count("id")).values_list("state", "n")
+        )
+        for state in State.values:
+            by_state.add_metric([state], counts.get(state, 0))
+        yield by_state
+
+        queued = ConversionJob.objects.filter(state=State.QUEUED)
+        oldest = queued.aggregate(m=Min("queued_at"))["m"]
+        yield GaugeMetricFamily("quire_queue_depth", "Jobs queued", value=counts.get(State.QUEUED, 0))
+        yield GaugeMetricFamily(
+            "quire_queue_oldest_age_seconds",
+            "Age of the oldest queued job",
+            value=(now - oldest).total_seconds() if oldest else 0.0,
+        )
+        backlog = ConversionOutbox.objects.filter(published_at__isnull=True)
+        agg = backlog.aggregate(n=Count("id"), m=Min("created_at"))
+        yield GaugeMetricFamily("quire_outbox_backlog", "Unpublished outbox rows", value=agg["n"])
+        yield GaugeMetricFamily(
+            "quire_outbox_oldest_age_seconds",
+            "Age of the oldest unpublished outbox row",
+            value=(now - agg["m"]).total_seconds() if agg["m"] else 0.0,
+        )
+        leases = GaugeMetricFamily("quire_leases", "Worker leases", labels=["status"])
+        leases.add_metric(["active"], WorkerLease.objects.filter(expires_at__gte=now).count())
+        leases.add_metric(["expired"], WorkerLease.objects.filter(expires_at__lt=now).count())
+        yield leases
+        live = sum(counts.get(s, 0) for s in (State.QUEUED, State.RUNNING, State.RETRY_WAIT, State.CANCELLING))
+        yield GaugeMetricFamily(
+            "quire_capacity_utilisation_ratio",
+            "Live jobs / global capacity",
+            value=live / max(1, settings.QUIRE["GLOBAL_CAPACITY"]),
+        )
+
+    @classmethod
+    def registry(cls) -> CollectorRegistry:
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(cls())
+        return registry

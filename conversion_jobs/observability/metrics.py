@@ -1,0 +1,46 @@
+"""Prometheus counters and histograms (DESIGN.md §12).
+
+Counters and histograms are per process and aggregated across gunicorn and Celery processes by
+prometheus-client's multiprocess mode when ``PROMETHEUS_MULTIPROC_DIR`` is set (the Procfile sets
+it). Gauges are read from the database at scrape time (``gauges.py``), so one scrape tells the
+truth for the whole cluster. No label ever carries a tenant, subject or file name.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+
+ADMISSIONS = Counter(
+    "quire_admissions", "Submissions by admission result", ["result", "reason"]
+)
+IDEMPOTENT_REPLAYS = Counter("quire_idempotent_replays", "Idempotency-Key replays answered")
+OUTBOX_PUBLISHED = Counter("quire_outbox_published", "Outbox rows published", ["path"])
+OUTBOX_PUBLISH_FAILURES = Counter(
+    "quire_outbox_publish_failures", "Outbox publish failures", ["path", "code"]
+)
+REDISPATCHES = Counter("quire_redispatches", "Jobs dispatched again", ["reason"])
+DUPLICATE_DELIVERIES = Counter(
+    "quire_duplicate_deliveries", "Deliveries acked without work", ["reason"]
+)
+CLAIMS = Counter("quire_claims", "Successful claims")
+ATTEMPT_DURATION = Histogram(
+    "quire_attempt_duration_seconds",
+    "Duration of attempts by outcome",
+    ["outcome"],
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900, 3600),
+)
+RETRY_DELAY = Histogram(
+    "quire_retry_delay_seconds",
+    "Backoff delays scheduled for retryable failures",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 300, 600),
+)
+RECOVERIES = Counter("quire_recoveries", "Jobs recovered from an expired lease", ["result"])
+CANCELLATIONS = Counter("quire_cancellations", "Cancel requests by outcome", ["outcome"])
+CANCELLATION_LATENCY = Histogram(
+    "quire_cancellation_latency_seconds",
+    "Cancel request to cancelled",
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 20, 60),
+)
+DEAD_LETTERS = Counter("quire_dead_letters", "Messages dead-lettered as poison")
+PAGES = Counter("quire_pages", "Pages converted by outcome", ["outcome"])
+TERMINAL = Counter("quire_jobs_finished", "Jobs that reached a terminal state", ["state"])

@@ -1,0 +1,86 @@
+"""Normalised conversion options and request fingerprints (pure functions, unit-tested)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from conversion_jobs.exceptions import InvalidOptions
+
+DEFAULT_DPI = 150
+MIN_DPI = 36
+KNOWN = {"dpi", "pages", "allow_partial"}
+
+
+def normalize_options(raw: Any, *, output: str, max_dpi: int = 600) -> dict[str, Any]:
+    """The canonical options for ``output``: every key present, defaults filled in, so two
+    requests that mean the same thing have the same content identity."""
+    if raw in (None, ""):
+        raw = {}
+    if isinstance(raw, str | bytes):
+        try:
+            raw = json.loads(raw)
+        except ValueError as exc:
+            raise InvalidOptions("options must be a JSON object") from exc
+    if not isinstance(raw, dict):
+        raise InvalidOptions("options must be a JSON object")
+    unknown = set(raw) - KNOWN
+    if unknown:
+        raise InvalidOptions(f"unknown option(s): {', '.join(sorted(unknown))}")
+
+    dpi = raw.get("dpi", DEFAULT_DPI)
+    if output != "png" and "dpi" in raw:
+        raise InvalidOptions("dpi applies to png output only")
+    if not isinstance(dpi, int) or isinstance(dpi, bool) or not MIN_DPI <= dpi <= max_dpi:
+        raise InvalidOptions(f"dpi must be an integer from {MIN_DPI} to {max_dpi}")
+
+    pages = raw.get("pages")
+    if pages is not None:
+        pages = _parse_pages(pages)
+
+    allow_partial = raw.get("allow_partial", True)
+    if not isinstance(allow_partial, bool):
+        raise InvalidOptions("allow_partial must be true or false")
+    return {
+        "dpi": dpi if output == "png" else None,
+        "pages": pages,
+        "allow_partial": allow_partial,
+    }
+
+
+def _parse_pages(value: Any) -> list[int]:
+    """``"3-7"``, ``"4"``, ``[3, 7]`` -> ``[first, last]`` (1-based, inclusive)."""
+    if isinstance(value, str):
+        parts = value.split("-")
+        try:
+            bounds = [int(p) for p in parts]
+        except ValueError as exc:
+            raise InvalidOptions("pages must look like \"3-7\" or \"4\"") from exc
+    elif isinstance(value, list):
+        bounds = value
+    else:
+        raise InvalidOptions("pages must be a range such as \"3-7\"")
+    if len(bounds) == 1:
+        bounds = [bounds[0], bounds[0]]
+    if (
+        len(bounds) != 2
+        or not all(isinstance(b, int) and not isinstance(b, bool) for b in bounds)
+        or not 1 <= bounds[0] <= bounds[1]
+    ):
+        raise InvalidOptions("pages must be a range first-last with 1 <= first <= last")
+    return [bounds[0], bounds[1]]
+
+
+def canonical_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def options_digest(options: dict[str, Any]) -> str:
+    return hashlib.sha256(canonical_json(options).encode()).hexdigest()
+
+
+def request_fingerprint(*, source_sha256: str, output: str, options: dict[str, Any]) -> str:
+    """What an Idempotency-Key is bound to: the same bytes, output and options."""
+    material = canonical_json({"sha256": source_sha256, "output": output, "options": options})
+    return hashlib.sha256(material.encode()).hexdigest()

@@ -1,0 +1,161 @@
+"""Dispatch (DESIGN.md §6): outbox rows -> RabbitMQ, with a fast path and a sweeper.
+
+A message carries identifiers only: ``(job_id, generation)`` and the ``traceparent`` header.
+A duplicate message is harmless (the claim is a compare-and-set), a lost one is recovered by
+the sweeper, so every path here prefers "publish again" over "maybe never".
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import F
+from django.db.models.functions import Now
+from django.utils import timezone
+
+from conversion_jobs.models import ConversionJob, ConversionOutbox
+from conversion_jobs.observability import metrics
+from conversion_jobs.states import State
+
+log = logging.getLogger(__name__)
+
+TASK_NAME = "tasks.conversion.run_conversion"
+#: The sweeper leaves fresh rows to the fast path for this long, so both rarely publish one row.
+FAST_PATH_GRACE = timedelta(seconds=2)
+
+
+def publish_conversion(*, job_id: uuid.UUID, generation: int, traceparent: str) -> None:
+    """One persistent message on ``conversion.v1``, confirmed by the broker or an exception."""
+    from project.celery import app
+
+    headers = {"traceparent": traceparent} if traceparent else {}
+    app.send_task(
+        TASK_NAME,
+        args=[str(job_id), generation],
+        queue=settings.CONVERSION_QUEUE,
+        routing_key=settings.CONVERSION_QUEUE,
+        headers=headers,
+        retry=False,
+        confirm_timeout=settings.QUIRE["PUBLISH_CONFIRM_TIMEOUT_S"],
+        ignore_result=True,
+    )
+
+
+def _error_code(exc: BaseException) -> str:
+    name = type(exc).__name__
+    if "Timeout" in name or isinstance(exc, TimeoutError):
+        return "broker_timeout"
+    if isinstance(exc, OSError) or "Connection" in name:
+        return "broker_unreachable"
+    return "publish_failed"
+
+
+def outbox_publish_after_commit(
+    *, outbox_id: int, job_id: uuid.UUID, generation: int, traceparent: str
+) -> None:
+    """Register the fast path: publish right after the surrounding transaction commits."""
+    transaction.on_commit(
+        lambda: outbox_publish_fast(
+            outbox_id=outbox_id, job_id=job_id, generation=generation, traceparent=traceparent
+        )
+    )
+
+
+def outbox_publish_fast(*, outbox_id: int, job_id: uuid.UUID, generation: int, traceparent: str) -> bool:
+    """Publish one freshly committed row. Never raises: a failure leaves the row unpublished
+    for the sweeper, so the request that committed it is never failed or delayed past the
+    confirm timeout."""
+    try:
+        publish_conversion(job_id=job_id, generation=generation, traceparent=traceparent)
+    except Exception as exc:
+        code = _error_code(exc)
+        log.warning("outbox fast path publish failed; the sweeper will retry", extra={"code": code})
+        metrics.OUTBOX_PUBLISH_FAILURES.labels(path="fast", code=code).inc()
+        try:
+            ConversionOutbox.objects.filter(id=outbox_id, published_at__isnull=True).update(
+                publish_attempts=F("publish_attempts") + 1, last_error_code=code
+            )
+        except Exception:  # the database is down too: the row is still there for the sweeper
+            log.warning("could not record the publish failure", exc_info=False)
+        return False
+    try:
+        ConversionOutbox.objects.filter(id=outbox_id, published_at__isnull=True).update(
+            published_at=Now(), publish_attempts=F("publish_attempts") + 1
+        )
+    except Exception:  # published but not marked: the sweeper publishes a harmless duplicate
+        log.warning("published but could not mark the outbox row", exc_info=False)
+    metrics.OUTBOX_PUBLISHED.labels(path="fast").inc()
+    return True
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    published: int = 0
+    failed: int = 0
+
+
+def outbox_rows_publish_unpublished(*, batch: int | None = None) -> SweepResult:
+    """Backstop: claim unpublished rows older than the fast-path grace with
+    ``FOR UPDATE SKIP LOCKED`` (two beats never take the same row), publish each with confirms,
+    mark it. A failure stops the batch (the broker is likely down) and is recorded on the row."""
+    batch = batch or settings.QUIRE["SWEEP_BATCH"]
+    published = failed = 0
+    with transaction.atomic():
+        rows = list(
+            ConversionOutbox.objects.select_for_update(skip_locked=True)
+            .filter(published_at__isnull=True, created_at__lt=timezone.now() - FAST_PATH_GRACE)
+            .order_by("id")
+            .values_list("id", "job_id", "generation", "traceparent")[:batch]
+        )
+        done: list[int] = []
+        for outbox_id, job_id, generation, traceparent in rows:
+            try:
+                publish_conversion(job_id=job_id, generation=generation, traceparent=traceparent)
+            except Exception as exc:
+                code = _error_code(exc)
+                ConversionOutbox.objects.filter(id=outbox_id).update(
+                    publish_attempts=F("publish_attempts") + 1, last_error_code=code
+                )
+                metrics.OUTBOX_PUBLISH_FAILURES.labels(path="sweep", code=code).inc()
+                failed += 1
+                break
+            done.append(outbox_id)
+        if done:
+            ConversionOutbox.objects.filter(id__in=done).update(
+                published_at=Now(), publish_attempts=F("publish_attempts") + 1
+            )
+            published = len(done)
+            metrics.OUTBOX_PUBLISHED.labels(path="sweep").inc(published)
+    return SweepResult(published=published, failed=failed)
+
+
+def conversion_jobs_republish_if_dispatch_stale(*, batch: int | None = None) -> int:
+    """QUEUED jobs unclaimed past the dispatch timeout get a new outbox row for the same
+    generation (a duplicate message is harmless: the claim is a CAS). ``queued_at`` moves
+    forward in the same guarded UPDATE, so the next sweep waits another full timeout."""
+    batch = batch or settings.QUIRE["SWEEP_BATCH"]
+    cutoff = timezone.now() - timedelta(seconds=settings.QUIRE["DISPATCH_TIMEOUT_S"])
+    count = 0
+    with transaction.atomic():
+        stale = list(
+            ConversionJob.objects.select_for_update(skip_locked=True)
+            .filter(state=State.QUEUED, queued_at__lt=cutoff)
+            .values_list("id", "generation", "traceparent")[:batch]
+        )
+        for job_id, generation, traceparent in stale:
+            moved = ConversionJob.objects.filter(
+                id=job_id, state=State.QUEUED, generation=generation
+            ).update(queued_at=Now())
+            if moved:
+                ConversionOutbox.objects.create(
+                    job_id=job_id, generation=generation, traceparent=traceparent
+                )
+                count += 1
+    if count:
+        metrics.REDISPATCHES.labels(reason="dispatch_timeout").inc(count)
+    return count

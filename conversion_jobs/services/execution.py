@@ -1,0 +1,410 @@
+"""Worker-side transitions (DESIGN.md §7): claim, heartbeat, fenced writes, final transitions.
+
+Every write made on behalf of an attempt is fenced: it matches the job row on
+``(id, generation, lease_token, state)``. Zero rows means "you lost" (the lease expired and the
+job was recovered, or it was cancelled): the caller stops and publishes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import F
+from django.db.models.functions import Now
+from django.utils import timezone
+
+from conversion_jobs.models import (
+    AttemptOutcome,
+    CancellationOutcome,
+    CancellationRequest,
+    ConversionAttempt,
+    ConversionJob,
+    PageCheckpoint,
+    PageState,
+    WorkerLease,
+)
+from conversion_jobs.observability import metrics
+from conversion_jobs.retry_policy import backoff_delay
+from conversion_jobs.services.audit import audit_event_append
+from conversion_jobs.states import State
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Lease:
+    """What a worker holds while it runs one generation of one job."""
+
+    job_id: uuid.UUID
+    generation: int
+    token: uuid.UUID
+    attempt_id: int
+    attempt_number: int
+
+
+class LeaseLost(Exception):
+    """A fenced write matched no row: the lease is gone (expired, recovered, or cancelled)."""
+
+
+def _lease_ttl() -> timedelta:
+    return timedelta(seconds=settings.QUIRE["LEASE_S"])
+
+
+def _fenced(lease: Lease, *states: State) -> Any:
+    return ConversionJob.objects.filter(
+        id=lease.job_id,
+        generation=lease.generation,
+        lease_token=lease.token,
+        state__in=list(states or (State.RUNNING,)),
+    )
+
+
+def conversion_job_claim(*, job_id: uuid.UUID, generation: int, worker: str) -> Lease | None:
+    """QUEUED -> RUNNING for this generation, creating the attempt and the lease.
+    None: a duplicate or stale delivery (counted; the caller acks it)."""
+    token = uuid.uuid4()
+    with transaction.atomic():
+        won = ConversionJob.objects.filter(
+            id=job_id, state=State.QUEUED, generation=generation
+        ).update(
+            state=State.RUNNING,
+            attempts=F("attempts") + 1,
+            lease_token=token,
+            state_version=F("state_version") + 1,
+            updated_at=Now(),
+        )
+        if not won:
+            current = ConversionJob.objects.filter(id=job_id).values_list("generation", flat=True).first()
+            reason = "stale" if current is not None and current > generation else "duplicate"
+            metrics.DUPLICATE_DELIVERIES.labels(reason=reason).inc()
+            return None
+        attempts = ConversionJob.objects.filter(id=job_id).values_list("attempts", flat=True).get()
+        attempt = ConversionAttempt.objects.create(
+            job_id=job_id, generation=generation, number=attempts, worker=worker[:128],
+            heartbeat_at=timezone.now(),
+        )
+        WorkerLease.objects.filter(job_id=job_id).delete()
+        WorkerLease.objects.create(
+            job_id=job_id,
+            generation=generation,
+            attempt=attempt,
+            token=token,
+            expires_at=timezone.now() + _lease_ttl(),
+        )
+        audit_event_append(
+            job_id=job_id,
+            event_type="claimed",
+            generation=generation,
+            attempt_id=attempt.id,
+            details={"attempt": attempts},
+            lock_job=False,
+        )
+    metrics.CLAIMS.inc()
+    return Lease(job_id, generation, token, attempt.id, attempts)
+
+
+class HeartbeatResult:
+    OK = "ok"
+    CANCELLING = "cancelling"
+    LOST = "lost"
+
+
+def lease_heartbeat(*, lease: Lease) -> str:
+    """Extend the lease if it is still ours and unexpired. Returns OK, CANCELLING (still ours,
+    but the job must stop and end cancelled) or LOST."""
+    now = timezone.now()
+    with transaction.atomic():
+        extended = WorkerLease.objects.filter(
+            job_id=lease.job_id, token=lease.token, generation=lease.generation, expires_at__gt=now
+        ).update(expires_at=now + _lease_ttl())
+        if not extended:
+            return HeartbeatResult.LOST
+        state = (
+            ConversionJob.objects.filter(
+                id=lease.job_id, generation=lease.generation, lease_token=lease.token
+            )
+            .values_list("state", flat=True)
+            .first()
+        )
+        ConversionAttempt.objects.filter(id=lease.attempt_id).update(heartbeat_at=now)
+    if state == State.RUNNING:
+        return HeartbeatResult.OK
+    if state == State.CANCELLING:
+        return HeartbeatResult.CANCELLING
+    return HeartbeatResult.LOST
+
+
+def job_state_under_lease(*, lease: Lease) -> str | None:
+    """The job's state if this lease still holds it, else None."""
+    return (
+        ConversionJob.objects.filter(id=lease.job_id, generation=lease.generation, lease_token=lease.token)
+        .values_list("state", flat=True)
+        .first()
+    )
+
+
+def conversion_job_record_page_count(*, lease: Lease, page_count: int) -> None:
+    """Fenced: remember how many pages the document has (RUNNING only)."""
+    if not _fenced(lease).update(source_page_count=page_count, updated_at=Now()):
+        raise LeaseLost()
+
+
+def page_checkpoints_done(*, job_id: uuid.UUID) -> dict[int, PageCheckpoint]:
+    return {p.page_number: p for p in PageCheckpoint.objects.filter(job_id=job_id)}
+
+
+def page_checkpoint_record(
+    *,
+    lease: Lease,
+    page: int,
+    state: PageState,
+    artifact_key: str | None = None,
+    artifact_sha256: str | None = None,
+    artifact_size: int | None = None,
+    media_type: str | None = None,
+    error_code: str | None = None,
+) -> PageCheckpoint:
+    """Fenced upsert of one page's checkpoint. The guarded UPDATE on the job row takes the row
+    lock first, so a recovery or a cancel that commits before us makes this match zero rows."""
+    with transaction.atomic():
+        counters: dict[str, Any] = {}
+        if state == PageState.DONE:
+            counters["pages_done"] = F("pages_done") + 1
+        elif state == PageState.FAILED:
+            counters["pages_failed"] = F("pages_failed") + 1
+        if not _fenced(lease).update(updated_at=Now(), **counters):
+            raise LeaseLost()
+        values = {
+            "state": state,
+            "artifact_key": artifact_key,
+            "artifact_sha256": artifact_sha256,
+            "artifact_size": artifact_size,
+            "media_type": media_type,
+            "error_code": error_code,
+            "generation": lease.generation,
+        }
+        checkpoint, created = PageCheckpoint.objects.get_or_create(
+            job_id=lease.job_id, page_number=page, defaults={**values, "attempts": 1}
+        )
+        if not created:
+            PageCheckpoint.objects.filter(id=checkpoint.id).update(
+                **values, attempts=F("attempts") + 1
+            )
+            checkpoint.refresh_from_db()
+        if state == PageState.DONE:
+            ConversionAttempt.objects.filter(id=lease.attempt_id).update(
+                pages_converted=F("pages_converted") + 1
+            )
+        if state == PageState.FAILED:
+            audit_event_append(
+                job_id=lease.job_id,
+                event_type="page_failed",
+                generation=lease.generation,
+                attempt_id=lease.attempt_id,
+                details={"page": page, "code": error_code},
+                lock_job=False,
+            )
+    metrics.PAGES.labels(outcome=state).inc()
+    return checkpoint
+
+
+def _close_attempt(*, lease: Lease, outcome: AttemptOutcome, error_code: str | None) -> None:
+    attempt = ConversionAttempt.objects.filter(id=lease.attempt_id, finished_at__isnull=True)
+    started = attempt.values_list("started_at", flat=True).first()
+    attempt.update(outcome=outcome, error_code=error_code, finished_at=Now())
+    if started is not None:
+        metrics.ATTEMPT_DURATION.labels(outcome=outcome).observe(
+            (timezone.now() - started).total_seconds()
+        )
+
+
+def _end_lease(lease: Lease) -> None:
+    WorkerLease.objects.filter(job_id=lease.job_id, token=lease.token).delete()
+
+
+def conversion_job_publish(
+    *,
+    lease: Lease,
+    state: State,
+    result_key: str,
+    result_sha256: str,
+    result_size: int,
+    result_media_type: str,
+    pages_done: int,
+    pages_failed: int,
+) -> bool:
+    """RUNNING -> SUCCEEDED | PARTIAL, fenced. True: this call published the result.
+    False: the lease was lost or the job was cancelled first; nothing is published."""
+    assert state in (State.SUCCEEDED, State.PARTIAL)
+    with transaction.atomic():
+        won = _fenced(lease).update(
+            state=state,
+            result_key=result_key,
+            result_sha256=result_sha256,
+            result_size=result_size,
+            result_media_type=result_media_type,
+            lease_token=None,
+            finished_at=Now(),
+            state_version=F("state_version") + 1,
+            updated_at=Now(),
+        )
+        if not won:
+            return False
+        _end_lease(lease)
+        _close_attempt(lease=lease, outcome=AttemptOutcome.SUCCEEDED, error_code=None)
+        _resolve_cancellations_lost(lease.job_id)
+        audit_event_append(
+            job_id=lease.job_id,
+            event_type="published",
+            generation=lease.generation,
+            attempt_id=lease.attempt_id,
+            details={
+                "state": state.value,
+                "pages_done": pages_done,
+                "pages_failed": pages_failed,
+                "result_sha256": result_sha256,
+                "result_size": result_size,
+            },
+            lock_job=False,
+        )
+    metrics.TERMINAL.labels(state=state.value).inc()
+    return True
+
+
+def _resolve_cancellations_lost(job_id: uuid.UUID) -> None:
+    """A completion that commits first makes any pending cancel a loser."""
+    CancellationRequest.objects.filter(job_id=job_id, resolved_at__isnull=True).update(
+        outcome=CancellationOutcome.LOST_TO_COMPLETION, resolved_at=Now()
+    )
+
+
+def conversion_job_fail(*, lease: Lease, code: str, detail: str = "") -> bool:
+    """RUNNING -> FAILED with a terminal code, fenced. False: lost (nothing written)."""
+    with transaction.atomic():
+        won = _fenced(lease).update(
+            state=State.FAILED,
+            error_code=code,
+            error_retryable=False,
+            error_detail=detail[:256],
+            lease_token=None,
+            finished_at=Now(),
+            state_version=F("state_version") + 1,
+            updated_at=Now(),
+        )
+        if not won:
+            return False
+        _end_lease(lease)
+        _close_attempt(lease=lease, outcome=AttemptOutcome.TERMINAL_ERROR, error_code=code)
+        _resolve_cancellations_lost(lease.job_id)
+        audit_event_append(
+            job_id=lease.job_id,
+            event_type="failed",
+            generation=lease.generation,
+            attempt_id=lease.attempt_id,
+            details={"code": code},
+            lock_job=False,
+        )
+    metrics.TERMINAL.labels(state="failed").inc()
+    return True
+
+
+def conversion_job_retry_later(*, lease: Lease, code: str) -> str | None:
+    """RUNNING -> RETRY_WAIT (next_attempt_at = backoff, a Postgres timestamp), or -> FAILED
+    ``attempts_exhausted`` when the budget is spent. Fenced; returns the new state or None."""
+    with transaction.atomic():
+        row = (
+            _fenced(lease)
+            .select_for_update()
+            .values_list("attempts", "max_attempts")
+            .first()
+        )
+        if row is None:
+            return None
+        attempts, max_attempts = row
+        if attempts >= max_attempts:
+            won = _fenced(lease).update(
+                state=State.FAILED,
+                error_code="attempts_exhausted",
+                error_retryable=True,
+                error_detail=f"last error: {code}",
+                lease_token=None,
+                finished_at=Now(),
+                state_version=F("state_version") + 1,
+                updated_at=Now(),
+            )
+            new_state = State.FAILED
+        else:
+            delay = backoff_delay(
+                attempt=attempts,
+                base_s=settings.QUIRE["BACKOFF_BASE_S"],
+                cap_s=settings.QUIRE["BACKOFF_CAP_S"],
+            )
+            won = _fenced(lease).update(
+                state=State.RETRY_WAIT,
+                next_attempt_at=Now() + delay,
+                error_code=code,
+                error_retryable=True,
+                lease_token=None,
+                state_version=F("state_version") + 1,
+                updated_at=Now(),
+            )
+            new_state = State.RETRY_WAIT
+            metrics.RETRY_DELAY.observe(delay.total_seconds())
+        if not won:
+            return None
+        _end_lease(lease)
+        _close_attempt(lease=lease, outcome=AttemptOutcome.RETRYABLE_ERROR, error_code=code)
+        if new_state == State.FAILED:
+            _resolve_cancellations_lost(lease.job_id)
+        audit_event_append(
+            job_id=lease.job_id,
+            event_type="attempts_exhausted" if new_state == State.FAILED else "retry_scheduled",
+            generation=lease.generation,
+            attempt_id=lease.attempt_id,
+            details={"code": code, "attempt": attempts},
+            lock_job=False,
+        )
+    if new_state == State.FAILED:
+        metrics.TERMINAL.labels(state="failed").inc()
+    return new_state
+
+
+def conversion_job_finish_cancel(*, lease: Lease) -> bool:
+    """CANCELLING -> CANCELLED by the worker that held the lease. False: lost."""
+    from conversion_jobs.services.cancellation import resolve_cancellations_cancelled
+
+    with transaction.atomic():
+        won = _fenced(lease, State.CANCELLING).update(
+            state=State.CANCELLED,
+            lease_token=None,
+            finished_at=Now(),
+            state_version=F("state_version") + 1,
+            updated_at=Now(),
+        )
+        if not won:
+            return False
+        _end_lease(lease)
+        _close_attempt(lease=lease, outcome=AttemptOutcome.CANCELLED, error_code=None)
+        resolve_cancellations_cancelled(job_id=lease.job_id)
+        audit_event_append(
+            job_id=lease.job_id,
+            event_type="cancelled",
+            generation=lease.generation,
+            attempt_id=lease.attempt_id,
+            details={"by": "worker"},
+            lock_job=False,
+        )
+    metrics.TERMINAL.labels(state="cancelled").inc()
+    return True
+
+
+def attempt_record_lease_lost(*, lease: Lease) -> None:
+    """Bookkeeping on our own attempt row only (the sweep may have closed it already)."""
+    _close_attempt(lease=lease, outcome=AttemptOutcome.LEASE_LOST, error_code="lease_lost")
+

@@ -1,0 +1,299 @@
+"""Runs one claimed attempt page by page (DESIGN.md §7.2-7.4).
+
+The worker thread converts; a heartbeat thread extends the lease every ``HEARTBEAT_S`` and
+raises the stop flag when the job is being cancelled or the lease is lost. Converters check the
+flag while their child process runs and kill its process group when it is set.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from django.conf import settings
+from django.db import InterfaceError, OperationalError, close_old_connections, connection
+
+from conversion_jobs import converters, storage
+from conversion_jobs.converters import ConversionError, ConversionStopped, Limits
+from conversion_jobs.models import ConversionJob, PageState
+from conversion_jobs.services import execution
+from conversion_jobs.services.execution import HeartbeatResult, Lease, LeaseLost
+from conversion_jobs.states import State
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+DB_ERRORS = (OperationalError, InterfaceError)
+
+
+def worker_identity() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def limits_from_settings() -> Limits:
+    return Limits(**settings.QUIRE.get("CONVERTER_LIMITS", {}))
+
+
+class StopReason:
+    CANCELLED = "cancelled"
+    LOST = "lost"
+
+
+class Heartbeat(threading.Thread):
+    """Extends the lease; sets ``stop`` with a reason when it must end."""
+
+    def __init__(self, lease: Lease) -> None:
+        super().__init__(name=f"heartbeat-{lease.job_id}", daemon=True)
+        self.lease = lease
+        self.stop = threading.Event()
+        self.reason: str | None = None
+        self._done = threading.Event()
+        self._last_ok = time.monotonic()
+
+    def halt(self, reason: str) -> None:
+        if self.reason is None:
+            self.reason = reason
+        self.stop.set()
+
+    def run(self) -> None:
+        interval = settings.QUIRE["HEARTBEAT_S"]
+        try:
+            while not self._done.wait(interval):
+                try:
+                    result = execution.lease_heartbeat(lease=self.lease)
+                except DB_ERRORS:
+                    connection.close()
+                    # Without the database we cannot prove the lease; past its TTL it is gone.
+                    if time.monotonic() - self._last_ok > settings.QUIRE["LEASE_S"]:
+                        self.halt(StopReason.LOST)
+                        return
+                    continue
+                self._last_ok = time.monotonic()
+                if result == HeartbeatResult.CANCELLING:
+                    self.halt(StopReason.CANCELLED)
+                    return
+                if result == HeartbeatResult.LOST:
+                    self.halt(StopReason.LOST)
+                    return
+        finally:
+            connection.close()
+
+    def finish(self) -> None:
+        self._done.set()
+        self.join(timeout=5)
+
+
+def _db_retry(fn: Callable[[], T], *, deadline_s: float) -> T:
+    """Run ``fn``; on a lost database connection reconnect and try again until the deadline
+    (the lease TTL): a Postgres restart is a pause, not a failure."""
+    deadline = time.monotonic() + deadline_s
+    delay = 0.2
+    while True:
+        try:
+            return fn()
+        except DB_ERRORS:
+            connection.close()
+            if time.monotonic() + delay > deadline:
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+
+def conversion_job_execute(*, job_id: uuid.UUID, generation: int) -> str:
+    """Claim and run one delivery. Returns what happened (for logs and tests):
+    ``duplicate``, ``succeeded``, ``partial``, ``failed``, ``retry_wait``, ``cancelled``, ``lost``."""
+    close_old_connections()
+    lease = _db_retry(
+        lambda: execution.conversion_job_claim(
+            job_id=job_id, generation=generation, worker=worker_identity()
+        ),
+        deadline_s=60,
+    )
+    if lease is None:
+        return "duplicate"
+    heartbeat = Heartbeat(lease)
+    heartbeat.start()
+    workdir = Path(settings.QUIRE["WORK_DIR"]) / str(job_id) / f"{lease.attempt_id}-{lease.token.hex}"
+    workdir.mkdir(parents=True, mode=0o700)
+    try:
+        return _run(lease=lease, heartbeat=heartbeat, workdir=workdir)
+    finally:
+        heartbeat.finish()
+        shutil.rmtree(workdir, ignore_errors=True)
+        try:
+            workdir.parent.rmdir()
+        except OSError:
+            pass
+
+
+def _ttl() -> float:
+    return float(settings.QUIRE["LEASE_S"])
+
+
+def _run(*, lease: Lease, heartbeat: Heartbeat, workdir: Path) -> str:
+    try:
+        return _convert(lease=lease, heartbeat=heartbeat, workdir=workdir)
+    except (LeaseLost, ConversionStopped):
+        return _stopped(lease=lease)
+    except ConversionError as exc:
+        if exc.retryable:
+            state = _db_retry(lambda: execution.conversion_job_retry_later(lease=lease, code=exc.code), deadline_s=_ttl())
+            return str(state) if state else _stopped(lease=lease)
+        won = _db_retry(lambda: execution.conversion_job_fail(lease=lease, code=exc.code, detail=exc.code), deadline_s=_ttl())
+        return "failed" if won else _stopped(lease=lease)
+    except DB_ERRORS:
+        # The database stayed away longer than the lease: the sweep will recover the job.
+        return "lost"
+    except OSError:
+        log.warning("storage error during conversion", exc_info=False)
+        state = _db_retry(lambda: execution.conversion_job_retry_later(lease=lease, code="storage_error"), deadline_s=_ttl())
+        return str(state) if state else _stopped(lease=lease)
+
+
+def _stopped(*, lease: Lease) -> str:
+    """The attempt stops: cancelled (we still hold the lease of a CANCELLING job) or lost."""
+    state = _db_retry(lambda: execution.job_state_under_lease(lease=lease), deadline_s=_ttl())
+    if state == State.CANCELLING and _db_retry(
+        lambda: execution.conversion_job_finish_cancel(lease=lease), deadline_s=_ttl()
+    ):
+        return "cancelled"
+    _db_retry(lambda: execution.attempt_record_lease_lost(lease=lease), deadline_s=_ttl())
+    return "lost"
+
+
+def _selected_pages(options: dict[str, Any], page_count: int) -> list[int]:
+    pages = options.get("pages")
+    if not pages:
+        return list(range(1, page_count + 1))
+    first, last = pages
+    if first > page_count:
+        raise converters.InvalidInput("the requested page range is beyond the document")
+    return list(range(first, min(last, page_count) + 1))
+
+
+def _convert(*, lease: Lease, heartbeat: Heartbeat, workdir: Path) -> str:
+    job = _db_retry(lambda: ConversionJob.objects.get(id=lease.job_id), deadline_s=_ttl())
+    limits = limits_from_settings()
+    converter = converters.converter_for(job.source_media_type, job.output)
+    stop = heartbeat.stop.is_set
+    prepared = converter.prepare(
+        source=storage.path_of(job.source_key),
+        media_type=job.source_media_type,
+        workdir=workdir,
+        limits=limits,
+        should_stop=stop,
+    )
+    if job.source_page_count != prepared.page_count:
+        _db_retry(
+            lambda: execution.conversion_job_record_page_count(lease=lease, page_count=prepared.page_count),
+            deadline_s=_ttl(),
+        )
+    pages = _selected_pages(job.options, prepared.page_count)
+    checkpoints = _db_retry(lambda: execution.page_checkpoints_done(job_id=lease.job_id), deadline_s=_ttl())
+    page_budget = settings.QUIRE["PAGE_MAX_ATTEMPTS"]
+    for page in pages:
+        done = checkpoints.get(page)
+        if done is not None and done.state in (PageState.DONE, PageState.FAILED):
+            continue  # a resumed job never redoes a finished page
+        if heartbeat.stop.is_set():
+            raise ConversionStopped()
+        tries = done.attempts if done is not None else 0
+        while True:
+            try:
+                artifact = converter.convert_page(
+                    prepared=prepared,
+                    page=page,
+                    output=job.output,
+                    options=job.options,
+                    dest_dir=workdir,
+                    limits=limits,
+                    should_stop=stop,
+                )
+            except ConversionStopped:
+                raise
+            except ConversionError as exc:
+                tries += 1
+                exhausted = tries >= page_budget or exc.code in ("conversion_timeout", "input_too_large")
+                if exc.retryable and not exhausted:
+                    _checkpoint(lease, page=page, state=PageState.PENDING, error_code=exc.code)
+                    raise
+                if not exhausted:
+                    continue
+                checkpoints[page] = _checkpoint(
+                    lease, page=page, state=PageState.FAILED, error_code=exc.code
+                )
+                break
+            ext = "txt" if job.output == "text" else job.output
+            key = storage.page_key(job_id=lease.job_id, page=page, ext=f"g{lease.generation}.{ext}")
+            sha, size = storage.sha256_file(artifact.path)
+            storage.promote(artifact.path, key)
+            checkpoints[page] = _checkpoint(
+                lease,
+                page=page,
+                state=PageState.DONE,
+                artifact_key=key,
+                artifact_sha256=sha,
+                artifact_size=size,
+                media_type=artifact.media_type,
+            )
+            break
+    return _finalize(lease=lease, job=job, pages=pages, checkpoints=checkpoints, prepared=prepared, workdir=workdir)
+
+
+def _checkpoint(lease: Lease, **values: Any) -> Any:
+    return _db_retry(lambda: execution.page_checkpoint_record(lease=lease, **values), deadline_s=_ttl())
+
+
+def _finalize(
+    *,
+    lease: Lease,
+    job: ConversionJob,
+    pages: list[int],
+    checkpoints: dict[int, Any],
+    prepared: Any,
+    workdir: Path,
+) -> str:
+    """Assemble the result from page artifacts and publish it with one fenced CAS."""
+    done = [(p, storage.path_of(checkpoints[p].artifact_key)) for p in pages if checkpoints[p].state == PageState.DONE]
+    failed = [p for p in pages if checkpoints[p].state == PageState.FAILED]
+    if failed and (not done or not job.options.get("allow_partial", True)):
+        code = checkpoints[failed[0]].error_code or "page_failed"
+        won = _db_retry(lambda: execution.conversion_job_fail(lease=lease, code=code, detail=f"{len(failed)} page(s) failed"), deadline_s=_ttl())
+        return "failed" if won else _stopped(lease=lease)
+    assembled = workdir / "result.out"
+    media_type = converters.assemble_result(
+        output=job.output, pages=done, dest=assembled, prepared_document=prepared.document
+    )
+    ext = {"text": "txt", "png": "zip", "pdf": "pdf"}[job.output]
+    key = storage.result_key(job_id=lease.job_id, ext=f"g{lease.generation}.{ext}")
+    sha, size = storage.sha256_file(assembled)
+    storage.promote(assembled, key)
+    state = State.PARTIAL if failed else State.SUCCEEDED
+    won = _db_retry(
+        lambda: execution.conversion_job_publish(
+            lease=lease,
+            state=state,
+            result_key=key,
+            result_sha256=sha,
+            result_size=size,
+            result_media_type=media_type,
+            pages_done=len(done),
+            pages_failed=len(failed),
+        ),
+        deadline_s=_ttl(),
+    )
+    if not won:
+        # A cancelled or recovered job never shows this attempt's result; a finalizer that ran
+        # twice finds its own result already published under the same key and keeps it.
+        if not ConversionJob.objects.filter(id=lease.job_id, result_key=key).exists():
+            storage.delete(key)
+        return _stopped(lease=lease)
+    return state.value

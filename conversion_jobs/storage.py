@@ -1,0 +1,104 @@
+"""Artifact storage on a filesystem shared by web and workers (a local disk, NFS, or a mounted
+bucket). Every write goes to a temporary file in the same directory tree and is renamed into
+place, so a reader never sees half a file and a crash never leaves one under a real key.
+
+Keys:
+* ``sources/ab/<sha256>`` — content-addressed uploads (a retried upload reuses its key);
+* ``pages/<job>/<page>.<ext>`` — page artifacts, derived from the job, so a re-run overwrites;
+* ``results/<job>/result.<ext>`` — the published result, derived from the job.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+from django.conf import settings
+
+CHUNK = 1024 * 1024
+
+
+def root() -> Path:
+    return Path(settings.QUIRE["STORAGE_DIR"])
+
+
+def path_of(key: str) -> Path:
+    if ".." in key.split("/") or key.startswith("/"):
+        raise ValueError("invalid storage key")
+    return root() / key
+
+
+def staging_file() -> tuple[BinaryIO, Path]:
+    """An open temporary file on the storage filesystem, for streaming an upload into."""
+    staging = root() / "staging"
+    staging.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=staging, prefix="up-")
+    return os.fdopen(fd, "wb"), Path(name)
+
+
+def source_key(sha256: str) -> str:
+    return f"sources/{sha256[:2]}/{sha256}"
+
+
+def page_key(*, job_id: uuid.UUID, page: int, ext: str) -> str:
+    return f"pages/{job_id}/{page:05d}.{ext}"
+
+
+def result_key(*, job_id: uuid.UUID, ext: str) -> str:
+    return f"results/{job_id}/result.{ext}"
+
+
+def promote(src: Path, key: str) -> Path:
+    """Move ``src`` under ``key`` atomically (copy first when it is on another filesystem)."""
+    dest = path_of(key)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        os.replace(src, tmp)
+    except OSError:
+        shutil.copyfile(src, tmp)
+        src.unlink(missing_ok=True)
+    with open(tmp, "rb+") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, dest)
+    return dest
+
+
+def promote_source(staged: Path, sha256: str) -> str:
+    """Content-addressed: an existing copy of the same bytes is kept and the staged one dropped."""
+    key = source_key(sha256)
+    if path_of(key).exists():
+        staged.unlink(missing_ok=True)
+    else:
+        promote(staged, key)
+    return key
+
+
+def sha256_file(path: Path) -> tuple[str, int]:
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as fh:
+        while chunk := fh.read(CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+    return digest.hexdigest(), size
+
+
+def open_chunks(key: str) -> Iterator[bytes]:
+    with open(path_of(key), "rb") as fh:
+        while chunk := fh.read(CHUNK):
+            yield chunk
+
+
+def delete(key: str) -> None:
+    path_of(key).unlink(missing_ok=True)
+
+
+def delete_tree(prefix: str) -> None:
+    shutil.rmtree(path_of(prefix), ignore_errors=True)

@@ -1,0 +1,276 @@
+"""Quire settings: one module, driven by the environment.
+
+Two profiles (DESIGN.md §2):
+
+* production: ``DATABASE_URL=postgres://…`` and ``CELERY_BROKER_URL=amqp://…``;
+* standalone (neither set): SQLite in WAL mode under ``var/`` and kombu's server-less
+  filesystem transport, so the whole pipeline runs with nothing installed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import dj_database_url
+from kombu import Exchange, Queue
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+
+def env_str(name: str, default: str) -> str:
+    return os.environ.get(name, default)
+
+
+def env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+def env_float(name: str, default: float) -> float:
+    return float(os.environ.get(name, default))
+
+
+def env_bool(name: str, default: bool) -> bool:
+    return os.environ.get(name, str(default)).strip().lower() in {"1", "true", "yes", "on"}
+
+
+VAR_DIR = Path(env_str("QUIRE_VAR_DIR", str(BASE_DIR / "var")))
+STANDALONE = not os.environ.get("DATABASE_URL") and not os.environ.get("CELERY_BROKER_URL")
+DEBUG = env_bool("DJANGO_DEBUG", False)
+
+# Development defaults exist only so the standalone profile runs out of the box; production sets
+# every secret (docs/OPERABILITY.md lists them).
+SECRET_KEY = env_str("DJANGO_SECRET_KEY", "quire-dev-only-secret-key-change-me-0123456789abcdef")
+ALLOWED_HOSTS = env_str("DJANGO_ALLOWED_HOSTS", "*").split(",")
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "drf_spectacular",
+    "django_celery_beat",
+    "conversion_jobs",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
+
+ROOT_URLCONF = "project.urls"
+WSGI_APPLICATION = "project.wsgi.application"
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+
+# --- database -------------------------------------------------------------------------------
+if os.environ.get("DATABASE_URL"):
+    DATABASES = {
+        "default": dj_database_url.parse(
+            os.environ["DATABASE_URL"], conn_max_age=env_int("QUIRE_DB_CONN_MAX_AGE", 60)
+        )
+    }
+    DATABASES["default"].setdefault("OPTIONS", {})
+    DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+    if DATABASES["default"]["ENGINE"].endswith("postgresql"):
+        DATABASES["default"]["OPTIONS"].setdefault("connect_timeout", 5)
+else:
+    VAR_DIR.mkdir(parents=True, exist_ok=True)
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": str(VAR_DIR / "quire.sqlite3"),
+            # WAL + IMMEDIATE transactions: writers queue on the lock instead of failing with
+            # "database is locked" half-way through a transaction.
+            "OPTIONS": {
+                "transaction_mode": "IMMEDIATE",
+                "timeout": 30,
+                "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+            },
+            "TEST": {"NAME": str(VAR_DIR / "quire-test.sqlite3")},
+        }
+    }
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# --- static / i18n --------------------------------------------------------------------------
+STATIC_URL = "/static/"
+STATIC_ROOT = str(VAR_DIR / "static")
+USE_TZ = True
+TIME_ZONE = "UTC"
+LANGUAGE_CODE = "en-us"
+
+# --- uploads: never buffer a whole document in memory -------------------------------------------
+FILE_UPLOAD_MAX_MEMORY_SIZE = 0
+DATA_UPLOAD_MAX_MEMORY_SIZE = 64 * 1024
+
+# --- REST framework ---------------------------------------------------------------------------
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": ["conversion_jobs.api.auth.BearerJWTAuthentication"],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
+    "DEFAULT_PARSER_CLASSES": [
+        "rest_framework.parsers.JSONParser",
+        "rest_framework.parsers.MultiPartParser",
+    ],
+    "EXCEPTION_HANDLER": "conversion_jobs.api.problems.exception_handler",
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "UNAUTHENTICATED_USER": None,
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Quire API",
+    "DESCRIPTION": "Durable document conversion jobs.",
+    "VERSION": "1.0.0",
+    "SERVE_INCLUDE_SCHEMA": False,
+}
+
+# --- Quire ----------------------------------------------------------------------------------
+QUIRE = {
+    # secrets
+    "JWT_KEY": env_str("QUIRE_JWT_KEY", "quire-dev-only-jwt-key-change-me-0123456789abcdef"),
+    "JWT_ALGORITHM": "HS256",
+    "PSEUDONYM_KEY": env_str("QUIRE_PSEUDONYM_KEY", "quire-dev-only-pseudonym-key-change-me"),
+    # storage
+    "STORAGE_DIR": Path(env_str("QUIRE_STORAGE_DIR", str(VAR_DIR / "storage"))),
+    "WORK_DIR": Path(env_str("QUIRE_WORK_DIR", str(VAR_DIR / "work"))),
+    # admission
+    "MAX_UPLOAD_BYTES": env_int("QUIRE_MAX_UPLOAD_BYTES", 100 * 1024 * 1024),
+    "TENANT_QUOTA": env_int("QUIRE_TENANT_QUOTA", 200),
+    "GLOBAL_CAPACITY": env_int("QUIRE_GLOBAL_CAPACITY", 2000),
+    "RETRY_AFTER_MIN_S": env_int("QUIRE_RETRY_AFTER_MIN_S", 1),
+    "RETRY_AFTER_MAX_S": env_int("QUIRE_RETRY_AFTER_MAX_S", 300),
+    "POLICY_VERSION": env_int("QUIRE_POLICY_VERSION", 1),
+    # execution
+    "MAX_ATTEMPTS": env_int("QUIRE_MAX_ATTEMPTS", 5),
+    "HEARTBEAT_S": env_float("QUIRE_HEARTBEAT_S", 2.0),
+    "LEASE_S": env_float("QUIRE_LEASE_S", 10.0),
+    "PAGE_MAX_ATTEMPTS": env_int("QUIRE_PAGE_MAX_ATTEMPTS", 3),
+    "BACKOFF_BASE_S": env_float("QUIRE_BACKOFF_BASE_S", 2.0),
+    "BACKOFF_CAP_S": env_float("QUIRE_BACKOFF_CAP_S", 300.0),
+    # dispatch
+    "PUBLISH_CONFIRM_TIMEOUT_S": env_float("QUIRE_PUBLISH_CONFIRM_TIMEOUT_S", 0.5),
+    "DISPATCH_TIMEOUT_S": env_float("QUIRE_DISPATCH_TIMEOUT_S", 600.0),
+    "SWEEP_BATCH": env_int("QUIRE_SWEEP_BATCH", 500),
+    "SWEEP_INTERVAL_S": env_float("QUIRE_SWEEP_INTERVAL_S", 1.0),
+    "LONG_POLL_MAX_S": 30,
+}
+
+# --- Celery (project/celery.py reads these with namespace "CELERY") --------------------------
+if os.environ.get("CELERY_BROKER_URL"):
+    CELERY_BROKER_URL = os.environ["CELERY_BROKER_URL"]
+    CELERY_BROKER_TRANSPORT_OPTIONS: dict = {
+        "confirm_publish": True,
+        "confirm_timeout": QUIRE["PUBLISH_CONFIRM_TIMEOUT_S"],
+    }
+else:
+    _broker_dir = VAR_DIR / "broker"
+    for _sub in ("queue", "processed"):
+        (_broker_dir / _sub).mkdir(parents=True, exist_ok=True)
+    CELERY_BROKER_URL = "filesystem://"
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "data_folder_in": str(_broker_dir / "queue"),
+        "data_folder_out": str(_broker_dir / "queue"),
+        "processed_folder": str(_broker_dir / "processed"),
+        "store_processed": False,
+    }
+
+AMQP_BROKER = CELERY_BROKER_URL.startswith(("amqp", "pyamqp"))
+CONVERSION_QUEUE = "conversion.v1"
+SWEEP_QUEUE = "quire.sweeps"
+_quorum_args = {"x-queue-type": "quorum", "x-delivery-limit": 5, "x-dead-letter-exchange": "quire.dlx"}
+# The publisher only publishes (no configure permission), so queues are never declared by
+# producers; deploy/rabbitmq/ declares them, workers declare passively-compatible copies.
+CELERY_TASK_QUEUES = (
+    Queue(
+        CONVERSION_QUEUE,
+        Exchange("quire.conversion", type="direct"),
+        routing_key=CONVERSION_QUEUE,
+        queue_arguments=_quorum_args if AMQP_BROKER else None,
+        no_declare=AMQP_BROKER,
+    ),
+    Queue(
+        SWEEP_QUEUE,
+        Exchange("quire.sweeps", type="direct"),
+        routing_key=SWEEP_QUEUE,
+        queue_arguments=(
+            {"x-message-ttl": 5000, "x-max-length": 100, "x-overflow": "drop-head"}
+            if AMQP_BROKER
+            else None
+        ),
+        no_declare=AMQP_BROKER,
+    ),
+)
+CELERY_TASK_DEFAULT_QUEUE = CONVERSION_QUEUE
+CELERY_TASK_ROUTES = {"tasks.sweeps.*": {"queue": SWEEP_QUEUE, "routing_key": SWEEP_QUEUE}}
+CELERY_TASK_CREATE_MISSING_QUEUES = False
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_TASK_ACKS_ON_FAILURE_OR_TIMEOUT = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_RESULT_BACKEND = None
+CELERY_TASK_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_TASK_DEFAULT_DELIVERY_MODE = "persistent"
+CELERY_TASK_PUBLISH_RETRY = False  # the outbox retries; a publish never blocks a request
+CELERY_BROKER_CONNECTION_TIMEOUT = env_float("QUIRE_BROKER_CONNECT_TIMEOUT_S", 2.0)
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_BROKER_HEARTBEAT = 10
+CELERY_WORKER_DETECT_QUORUM_QUEUES = True
+CELERY_WORKER_SEND_TASK_EVENTS = env_bool("QUIRE_TASK_EVENTS", True)
+CELERY_WORKER_ENABLE_SOFT_SHUTDOWN_ON_IDLE = True
+CELERY_WORKER_SOFT_SHUTDOWN_TIMEOUT = env_float("QUIRE_SOFT_SHUTDOWN_S", 10.0)
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+CELERY_WORKER_CONSUMER = "project.celery:QuireConsumer"
+# RabbitMQ 4 removes transient non-exclusive queues: make control / event queues exclusive.
+CELERY_CONTROL_QUEUE_EXCLUSIVE = True
+CELERY_CONTROL_QUEUE_DURABLE = False
+CELERY_EVENT_QUEUE_EXCLUSIVE = True
+CELERY_EVENT_QUEUE_DURABLE = False
+CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
+CELERY_BEAT_MAX_LOOP_INTERVAL = 1
+
+# --- logging: structured, content-free (conversion_jobs/logging.py) ---------------------------
+LOG_FORMAT = env_str("QUIRE_LOG_FORMAT", "text" if STANDALONE else "json")
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "filters": {"redact": {"()": "conversion_jobs.logging.RedactFilter"}},
+    "formatters": {
+        "json": {
+            "()": "pythonjsonlogger.json.JsonFormatter",
+            "fmt": "%(asctime)s %(levelname)s %(name)s %(message)s",
+        },
+        "text": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"},
+    },
+    "handlers": {
+        "console": {
+            "class": "logging.StreamHandler",
+            "formatter": LOG_FORMAT,
+            "filters": ["redact"],
+        }
+    },
+    "root": {"handlers": ["console"], "level": env_str("QUIRE_LOG_LEVEL", "INFO")},
+    "loggers": {
+        "django.request": {"level": "ERROR"},
+        "gunicorn.access": {"level": "WARNING"},
+    },
+}

@@ -1,0 +1,31 @@
+"""URL map: the versioned API, its schema and docs, health, metrics and the admin."""
+
+
+from django.contrib import admin
+from django.http import HttpRequest, JsonResponse
+from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+
+from conversion_jobs.api import health
+from conversion_jobs.api.problems import json_problem
+from conversion_jobs.exceptions import NotFound, QuireError
+
+urlpatterns = [
+    path("api/v1/", include("conversion_jobs.api.urls")),
+    path("api/v1/schema", SpectacularAPIView.as_view(), name="schema"),
+    path("api/v1/docs", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
+    path("health/live", health.live),
+    path("health/ready", health.ready),
+    path("metrics", health.metrics_view),
+    path("admin/", admin.site.urls),
+]
+
+
+def handler404(request: HttpRequest, exception: Exception | None = None) -> JsonResponse:
+    return json_problem(request, NotFound())
+
+
+def handler500(request: HttpRequest) -> JsonResponse:
+    return json_problem(request, QuireError())
+
+

@@ -1,0 +1,13 @@
+"""WSGI entry point for gunicorn (``project.wsgi:application``)."""
+
+import os
+
+from django.core.wsgi import get_wsgi_application
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "project.settings")
+
+application = get_wsgi_application()
+
+from conversion_jobs.observability import tracing  # noqa: E402  (needs configured Django)
+
+tracing.instrument_web()

@@ -1,0 +1,1 @@
+"""Celery entry points only: parse ids, call one service, return."""

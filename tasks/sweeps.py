@@ -1,0 +1,33 @@
+"""Beat sweeps: each task calls one service. Every sweep is safe when two beats run at once."""
+
+from __future__ import annotations
+
+from celery import shared_task
+
+from conversion_jobs.services import dispatch, recovery
+
+
+@shared_task(name="tasks.sweeps.publish_outbox", ignore_result=True)
+def publish_outbox() -> int:
+    return dispatch.outbox_rows_publish_unpublished().published
+
+
+@shared_task(name="tasks.sweeps.republish_stale_queued", ignore_result=True)
+def republish_stale_queued() -> int:
+    return dispatch.conversion_jobs_republish_if_dispatch_stale()
+
+
+@shared_task(name="tasks.sweeps.requeue_due_retries", ignore_result=True)
+def requeue_due_retries() -> int:
+    return recovery.conversion_jobs_requeue_if_retry_due()
+
+
+@shared_task(name="tasks.sweeps.recover_expired_leases", ignore_result=True)
+def recover_expired_leases() -> int:
+    return recovery.conversion_jobs_recover_if_lease_expired()
+
+
+@shared_task(name="tasks.sweeps.remove_stale_work_dirs", ignore_result=True)
+def remove_stale_work_dirs() -> int:
+    return recovery.work_dirs_remove_stale()
+

@@ -1,0 +1,74 @@
+"""Shared helpers for the converter integration tests (real child processes, real files)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from conversion_jobs.converters import Limits, converter_for, sniff_media_type
+
+FAST = Limits(page_timeout_s=20, prepare_timeout_s=60)
+
+
+def never() -> bool:
+    return False
+
+
+def prepare(source: Path, workdir: Path, *, output: str, limits: Limits = FAST, media_type=None):
+    media_type = media_type or sniff_media_type(source)
+    converter = converter_for(media_type, output)
+    prepared = converter.prepare(
+        source=source, media_type=media_type, workdir=workdir, limits=limits, should_stop=never
+    )
+    return converter, prepared
+
+
+def convert_all(source: Path, workdir: Path, *, output: str, options=None, limits: Limits = FAST):
+    converter, prepared = prepare(source, workdir, output=output, limits=limits)
+    artifacts = [
+        converter.convert_page(
+            prepared=prepared,
+            page=n,
+            output=output,
+            options=options or {"dpi": 150},
+            dest_dir=workdir / "pages",
+            limits=limits,
+            should_stop=never,
+        )
+        for n in range(1, prepared.page_count + 1)
+    ]
+    return prepared, artifacts
+
+
+def processes_mentioning(needle: str) -> list[int]:
+    """Live processes whose command line contains ``needle``."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry.name}/cmdline").read_bytes().replace(b"\0", b" ")
+            state = Path(f"/proc/{entry.name}/stat").read_bytes().rsplit(b")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if needle.encode() in cmdline and state not in (b"Z", b"X"):
+            found.append(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in (b"Z", b"X")
+
+
+class Stopwatch:
+    def __enter__(self):
+        self.start = time.monotonic()
+        return self
+
+    def __exit__(self, *exc):
+        self.elapsed = time.monotonic() - self.start

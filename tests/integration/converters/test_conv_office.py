@@ -1,0 +1,75 @@
+"""LibreOffice headless conversions (real soffice; the first start may take ~10 s)."""
+
+import pypdfium2 as pdfium
+from convhelpers import convert_all
+
+from conversion_jobs.converters import Limits, assemble_result, testdocs
+
+SLOW_START = Limits(page_timeout_s=30, prepare_timeout_s=120)
+
+
+def test_docx_to_text__contains_source_text(tmp_path):
+    source = testdocs.make_docx(
+        tmp_path / "in.docx", paragraphs=["Quire converts documents", "Second paragraph here"]
+    )
+    prepared, artifacts = convert_all(source, tmp_path, output="text", limits=SLOW_START)
+    assert prepared.media_type == "application/pdf"
+    assert prepared.document.is_file()
+    text = "\f".join(a.path.read_text(encoding="utf-8") for a in artifacts)
+    assert "Quire converts documents" in text
+    assert "Second paragraph here" in text
+    # The private LibreOffice profile and the copy of the input are gone.
+    office_dir = prepared.document.parent.parent
+    assert sorted(p.name for p in office_dir.iterdir()) == ["out"]
+
+
+def test_docx_to_pdf__pages_and_subset(tmp_path):
+    paragraphs = ["Alpha page", "Bravo page", "Charlie page"]
+    source = testdocs.make_docx(
+        tmp_path / "in.docx", paragraphs=paragraphs, page_break_after_each=True
+    )
+    prepared, artifacts = convert_all(source, tmp_path, output="pdf", limits=SLOW_START)
+    assert prepared.page_count == 3
+    for artifact, word in zip(artifacts, paragraphs, strict=True):
+        assert artifact.media_type == "application/pdf"
+        page_doc = pdfium.PdfDocument(str(artifact.path))
+        assert len(page_doc) == 1
+        assert word in page_doc[0].get_textpage().get_text_range()
+    full = tmp_path / "full.pdf"
+    assemble_result(
+        output="pdf",
+        pages=[(n, a.path) for n, a in enumerate(artifacts, start=1)],
+        dest=full,
+        prepared_document=prepared.document,
+    )
+    assert full.read_bytes() == prepared.document.read_bytes()
+    subset = tmp_path / "subset.pdf"
+    assemble_result(
+        output="pdf",
+        pages=[(3, artifacts[2].path), (1, artifacts[0].path)],
+        dest=subset,
+        prepared_document=prepared.document,
+    )
+    doc = pdfium.PdfDocument(str(subset))
+    texts = [doc[i].get_textpage().get_text_range() for i in range(len(doc))]
+    assert len(texts) == 2
+    assert "Alpha" in texts[0]
+    assert "Charlie" in texts[1]
+
+
+def test_odt_and_rtf_to_text(tmp_path):
+    odt = testdocs.make_odt(tmp_path / "in.odt", paragraphs=["Open document words"])
+    rtf = testdocs.make_rtf(tmp_path / "in.rtf", paragraphs=["Rich text words"])
+    for source, words in ((odt, "Open document words"), (rtf, "Rich text words")):
+        _prepared, artifacts = convert_all(
+            source, tmp_path / source.suffix[1:], output="text", limits=SLOW_START
+        )
+        assert words in artifacts[0].path.read_text(encoding="utf-8")
+
+
+def test_docx_to_png(tmp_path):
+    source = testdocs.make_docx(tmp_path / "in.docx", paragraphs=["Picture this"])
+    _prepared, artifacts = convert_all(
+        source, tmp_path, output="png", options={"dpi": 50}, limits=SLOW_START
+    )
+    assert artifacts[0].media_type == "image/png"
