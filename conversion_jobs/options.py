@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from typing import Any
 
 from conversion_jobs.exceptions import InvalidOptions
@@ -11,6 +12,10 @@ from conversion_jobs.exceptions import InvalidOptions
 DEFAULT_DPI = 150
 MIN_DPI = 36
 KNOWN = {"dpi", "pages", "allow_partial"}
+#: Converter fault injection for e2e tests (conversion_jobs/converters/isolation.py); the option
+#: exists only in a process started with QUIRE_ENABLE_TEST_FAULTS=1, and is rejected otherwise.
+TEST_FAULT = "_test_fault"
+TEST_FAULTS_ENV = "QUIRE_ENABLE_TEST_FAULTS"
 
 
 def normalize_options(raw: Any, *, output: str, max_dpi: int = 600) -> dict[str, Any]:
@@ -25,7 +30,8 @@ def normalize_options(raw: Any, *, output: str, max_dpi: int = 600) -> dict[str,
             raise InvalidOptions("options must be a JSON object") from exc
     if not isinstance(raw, dict):
         raise InvalidOptions("options must be a JSON object")
-    unknown = set(raw) - KNOWN
+    test_faults = os.environ.get(TEST_FAULTS_ENV) == "1"
+    unknown = set(raw) - KNOWN - ({TEST_FAULT} if test_faults else set())
     if unknown:
         raise InvalidOptions(f"unknown option(s): {', '.join(sorted(unknown))}")
 
@@ -42,11 +48,17 @@ def normalize_options(raw: Any, *, output: str, max_dpi: int = 600) -> dict[str,
     allow_partial = raw.get("allow_partial", True)
     if not isinstance(allow_partial, bool):
         raise InvalidOptions("allow_partial must be true or false")
-    return {
+    normalized: dict[str, Any] = {
         "dpi": dpi if output == "png" else None,
         "pages": pages,
         "allow_partial": allow_partial,
     }
+    if TEST_FAULT in raw:
+        fault = raw[TEST_FAULT]
+        if not isinstance(fault, dict) or not isinstance(fault.get("kind"), str):
+            raise InvalidOptions("_test_fault must be an object with a kind")
+        normalized[TEST_FAULT] = fault
+    return normalized
 
 
 def _parse_pages(value: Any) -> list[int]:

@@ -40,7 +40,7 @@ class QuireConsumer(Consumer):
 
 app = Celery("quire")
 app.config_from_object("django.conf:settings", namespace="CELERY")
-app.autodiscover_tasks(["tasks"], related_name=None, force=True)
+app.autodiscover_tasks(["tasks.conversion", "tasks.sweeps"], related_name=None)
 
 
 @worker_process_init.connect

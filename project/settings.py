@@ -182,18 +182,20 @@ if os.environ.get("CELERY_BROKER_URL"):
     }
 else:
     _broker_dir = VAR_DIR / "broker"
-    for _sub in ("queue", "processed"):
+    for _sub in ("queue", "processed", "control"):
         (_broker_dir / _sub).mkdir(parents=True, exist_ok=True)
     CELERY_BROKER_URL = "filesystem://"
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         "data_folder_in": str(_broker_dir / "queue"),
         "data_folder_out": str(_broker_dir / "queue"),
         "processed_folder": str(_broker_dir / "processed"),
+        "control_folder": str(_broker_dir / "control"),
         "store_processed": False,
     }
 
 AMQP_BROKER = CELERY_BROKER_URL.startswith(("amqp", "pyamqp"))
 CONVERSION_QUEUE = "conversion.v1"
+CONVERSION_EXCHANGE = "quire.conversion"
 SWEEP_QUEUE = "quire.sweeps"
 _quorum_args = {"x-queue-type": "quorum", "x-delivery-limit": 5, "x-dead-letter-exchange": "quire.dlx"}
 # The publisher only publishes (no configure permission), so queues are never declared by
@@ -201,7 +203,7 @@ _quorum_args = {"x-queue-type": "quorum", "x-delivery-limit": 5, "x-dead-letter-
 CELERY_TASK_QUEUES = (
     Queue(
         CONVERSION_QUEUE,
-        Exchange("quire.conversion", type="direct"),
+        Exchange(CONVERSION_EXCHANGE, type="direct"),
         routing_key=CONVERSION_QUEUE,
         queue_arguments=_quorum_args if AMQP_BROKER else None,
         no_declare=AMQP_BROKER,

@@ -268,8 +268,19 @@ class JobPageView(QuireView):
         job = self.job(job_id)
         if job.state not in TERMINAL_STATES:
             raise NotReady(job_state=job.state)
+        # A job that published no result (failed, cancelled) serves its finished pages only if
+        # its policy lets partial results survive (allow_partial, the default); otherwise it is
+        # all-or-nothing and nothing is published.
+        pages_survive = job.state in (State.SUCCEEDED, State.PARTIAL) or job.options.get(
+            "allow_partial", True
+        )
         checkpoint = selectors.page_checkpoint_list(job_id=job.id).filter(page_number=page).first()
-        if checkpoint is None or checkpoint.state != PageState.DONE or job.expired_at is not None:
+        if (
+            checkpoint is None
+            or checkpoint.state != PageState.DONE
+            or job.expired_at is not None
+            or not pages_survive
+        ):
             raise NotFound()
         ext = RESULT_EXT[job.output] if job.output != "png" else "png"
         return _artifact_response(

@@ -1,4 +1,8 @@
-"""Document converters (DESIGN §10), isolated per call in a child process (DESIGN §7.7).
+"""Document converters (DESIGN §10), isolated in child processes (DESIGN §7.7).
+
+``prepare`` starts one child per document and attempt; the document's pages are converted in
+that child (see ``sessions``). Call ``release(prepared)`` (or ``release()`` for all of the calling
+thread's sessions) when the attempt ends.
 
 Importing this package is cheap and Django-free; pypdfium2, Pillow, img2pdf, tesseract and
 LibreOffice are only ever used inside the child process.
@@ -18,6 +22,7 @@ from .errors import (
 )
 from .isolation import TEST_FAULTS_ENV, kill_process_group, process_group_members, run_isolated
 from .registry import capabilities, converter_for
+from .sessions import release
 from .sniff import sniff_media_type
 
 __all__ = [
@@ -41,6 +46,7 @@ __all__ = [
     "kill_process_group",
     "limits_description",
     "process_group_members",
+    "release",
     "run_isolated",
     "sniff_media_type",
 ]

@@ -32,6 +32,9 @@ EXIT_OUT_OF_MEMORY = 75
 #: Exit status of the child for any other unexpected exception (reported as converter_crashed).
 EXIT_UNEXPECTED = 70
 
+#: A converter child left idle this long (a worker that forgot to release it) ends itself.
+CHILD_IDLE_EXIT_S = 300.0
+
 #: PDF 1.7 (ISO 32000-1, annex C): a page side may not exceed 14 400 user units (200 in).
 MAX_PAGE_SIDE_PT = 14_400.0
 

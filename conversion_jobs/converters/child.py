@@ -1,9 +1,13 @@
-"""The isolated converter process: ``python -m conversion_jobs.converters.child REQUEST``.
+"""The isolated converter process: ``python -m conversion_jobs.converters.child``.
 
-Reads a JSON request, sets its own memory limit, runs one operation on untrusted input and writes
-``{"ok": true, "result": ...}`` or ``{"ok": false, "code": ..., "detail": ...}`` to the result
-file. A crash (signal, out of memory, unexpected exception) writes nothing and the parent reports
-``converter_crashed``. Never imports Django.
+A session: it reads one JSON request per line on stdin and answers each with one JSON line,
+``{"ok": true, "result": ...}`` or ``{"ok": false, "code": ..., "detail": ...}``, on the stdout
+it had at start (its own stdout then goes to stderr, so a library's stray print cannot break the
+protocol). The first request is ``setup``: the private directory (cwd, HOME, TMPDIR) and the
+limits (RLIMIT_AS, no core files). Between requests it keeps state that makes pages cheap, such as
+the open PDF (see ``pdfops``). A crash (signal, out of memory, unexpected exception) answers
+nothing and the parent reports ``converter_crashed``. End of stdin ends the process. Never imports
+Django.
 """
 
 from __future__ import annotations
@@ -14,14 +18,15 @@ import resource
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
-from .base import EXIT_OUT_OF_MEMORY, EXIT_UNEXPECTED, Limits
+from .base import CHILD_IDLE_EXIT_S, EXIT_OUT_OF_MEMORY, EXIT_UNEXPECTED, Limits
 from .errors import ConversionError, InvalidInput
 
-#: The child kills its own group this long after the parent's deadline, should the parent hang.
+#: The child kills its own group this long after a request's deadline, should the parent hang.
 WATCHDOG_GRACE_S = 10.0
 
 
@@ -65,6 +70,7 @@ def _op_probe(*, limits: Limits) -> dict:
         "rlimit_core": resource.getrlimit(resource.RLIMIT_CORE)[0],
         "django_loaded": any(name.split(".")[0] == "django" for name in sys.modules),
         "environ": sorted(os.environ),
+        "cwd": os.getcwd(),
     }
 
 
@@ -79,21 +85,46 @@ OPS = {
 PAGE_OPS = frozenset({"pdf_page", "image_page"})
 
 
-def _set_limits(memory_bytes: int) -> None:
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+class _Watch:
+    """What the watchdog thread looks at; written by the request loop."""
+
+    def __init__(self) -> None:
+        self.busy_until: float | None = None
+        self.idle_since = time.monotonic()
 
 
-def _start_watchdog(*, parent_pid: int, deadline: float) -> None:
-    """Kill this whole process group if the worker dies (e.g. SIGKILL) or stops watching us."""
+def _start_watchdog(watch: _Watch, *, parent_pid: int) -> None:
+    """Kill this whole process group if the worker dies (e.g. SIGKILL), stops watching a request
+    past its deadline, or leaves the session idle for too long."""
 
-    def watch() -> None:
+    def run() -> None:
         while True:
             time.sleep(0.25)
-            if os.getppid() != parent_pid or time.monotonic() > deadline:
+            now = time.monotonic()
+            busy_until = watch.busy_until
+            if (
+                os.getppid() != parent_pid
+                or (busy_until is not None and now > busy_until)
+                or (busy_until is None and now - watch.idle_since > CHILD_IDLE_EXIT_S)
+            ):
                 os.killpg(0, signal.SIGKILL)
 
-    threading.Thread(target=watch, name="quire-watchdog", daemon=True).start()
+    threading.Thread(target=run, name="quire-watchdog", daemon=True).start()
+
+
+def _setup(*, dir: str, limits: dict) -> Limits:  # noqa: A002
+    os.chdir(dir)
+    os.environ["HOME"] = os.environ["TMPDIR"] = dir
+    tempfile.tempdir = None
+    parsed = Limits(**limits)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    resource.setrlimit(resource.RLIMIT_AS, (parsed.memory_bytes, parsed.memory_bytes))
+    return parsed
+
+
+def _preload() -> None:
+    """Import the heavy libraries while the child waits as a spare, not while a page waits."""
+    from . import imageops, pdfops  # noqa: F401
 
 
 def _inject_fault(fault: dict, *, op: str, args: dict) -> None:
@@ -126,35 +157,46 @@ def _inject_fault(fault: dict, *, op: str, args: dict) -> None:
             time.sleep(3600)
 
 
-def main(argv: list[str]) -> int:
-    request = json.loads(Path(argv[1]).read_text())
-    limits = Limits(**request["limits"])
-    _set_limits(limits.memory_bytes)
-    _start_watchdog(
-        parent_pid=request["parent_pid"],
-        deadline=time.monotonic() + request["timeout_s"] + WATCHDOG_GRACE_S,
-    )
-    op, args = request["op"], request["args"]
+def _answer(request: dict, limits: Limits | None) -> tuple[dict, Limits | None]:
+    op, args = request["op"], request.get("args") or {}
     try:
+        if op == "setup":
+            return {"ok": True, "result": {"pid": os.getpid()}}, _setup(**args)
+        if limits is None:
+            raise RuntimeError("a request before setup")
         if request.get("fault"):
             _inject_fault(request["fault"], op=op, args=args)
-        outcome = {"ok": True, "result": OPS[op](**args, limits=limits)}
+        return {"ok": True, "result": OPS[op](**args, limits=limits)}, limits
     except ConversionError as exc:
-        outcome = {"ok": False, "code": exc.code, "detail": exc.detail}
-    except MemoryError:
-        os._exit(EXIT_OUT_OF_MEMORY)
-    result = Path(request["result"])
-    partial = result.with_name(result.name + ".tmp")
-    partial.write_text(json.dumps(outcome))
-    partial.replace(result)
-    return 0
+        return {"ok": False, "code": exc.code, "detail": exc.detail}, limits
+
+
+def main() -> int:
+    protocol = os.fdopen(os.dup(1), "wb", buffering=0)
+    os.dup2(2, 1)
+    requests = sys.stdin.buffer
+    watch = _Watch()
+    _start_watchdog(watch, parent_pid=os.getppid())
+    _preload()
+    limits: Limits | None = None
+    while True:
+        line = requests.readline()
+        if not line:
+            return 0  # the parent closed the session
+        request = json.loads(line)
+        watch.busy_until = time.monotonic() + float(request["timeout_s"]) + WATCHDOG_GRACE_S
+        outcome, limits = _answer(request, limits)
+        watch.idle_since = time.monotonic()
+        watch.busy_until = None
+        protocol.write(json.dumps(outcome).encode() + b"\n")
 
 
 if __name__ == "__main__":
     try:
-        sys.exit(main(sys.argv))
+        sys.exit(main())
     except MemoryError:
         os._exit(EXIT_OUT_OF_MEMORY)
     except Exception as exc:  # a bug or an unexpected library failure: report as a crash
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        sys.stderr.flush()
         os._exit(EXIT_UNEXPECTED)

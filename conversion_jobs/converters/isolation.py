@@ -1,12 +1,15 @@
-"""Run one converter operation in a child process in its own process group (DESIGN §7.7).
+"""Converter child processes in their own process group (DESIGN §7.7).
 
-The parent polls every 100 ms at most: the child finished -> read its result; the deadline
-passed -> kill the group, ConversionTimeout; ``should_stop()`` -> kill the group,
-ConversionStopped; the child died by a signal, ran out of memory or exited without a
-structured result -> ConverterCrashed (retryable). The group is killed with SIGKILL and
-awaited until none of its processes is left, also after a normal exit (LibreOffice forks).
-The child also kills its own group if the worker dies (watchdog thread), and sees a scrubbed
-environment (no worker secrets).
+A ``ChildSession`` is one long-lived child (``conversion_jobs.converters.child``) that answers
+requests (JSON lines over a pipe): set up, prepare a document, convert its pages one by one while
+keeping the document open. For every request the parent waits at most ``timeout_s`` and polls
+every 100 ms at most: an answer -> the result or the child's structured ConversionError; the
+deadline passed -> kill the group, ConversionTimeout; ``should_stop()`` -> kill the group,
+ConversionStopped; the child died by a signal, ran out of memory or ended without an answer ->
+ConverterCrashed (retryable). Any failure other than a structured error ends the session: the
+group is killed with SIGKILL and awaited until none of its processes is left (LibreOffice and
+tesseract fork), and its private directory is removed. The child also kills its own group if the
+worker dies (watchdog thread), and sees a scrubbed environment (no worker secrets).
 
 Test faults (honoured only when the *worker* process has QUIRE_ENABLE_TEST_FAULTS=1), passed as
 ``options["_test_fault"]`` to ``convert_page``; without "page" a fault applies to every page:
@@ -24,10 +27,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -43,6 +48,7 @@ logger = logging.getLogger(__name__)
 TEST_FAULTS_ENV = "QUIRE_ENABLE_TEST_FAULTS"
 POLL_MAX_S = 0.1
 GROUP_EXIT_WAIT_S = 5.0
+CHILD_MODULE = "conversion_jobs.converters.child"
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -52,6 +58,172 @@ def test_fault_from(options: dict | None) -> dict | None:
         return None
     fault = options.get("_test_fault")
     return dict(fault) if isinstance(fault, dict) else None
+
+
+def _child_env() -> dict[str, str]:
+    # The child sees none of the worker's secrets (database URL, broker credentials, keys).
+    # HOME and TMPDIR become its private directory at setup.
+    return {
+        "PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
+        "PYTHONPATH": str(_REPO_ROOT),
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "HOME": "/nonexistent",
+        "LANG": "C.UTF-8",
+        "OMP_THREAD_LIMIT": "1",
+    }
+
+
+class ChildSession:
+    """One isolated child process and its private directory. Not thread-safe: one user at a time.
+
+    Spawning does not wait for the child; ``setup`` (the first request) gives it its private
+    directory ``scratch_dir/.isolated-<hex>`` and its limits.
+    """
+
+    def __init__(self) -> None:
+        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the session
+        self.proc = subprocess.Popen(  # noqa: S603
+            [sys.executable, "-m", CHILD_MODULE],
+            env=_child_env(),
+            cwd="/",
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            start_new_session=True,
+            close_fds=True,
+            bufsize=0,
+        )
+        self.pgid = self.proc.pid
+        self.spawned_at = self.last_used = time.monotonic()
+        self.limits: Limits | None = None
+        self.private: Path | None = None
+        self.closed = False
+        self._buffer = b""
+
+    def usable(self, *, max_idle_s: float) -> bool:
+        return (
+            not self.closed
+            and not self._leader_exited()
+            and time.monotonic() - self.last_used < max_idle_s
+            and (self.private is None or self.private.is_dir())
+        )
+
+    def _leader_exited(self) -> bool:
+        # WNOWAIT: an exited leader stays a zombie until close(), so its pid (= our pgid) cannot
+        # be reused before the group is killed.
+        try:
+            flags = os.WEXITED | os.WNOHANG | os.WNOWAIT
+            return os.waitid(os.P_PID, self.proc.pid, flags) is not None
+        except ChildProcessError:
+            return True
+
+    def setup(
+        self, *, limits: Limits, scratch_dir: Path, should_stop: Callable[[], bool]
+    ) -> None:
+        private = Path(scratch_dir) / f".isolated-{uuid.uuid4().hex}"
+        private.mkdir(parents=True)
+        self.private, self.limits = private, limits
+        self.call(
+            "setup",
+            {"dir": str(private), "limits": asdict(limits)},
+            timeout_s=limits.page_timeout_s,
+            should_stop=should_stop,
+        )
+
+    def call(
+        self,
+        op: str,
+        args: dict,
+        *,
+        timeout_s: float,
+        should_stop: Callable[[], bool],
+        fault: dict | None = None,
+    ) -> dict:
+        """Send one request and wait for its answer; see the module docstring for failures."""
+        if self.closed:
+            raise ConverterCrashed("the converter session is closed")
+        try:
+            if should_stop():
+                raise ConversionStopped()
+            request = {"op": op, "args": args, "timeout_s": timeout_s, "fault": fault}
+            self._send(json.dumps(request).encode() + b"\n")
+            outcome = self._receive(timeout_s=timeout_s, should_stop=should_stop)
+        except BaseException:
+            self.close()
+            raise
+        self.last_used = time.monotonic()
+        if outcome["ok"]:
+            return outcome["result"]
+        raise error_from_code(outcome["code"], outcome.get("detail"))
+
+    def _send(self, data: bytes) -> None:
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[os.write(self.proc.stdin.fileno(), view) :]
+        except BrokenPipeError:
+            self._crashed()
+
+    def _receive(self, *, timeout_s: float, should_stop: Callable[[], bool]) -> dict:
+        deadline = time.monotonic() + timeout_s
+        next_check = time.monotonic() + POLL_MAX_S
+        fd = self.proc.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+        while (newline := self._buffer.find(b"\n")) < 0:
+            now = time.monotonic()
+            if now >= next_check:
+                if should_stop():
+                    raise ConversionStopped()
+                next_check = now + POLL_MAX_S
+            if now >= deadline:
+                raise ConversionTimeout(f"the converter did not finish within {timeout_s:g} s")
+            wait_s = max(0.0, min(next_check, deadline) - now)
+            if poller.poll(wait_s * 1000 + 1):
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    self._crashed()
+                self._buffer += chunk
+        line, self._buffer = self._buffer[:newline], self._buffer[newline + 1 :]
+        return json.loads(line)
+
+    def _crashed(self) -> None:
+        """The child ended (or closed its pipe) without answering: kill, reap, raise."""
+        self._kill()
+        returncode = self.proc.returncode
+        if returncode < 0:
+            number = -returncode
+            name = signal.Signals(number).name if number in signal.valid_signals() else ""
+            raise ConverterCrashed(f"the converter was killed by signal {number} {name}".strip())
+        if returncode == EXIT_OUT_OF_MEMORY:
+            memory = self.limits.memory_bytes if self.limits else "?"
+            raise ConverterCrashed(f"the converter ran out of memory (limit {memory} bytes)")
+        self._stderr.seek(0)
+        tail = self._stderr.read().decode("utf-8", "replace").strip().splitlines()[-1:]
+        raise ConverterCrashed(
+            f"the converter exited with status {returncode} {' '.join(tail)}".strip()
+        )
+
+    def _kill(self) -> None:
+        # The leader is not reaped before killpg, so its pid (= our pgid) cannot be reused.
+        kill_process_group(self.pgid, leader=self.proc)
+
+    def close(self) -> None:
+        """Kill the group, reap it, remove the private directory. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self._kill()
+        for stream in (self.proc.stdin, self.proc.stdout, self._stderr):
+            stream.close()
+        if self.private is not None:
+            shutil.rmtree(self.private, ignore_errors=True)
+
+    def __enter__(self) -> ChildSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def run_isolated(
@@ -64,94 +236,17 @@ def run_isolated(
     should_stop: Callable[[], bool] = lambda: False,
     fault: dict | None = None,
 ) -> dict:
-    """Run ``op`` in ``conversion_jobs.converters.child`` and return its result dict.
+    """Run ``op`` once in a fresh child and return its result dict; the child is gone after.
 
     Raises the child's structured ConversionError, or ConversionTimeout, ConversionStopped,
-    ConverterCrashed. ``scratch_dir`` holds the request, result and the child's TMPDIR; all
-    of it is removed before returning.
+    ConverterCrashed. ``scratch_dir`` holds the child's private directory; it is removed
+    before returning.
     """
-    private = Path(scratch_dir) / f".isolated-{uuid.uuid4().hex}"
-    private.mkdir(parents=True)
-    try:
-        request_path, result_path = private / "request.json", private / "result.json"
-        request_path.write_text(
-            json.dumps(
-                {
-                    "op": op,
-                    "args": args,
-                    "limits": asdict(limits),
-                    "timeout_s": timeout_s,
-                    "parent_pid": os.getpid(),
-                    "result": str(result_path),
-                    "fault": fault,
-                }
-            )
-        )
-        with open(private / "stderr", "wb") as stderr:
-            returncode = _run_and_wait(
-                [sys.executable, "-m", "conversion_jobs.converters.child", str(request_path)],
-                env=_child_env(private),
-                cwd=private,
-                stderr=stderr,
-                timeout_s=timeout_s,
-                should_stop=should_stop,
-            )
-        return _outcome(returncode, result_path, private / "stderr", limits)
-    finally:
-        shutil.rmtree(private, ignore_errors=True)
+    from .sessions import fresh_child
 
-
-def _child_env(private: Path) -> dict[str, str]:
-    # The child sees none of the worker's secrets (database URL, broker credentials, keys).
-    return {
-        "PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
-        "PYTHONPATH": str(_REPO_ROOT),
-        "PYTHONDONTWRITEBYTECODE": "1",
-        "HOME": str(private),
-        "TMPDIR": str(private),
-        "LANG": "C.UTF-8",
-        "OMP_THREAD_LIMIT": "1",
-    }
-
-
-def _run_and_wait(
-    argv: list[str],
-    *,
-    env: dict[str, str],
-    cwd: Path,
-    stderr,
-    timeout_s: float,
-    should_stop: Callable[[], bool],
-) -> int:
-    deadline = time.monotonic() + timeout_s
-    proc = subprocess.Popen(  # noqa: S603
-        argv,
-        env=env,
-        cwd=cwd,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=stderr,
-        start_new_session=True,
-        close_fds=True,
-    )
-    pgid = proc.pid
-    try:
-        delay = 0.005
-        while True:
-            # WNOWAIT: the leader stays a zombie, so its pid (= our pgid) cannot be reused
-            # before we have killed the rest of the group.
-            if os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
-                break
-            if should_stop():
-                raise ConversionStopped()
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise ConversionTimeout(f"the converter did not finish within {timeout_s:g} s")
-            time.sleep(min(delay, remaining))
-            delay = min(delay * 2, POLL_MAX_S)
-    finally:
-        kill_process_group(pgid, leader=proc)
-    return proc.returncode
+    with fresh_child() as session:
+        session.setup(limits=limits, scratch_dir=scratch_dir, should_stop=should_stop)
+        return session.call(op, args, timeout_s=timeout_s, should_stop=should_stop, fault=fault)
 
 
 def kill_process_group(pgid: int, *, leader: subprocess.Popen | None = None) -> None:
@@ -191,20 +286,3 @@ def process_group_members(pgid: int) -> list[int]:
     return members
 
 
-def _outcome(returncode: int, result_path: Path, stderr_path: Path, limits: Limits) -> dict:
-    if returncode < 0:
-        name = signal.Signals(-returncode).name if -returncode in signal.valid_signals() else ""
-        raise ConverterCrashed(f"the converter was killed by signal {-returncode} {name}".strip())
-    if returncode == EXIT_OUT_OF_MEMORY:
-        raise ConverterCrashed(
-            f"the converter ran out of memory (limit {limits.memory_bytes} bytes)"
-        )
-    if returncode == 0 and result_path.is_file():
-        outcome = json.loads(result_path.read_text())
-        if outcome["ok"]:
-            return outcome["result"]
-        raise error_from_code(outcome["code"], outcome.get("detail"))
-    tail = stderr_path.read_text(errors="replace").strip().splitlines()[-1:]
-    raise ConverterCrashed(
-        f"the converter exited with status {returncode} {' '.join(tail)}".strip()
-    )

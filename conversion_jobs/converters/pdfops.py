@@ -1,11 +1,14 @@
 """PDF work done inside the isolated child: open, count, extract text, render, split.
 
-Runs only in ``conversion_jobs.converters.child``; never import it in the worker.
+Runs only in ``conversion_jobs.converters.child``; never import it in the worker. The child keeps
+the last PDF it opened (``document``) so a session's pages do not re-parse the file; every page,
+text page and bitmap is closed as soon as its page is written, so memory stays flat.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import pypdfium2 as pdfium
@@ -26,20 +29,37 @@ def open_pdf(path: Path) -> pdfium.PdfDocument:
         raise InvalidInput(f"not a readable PDF ({exc})") from None
 
 
+_open: dict = {"key": None, "doc": None}
+
+
+def document(path: Path) -> pdfium.PdfDocument:
+    """The open document for ``path``, reused while the file is the same (size, mtime, inode)."""
+    st = os.stat(path)
+    key = (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    if _open["key"] != key:
+        close_document()
+        _open["doc"] = open_pdf(path)
+        _open["key"] = key
+    return _open["doc"]
+
+
+def close_document() -> None:
+    doc, _open["doc"], _open["key"] = _open["doc"], None, None
+    if doc is not None:
+        doc.close()
+
+
 def pdf_prepare(*, path: str, limits: Limits) -> dict:
     """Open the PDF, count its pages and reject absurd page sizes (whole-document checks)."""
-    doc = open_pdf(Path(path))
-    try:
-        count = len(doc)
-        if count < 1:
-            raise InvalidInput("the PDF has no pages")
-        if count > limits.max_pages:
-            raise InputTooLarge(f"{count} pages; the limit is {limits.max_pages}")
-        for index in range(count):
-            _check_page_size(doc, index)
-        return {"page_count": count}
-    finally:
-        doc.close()
+    doc = document(Path(path))
+    count = len(doc)
+    if count < 1:
+        raise InvalidInput("the PDF has no pages")
+    if count > limits.max_pages:
+        raise InputTooLarge(f"{count} pages; the limit is {limits.max_pages}")
+    for index in range(count):
+        _check_page_size(doc, index)
+    return {"page_count": count}
 
 
 def _check_page_size(doc: pdfium.PdfDocument, index: int) -> tuple[float, float]:
@@ -58,28 +78,30 @@ def _check_page_size(doc: pdfium.PdfDocument, index: int) -> tuple[float, float]
 
 
 def pdf_page(*, path: str, page: int, output: str, dpi: int, dest: str, limits: Limits) -> dict:
-    doc = open_pdf(Path(path))
-    try:
-        if not 1 <= page <= len(doc):
-            raise InvalidInput(f"page {page} does not exist (the document has {len(doc)})")
-        if output == "text":
-            return _text(doc, page, Path(dest))
-        if output == "png":
-            return _render(doc, page, dpi, Path(dest), limits)
-        if output == "pdf":
-            return _split(path, page, Path(dest))
-        raise ValueError(output)
-    finally:
-        doc.close()
+    doc = document(Path(path))
+    if not 1 <= page <= len(doc):
+        raise InvalidInput(f"page {page} does not exist (the document has {len(doc)})")
+    if output == "text":
+        return _text(doc, page, Path(dest))
+    if output == "png":
+        return _render(doc, page, dpi, Path(dest), limits)
+    if output == "pdf":
+        return _split(path, page, Path(dest))
+    raise ValueError(output)
 
 
 def _text(doc: pdfium.PdfDocument, page: int, dest: Path) -> dict:
+    pdf_page_obj = textpage = None
     try:
         pdf_page_obj = doc[page - 1]
         textpage = pdf_page_obj.get_textpage()
         text = textpage.get_text_range()
     except pdfium.PdfiumError as exc:
         raise InvalidInput(f"page {page}: cannot extract text ({exc})") from None
+    finally:
+        for handle in (textpage, pdf_page_obj):
+            if handle is not None:
+                handle.close()
     # pdfium separates lines with CRLF; the result is plain UTF-8 text with LF.
     text = text.replace("\r\n", "\n").replace("\r", "\n").replace("\x00", "")
     dest.write_text(text, encoding="utf-8")
@@ -100,6 +122,7 @@ def render_size(width_pt: float, height_pt: float, dpi: int, max_pixels: int) ->
 def _render(doc: pdfium.PdfDocument, page: int, dpi: int, dest: Path, limits: Limits) -> dict:
     dpi = max(1, min(int(dpi), limits.max_dpi))
     _check_page_size(doc, page - 1)
+    pdf_page_obj = bitmap = image = None
     try:
         pdf_page_obj = doc[page - 1]
         width, height = render_size(
@@ -112,9 +135,14 @@ def _render(doc: pdfium.PdfDocument, page: int, dpi: int, dest: Path, limits: Li
         flags = pdfium_c.FPDF_ANNOT | pdfium_c.FPDF_REVERSE_BYTE_ORDER
         pdfium_c.FPDF_RenderPageBitmap(bitmap, pdf_page_obj, 0, 0, width, height, 0, flags)
         image = bitmap.to_pil()
+        image.save(dest, format="PNG", compress_level=6)
     except pdfium.PdfiumError as exc:
         raise InvalidInput(f"page {page}: cannot render ({exc})") from None
-    image.save(dest, format="PNG", compress_level=6)
+    finally:
+        # The PIL image shares the bitmap's buffer: close it first, then the bitmap, the page.
+        for handle in (image, bitmap, pdf_page_obj):
+            if handle is not None:
+                handle.close()
     return {"media_type": PNG, "width": width, "height": height}
 
 

@@ -21,6 +21,7 @@ from .base import (
 )
 from .errors import InvalidInput, UnsupportedConversion
 from .isolation import run_isolated, test_fault_from
+from .sessions import forget, open_session, session_for
 from .sniff import sniff_media_type
 
 _SUFFIX = {"text": ".txt", "png": ".png", "pdf": ".pdf"}
@@ -31,6 +32,22 @@ def _check_magic(source: Path, media_type: str) -> None:
     actual = sniff_media_type(source)
     if actual != media_type:
         raise InvalidInput(f"the content is not {media_type} (detected: {actual or 'unknown'})")
+
+
+def _prepare_in_session(
+    *, op: str, source: Path, workdir: Path, limits: Limits, should_stop: Callable[[], bool]
+) -> dict:
+    """Prepare in a fresh child that then stays open for this document's pages."""
+    session = open_session(
+        document=Path(source), scratch_dir=workdir, limits=limits, should_stop=should_stop
+    )
+    try:
+        return session.call(
+            op, {"path": str(source)}, timeout_s=limits.prepare_timeout_s, should_stop=should_stop
+        )
+    except BaseException:
+        forget(session)
+        raise
 
 
 def _page_call(
@@ -50,18 +67,24 @@ def _page_call(
     dest = dest_dir / f"page-{page:04d}{_SUFFIX[output]}"
     dpi = int((options or {}).get("dpi") or DEFAULT_DPI)
     try:
-        result = run_isolated(
-            op=op,
-            args={
+        # The session of this document (the child keeps it open); a fresh child if an earlier
+        # page's failure killed it.
+        session = session_for(
+            document=prepared.document,
+            scratch_dir=dest_dir,
+            limits=limits,
+            should_stop=should_stop,
+        )
+        result = session.call(
+            op,
+            {
                 "path": str(prepared.document),
                 "page": page,
                 "output": output,
                 "dpi": max(1, min(dpi, limits.max_dpi)),
                 "dest": str(dest),
             },
-            limits=limits,
             timeout_s=limits.page_timeout_s,
-            scratch_dir=dest_dir,
             should_stop=should_stop,
             fault=test_fault_from(options),
         )
@@ -84,13 +107,8 @@ class PdfConverter:
 
     def prepare(self, *, source, media_type, workdir, limits, should_stop) -> Prepared:
         _check_magic(source, media_type)
-        result = run_isolated(
-            op="pdf_prepare",
-            args={"path": str(source)},
-            limits=limits,
-            timeout_s=limits.prepare_timeout_s,
-            scratch_dir=workdir,
-            should_stop=should_stop,
+        result = _prepare_in_session(
+            op="pdf_prepare", source=source, workdir=workdir, limits=limits, should_stop=should_stop
         )
         return Prepared(document=Path(source), media_type=PDF, page_count=result["page_count"])
 
@@ -123,13 +141,8 @@ class ImageConverter:
 
     def prepare(self, *, source, media_type, workdir, limits, should_stop) -> Prepared:
         _check_magic(source, media_type)
-        result = run_isolated(
-            op="image_prepare",
-            args={"path": str(source)},
-            limits=limits,
-            timeout_s=limits.prepare_timeout_s,
-            scratch_dir=workdir,
-            should_stop=should_stop,
+        result = _prepare_in_session(
+            op="image_prepare", source=source, workdir=workdir, limits=limits, should_stop=should_stop
         )
         return Prepared(
             document=Path(source), media_type=media_type, page_count=result["page_count"]

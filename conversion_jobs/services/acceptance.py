@@ -113,24 +113,20 @@ def conversion_job_accept(
     finally:
         upload.path.unlink(missing_ok=True)
 
-    try:
-        with transaction.atomic():
-            job = _insert_job(
-                tenant=tenant,
-                actor=actor,
-                media_type=media_type,
-                source_key=source_key,
-                upload=upload,
-                output=output,
-                options=options,
-                digest=digest,
-                traceparent=traceparent,
-                idempotency_key=idempotency_key,
-                fingerprint=fingerprint,
-            )
-        return Acceptance(job=job, created=True, replayed=False)
-    except _ExistingJob as existing:
-        return Acceptance(job=existing.job, created=False, replayed=existing.replayed)
+    with transaction.atomic():
+        return _insert_job(
+            tenant=tenant,
+            actor=actor,
+            media_type=media_type,
+            source_key=source_key,
+            upload=upload,
+            output=output,
+            options=options,
+            digest=digest,
+            traceparent=traceparent,
+            idempotency_key=idempotency_key,
+            fingerprint=fingerprint,
+        )
 
 
 class _ExistingJob(Exception):
@@ -151,7 +147,10 @@ def _insert_job(
     traceparent: str,
     idempotency_key: str | None,
     fingerprint: str,
-) -> ConversionJob:
+) -> Acceptance:
+    """Runs inside the acceptance transaction. A content-identity race lost to a concurrent
+    submit answers with the winner's job; the key (if any) is then bound to that job in this
+    same transaction, which must commit, so the answer is returned rather than raised."""
     job_id = uuid.uuid4()
     try:
         with transaction.atomic():
@@ -181,8 +180,11 @@ def _insert_job(
         if existing is None:  # it left the live/succeeded set meanwhile; the client retries
             raise InvalidRequest("a concurrent identical job changed state; retry") from exc
         if idempotency_key is not None:
-            _record_key(tenant=tenant, key=idempotency_key, fingerprint=fingerprint, job=existing)
-        raise _ExistingJob(existing, replayed=False) from exc
+            try:
+                _record_key(tenant=tenant, key=idempotency_key, fingerprint=fingerprint, job=existing)
+            except _ExistingJob as winner:
+                return Acceptance(job=winner.job, created=False, replayed=winner.replayed)
+        return Acceptance(job=existing, created=False, replayed=False)
 
     faults.hit("accept.after_job_insert")
     outbox = ConversionOutbox.objects.create(job=job, generation=1, traceparent=traceparent)
@@ -197,7 +199,7 @@ def _insert_job(
         lock_job=False,
     )
     outbox_publish_after_commit(outbox_id=outbox.id, job_id=job.id, generation=1, traceparent=traceparent)
-    return job
+    return Acceptance(job=job, created=True, replayed=False)
 
 
 def _record_key(*, tenant: str, key: str, fingerprint: str, job: ConversionJob) -> None:

@@ -38,6 +38,9 @@ def publish_conversion(*, job_id: uuid.UUID, generation: int, traceparent: str) 
         TASK_NAME,
         args=[str(job_id), generation],
         queue=settings.CONVERSION_QUEUE,
+        # Explicit: for a direct exchange Celery otherwise falls back to the default exchange,
+        # where the least-privilege publisher may not write.
+        exchange=settings.CONVERSION_EXCHANGE,
         routing_key=settings.CONVERSION_QUEUE,
         headers=headers,
         retry=False,
@@ -47,10 +50,13 @@ def publish_conversion(*, job_id: uuid.UUID, generation: int, traceparent: str) 
 
 
 def _error_code(exc: BaseException) -> str:
+    from kombu.exceptions import OperationalError as BrokerOperationalError
+
     name = type(exc).__name__
     if "Timeout" in name or isinstance(exc, TimeoutError):
         return "broker_timeout"
-    if isinstance(exc, OSError) or "Connection" in name:
+    # kombu wraps a refused or reset connection in its OperationalError.
+    if isinstance(exc, OSError | BrokerOperationalError) or "Connection" in name:
         return "broker_unreachable"
     return "publish_failed"
 

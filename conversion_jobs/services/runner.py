@@ -179,8 +179,22 @@ def _selected_pages(options: dict[str, Any], page_count: int) -> list[int]:
     return list(range(first, min(last, page_count) + 1))
 
 
+def _options_for_attempt(options: dict[str, Any], attempt_number: int) -> dict[str, Any]:
+    """The options given to the converter. A test fault (honoured only with
+    QUIRE_ENABLE_TEST_FAULTS=1, see converters/isolation.py) may say ``until_attempt``: it then
+    applies to the first N attempts of the job only, so "fail three times, then succeed" is a
+    property of the job's durable attempt counter, not of any worker's memory."""
+    fault = options.get("_test_fault")
+    if not isinstance(fault, dict) or "until_attempt" not in fault:
+        return options
+    if attempt_number > int(fault["until_attempt"]):
+        return {k: v for k, v in options.items() if k != "_test_fault"}
+    return {**options, "_test_fault": {**fault, "attempt": attempt_number}}
+
+
 def _convert(*, lease: Lease, heartbeat: Heartbeat, workdir: Path) -> str:
     job = _db_retry(lambda: ConversionJob.objects.get(id=lease.job_id), deadline_s=_ttl())
+    options = _options_for_attempt(job.options, lease.attempt_number)
     limits = limits_from_settings()
     converter = converters.converter_for(job.source_media_type, job.output)
     stop = heartbeat.stop.is_set
@@ -212,7 +226,7 @@ def _convert(*, lease: Lease, heartbeat: Heartbeat, workdir: Path) -> str:
                     prepared=prepared,
                     page=page,
                     output=job.output,
-                    options=job.options,
+                    options=options,
                     dest_dir=workdir,
                     limits=limits,
                     should_stop=stop,

@@ -13,11 +13,16 @@
 #   QUIRE_RMQ_PUBLISHER_USER / _PASSWORD   default quire_publisher / quire-publisher-dev
 #   QUIRE_RMQ_WORKER_USER    / _PASSWORD   default quire_worker    / quire-worker-dev
 #   QUIRE_RMQ_MONITOR_USER   / _PASSWORD   default quire_monitor   / quire-monitor-dev
+#   QUIRE_RMQ_ADMIN_USER / _PASSWORD       optional: an operator account (tag administrator,
+#                                          full permissions on "quire"); only when both are set.
+#                                          A node that loads definitions at boot creates no
+#                                          default guest user, so this is the way to get one.
 #   QUIRE_RMQ_HOST            host printed in the broker URLs     (default 127.0.0.1)
 #   QUIRE_RMQ_PORT            AMQP port printed in the URLs       (default 5672)
 #   QUIRE_RMQ_MGMT_URL        management API base URL             (default http://127.0.0.1:15672)
 #   QUIRE_RMQ_CONSUMER_TIMEOUT_MS  runtime consumer_timeout       (default 7200000 = 2 h)
 #   QUIRE_RMQ_WAIT_SECONDS    how long to wait for node / management API (default 120)
+#   QUIRE_RMQ_VHOST           vhost to apply to (default quire; others get a renamed copy of the definitions)
 #   QUIRE_RMQ_NODE            target node name for the CLI tools, e.g. rabbit@mq1 (default: local default)
 #   RABBITMQCTL, RABBITMQ_PLUGINS  CLI paths (default from PATH)
 #
@@ -26,7 +31,9 @@ set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 DEFINITIONS="${HERE}/definitions.json"
-VHOST="quire"   # fixed: definitions.json declares everything on this vhost
+# definitions.json declares everything on vhost "quire". QUIRE_RMQ_VHOST applies
+# the same topology to another vhost (e.g. an isolated test vhost).
+VHOST="${QUIRE_RMQ_VHOST:-quire}"
 
 RABBITMQCTL="${RABBITMQCTL:-rabbitmqctl}"
 RABBITMQ_PLUGINS="${RABBITMQ_PLUGINS:-rabbitmq-plugins}"
@@ -130,8 +137,19 @@ done
 
 # 3. Topology: vhost, exchanges, queues, bindings. ------------------------------
 # import_definitions only creates/updates; it never deletes, so re-running is safe.
-log "importing ${DEFINITIONS}"
-ctl import_definitions "${DEFINITIONS}" >/dev/null
+[[ "${VHOST}" =~ ^[A-Za-z0-9_.-]+$ ]] || die "QUIRE_RMQ_VHOST must match [A-Za-z0-9_.-]+"
+if [[ "${VHOST}" == "quire" ]]; then
+  log "importing ${DEFINITIONS}"
+  ctl import_definitions "${DEFINITIONS}" >/dev/null
+else
+  log "importing ${DEFINITIONS} into vhost ${VHOST}"
+  tmp_defs="$(mktemp "${TMPDIR:-/tmp}/quire-definitions.XXXXXX.json")"
+  trap 'rm -f "${tmp_defs}"' EXIT
+  sed -e "s/\"vhost\": \"quire\"/\"vhost\": \"${VHOST}\"/g" \
+      -e "s/{\"name\": \"quire\"}/{\"name\": \"${VHOST}\"}/" "${DEFINITIONS}" >"${tmp_defs}"
+  chmod 0644 "${tmp_defs}"
+  ctl import_definitions "${tmp_defs}" >/dev/null
+fi
 
 # 4. Users and permissions. -------------------------------------------------------
 existing_users="$(ctl list_users --no-table-headers 2>/dev/null | awk '{print $1}')"
@@ -158,6 +176,10 @@ ensure_user "${WORKER_USER}" "${WORKER_PASSWORD}" "" \
   "${WORKER_CONFIGURE}" "${WORKER_WRITE}" "${WORKER_READ}"
 ensure_user "${MONITOR_USER}" "${MONITOR_PASSWORD}" "monitoring" \
   "${MONITOR_CONFIGURE}" "${MONITOR_WRITE}" "${MONITOR_READ}"
+
+if [[ -n "${QUIRE_RMQ_ADMIN_USER:-}" && -n "${QUIRE_RMQ_ADMIN_PASSWORD:-}" ]]; then
+  ensure_user "${QUIRE_RMQ_ADMIN_USER}" "${QUIRE_RMQ_ADMIN_PASSWORD}" "administrator" '.*' '.*' '.*'
+fi
 
 for var in PUBLISHER WORKER MONITOR; do
   pw_var="QUIRE_RMQ_${var}_PASSWORD"

@@ -34,8 +34,8 @@ HOST = os.environ.get("QUIRE_RMQ_HOST", "127.0.0.1")
 PORT = int(os.environ.get("QUIRE_RMQ_PORT", "5672"))
 MGMT = os.environ.get("QUIRE_RMQ_MGMT_URL", "http://127.0.0.1:15672").rstrip("/")
 ADMIN = (
-    os.environ.get("QUIRE_RMQ_ADMIN_USER", "guest"),
-    os.environ.get("QUIRE_RMQ_ADMIN_PASSWORD", "guest"),
+    os.environ.get("QUIRE_TEST_MGMT_USER", "guest"),
+    os.environ.get("QUIRE_TEST_MGMT_PASSWORD", "guest"),
 )
 VHOST = "quire"
 
@@ -168,6 +168,13 @@ def get_one(conn: amqp.Connection, queue: str, timeout: float = 5.0):
 
 
 # --------------------------------------------------------------------------- fixtures
+@pytest.fixture(autouse=True)
+def _isolated_storage():
+    """Overrides tests/conftest.py's autouse fixture of the same name, which needs
+    pytest-django's ``settings``: this module touches no Django, so it also runs
+    under ``-p no:django``."""
+
+
 @pytest.fixture(scope="session")
 def applied() -> str:
     # Fail (never skip) when the broker is not there.

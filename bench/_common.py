@@ -1,0 +1,365 @@
+"""Shared benchmark helpers: a fresh Postgres database, a throwaway RabbitMQ vhost carrying the
+production topology, gunicorn started from the Procfile's ``web`` command, synthetic PDFs, a
+light keep-alive HTTP client, CPU accounting and percentiles.
+
+Benchmarks run by hand (DESIGN.md §13); nothing here is imported by the product or the tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV_BIN = ROOT / ".venv" / "bin"
+PYTHON = str(VENV_BIN / "python") if (VENV_BIN / "python").exists() else sys.executable
+PG_ADMIN_URL = os.environ.get("BENCH_PG_ADMIN_URL", "postgres://postgres@127.0.0.1:5432/postgres")
+
+
+# -- processes ------------------------------------------------------------------------------------
+
+
+def base_env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ.get('PATH', '')}"}
+    env.update(extra)
+    return env
+
+
+def run(cmd: list[str], *, env: dict[str, str] | None = None) -> str:
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)  # noqa: S603
+    if done.returncode != 0:
+        raise RuntimeError(f"{shlex.join(cmd)} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+    return done.stdout
+
+
+def procfile_command(name: str) -> str:
+    for line in (ROOT / "Procfile").read_text().splitlines():
+        if line.startswith(f"{name}:"):
+            return line.split(":", 1)[1].strip()
+    raise KeyError(f"no {name!r} process in the Procfile")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen[bytes]
+    port: int
+    log: Path
+
+    def worker_pids(self) -> list[int]:
+        out = subprocess.run(  # noqa: S603
+            ["ps", "-o", "pid=", "--ppid", str(self.proc.pid)],  # noqa: S607
+            capture_output=True, text=True, check=False,
+        ).stdout
+        return [int(p) for p in out.split()]
+
+
+@contextlib.contextmanager
+def gunicorn(*, env: dict[str, str], log: Path, ready_path: str = "/health/live") -> Iterator[Server]:
+    """The Procfile's ``web`` command, verbatim (bash expands its ``${VAR:-default}``)."""
+    port = free_port()
+    env = {**env, "QUIRE_BIND": f"127.0.0.1:{port}"}
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(  # noqa: S603
+            ["bash", "-c", "exec " + procfile_command("web")],  # noqa: S607
+            cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    server = Server(proc=proc, port=port, log=log)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"gunicorn exited ({proc.returncode}); see {log}")
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}{ready_path}", timeout=2):  # noqa: S310
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"gunicorn did not become ready; see {log}")
+            time.sleep(0.2)
+        yield server
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)  # graceful: the arbiter stops its own workers
+            try:
+                proc.wait(timeout=35)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+# -- Postgres -------------------------------------------------------------------------------------
+
+
+def recreate_database(name: str) -> str:
+    """Drop and create ``name``; returns its URL."""
+    import psycopg
+
+    if not re.fullmatch(r"[a-z_][a-z0-9_]*", name):
+        raise ValueError("database name")
+    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        conn.execute(f"CREATE DATABASE {name}")
+    return PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
+
+
+def drop_database(name: str) -> None:
+    import psycopg
+
+    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+def sql_scalar(url: str, query: str) -> object:
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute(query).fetchone()
+        return row[0] if row else None
+
+
+# -- RabbitMQ -------------------------------------------------------------------------------------
+
+
+def _rabbitmqctl(*args: str) -> str:
+    return run(["rabbitmqctl", "--quiet", *args])
+
+
+@contextlib.contextmanager
+def throwaway_vhost(*, user: str, password: str) -> Iterator[str]:
+    """A fresh vhost carrying ``deploy/rabbitmq/definitions.json`` (exchanges, quorum queue,
+    DLX, bindings) with ``user`` granted exactly its permissions on vhost ``quire``; deleted
+    afterwards, which also purges every message the benchmark published. Yields an AMQP URL.
+
+    A separate vhost, not ``quire`` itself: other processes (tests, workers) may be using the
+    shared ``conversion.v1`` queue, and a purge there would destroy their messages."""
+    import amqp
+
+    vhost = f"quire-bench-{uuid.uuid4().hex[:8]}"
+    _rabbitmqctl("add_vhost", vhost)
+    try:
+        _rabbitmqctl("set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
+        perms = None
+        for line in _rabbitmqctl("list_user_permissions", user).splitlines():
+            cols = line.split("\t")
+            if cols and cols[0] == "quire":
+                perms = cols[1:4]
+        if perms is None:
+            raise RuntimeError(f"{user} has no permissions on vhost quire: run deploy/rabbitmq/apply.sh")
+        _rabbitmqctl("set_permissions", "-p", vhost, "--", user, *perms)
+        defs = json.loads((ROOT / "deploy" / "rabbitmq" / "definitions.json").read_text())
+        conn = amqp.Connection("127.0.0.1:5672", userid="guest", password="guest", virtual_host=vhost)  # noqa: S106
+        conn.connect()
+        ch = conn.channel()
+        for ex in defs["exchanges"]:
+            ch.exchange_declare(ex["name"], ex["type"], durable=ex["durable"], auto_delete=ex["auto_delete"],
+                                arguments=ex["arguments"], passive=False)
+        for q in defs["queues"]:
+            ch.queue_declare(q["name"], durable=q["durable"], auto_delete=q["auto_delete"], arguments=q["arguments"])
+        for b in defs["bindings"]:
+            ch.queue_bind(b["destination"], b["source"], routing_key=b["routing_key"], arguments=b["arguments"])
+        conn.close()
+        yield f"amqp://{user}:{password}@127.0.0.1:5672/{vhost}"
+    finally:
+        _rabbitmqctl("delete_vhost", vhost)
+
+
+def queue_depth(vhost_url: str, queue: str) -> int:
+    vhost = vhost_url.rsplit("/", 1)[1]
+    for line in _rabbitmqctl("list_queues", "-p", vhost, "name", "messages").splitlines():
+        cols = line.split("\t")
+        if cols[0] == queue:
+            return int(cols[1])
+    return -1
+
+
+# -- documents ------------------------------------------------------------------------------------
+
+SLOT = b"@" * 32
+
+
+def pdf_template(size: int = 10 * 1024) -> tuple[bytes, int]:
+    """A valid one-page PDF of exactly ``size`` bytes whose text holds a 32-byte slot; returns
+    (bytes, slot offset). Filling the slot with 32 hex digits makes a unique document whose
+    xref offsets stay right."""
+
+    def build(pad: int) -> bytes:
+        text = b"BT /F1 12 Tf 72 720 Td (quire bench " + SLOT + b") Tj ET\n"
+        stream = text + b"% " + b"q" * pad + b"\n"
+        objs = [
+            b"<< /Type /Catalog /Pages 2 0 R >>",
+            b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
+            b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R "
+            b"/Resources << /Font << /F1 5 0 R >> >> >>",
+            b"<< /Length %d >>\nstream\n" % len(stream) + stream + b"endstream",
+            b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
+        ]
+        out = bytearray(b"%PDF-1.4\n")
+        offsets = []
+        for i, body in enumerate(objs, 1):
+            offsets.append(len(out))
+            out += b"%d 0 obj\n" % i + body + b"\nendobj\n"
+        xref = len(out)
+        out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objs) + 1)
+        for off in offsets:
+            out += b"%010d 00000 n \n" % off
+        out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objs) + 1, xref)
+        return bytes(out)
+
+    pad = 0
+    doc = build(pad)
+    while len(doc) != size:  # the xref offsets' digits are fixed-width, so this converges
+        pad += size - len(doc)
+        doc = build(pad)
+    return doc, doc.index(SLOT)
+
+
+# -- HTTP client ----------------------------------------------------------------------------------
+
+
+class HttpClient:
+    """One keep-alive HTTP/1.1 connection; requests are prebuilt bytes. Much lighter on the
+    client CPU than requests/httpx, so 16 of them do not compete with the server for 2 cores."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.sock: socket.socket | None = None
+        self.buf = b""
+
+    def _connect(self) -> socket.socket:
+        sock = socket.create_connection(("127.0.0.1", self.port), timeout=30)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buf = b""
+        return sock
+
+    def request(self, raw: bytes) -> tuple[int, dict[bytes, bytes], bytes]:
+        for attempt in (0, 1):
+            if self.sock is None:
+                self.sock = self._connect()
+            try:
+                self.sock.sendall(raw)
+                return self._read_response()
+            except (ConnectionError, TimeoutError, _Closed):
+                self.close()
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _read_response(self) -> tuple[int, dict[bytes, bytes], bytes]:
+        assert self.sock is not None
+        while b"\r\n\r\n" not in self.buf:
+            self._fill()
+        head, self.buf = self.buf.split(b"\r\n\r\n", 1)
+        lines = head.split(b"\r\n")
+        status = int(lines[0].split(b" ", 2)[1])
+        headers = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(b":")
+            headers[name.strip().lower()] = value.strip()
+        length = int(headers.get(b"content-length", b"0"))
+        while len(self.buf) < length:
+            self._fill()
+        body, self.buf = self.buf[:length], self.buf[length:]
+        if headers.get(b"connection", b"").lower() == b"close":
+            self.close()
+        return status, headers, body
+
+    def _fill(self) -> None:
+        assert self.sock is not None
+        chunk = self.sock.recv(65536)
+        if not chunk:
+            raise _Closed()
+        self.buf += chunk
+
+    def close(self) -> None:
+        if self.sock is not None:
+            with contextlib.suppress(OSError):
+                self.sock.close()
+            self.sock = None
+
+
+class _Closed(Exception):
+    pass
+
+
+def multipart(fields: list[tuple[str, bytes, str | None]], boundary: str) -> bytes:
+    """``(name, value, filename or None)`` parts -> a multipart/form-data body."""
+    out = bytearray()
+    for name, value, filename in fields:
+        out += f"--{boundary}\r\n".encode()
+        if filename is None:
+            out += f'Content-Disposition: form-data; name="{name}"\r\n\r\n'.encode()
+        else:
+            out += (
+                f'Content-Disposition: form-data; name="{name}"; filename="{filename}"\r\n'
+                "Content-Type: application/pdf\r\n\r\n"
+            ).encode()
+        out += value + b"\r\n"
+    out += f"--{boundary}--\r\n".encode()
+    return bytes(out)
+
+
+# -- measurement ----------------------------------------------------------------------------------
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank percentile of an already sorted list (q in 0..100)."""
+    if not sorted_values:
+        return float("nan")
+    rank = max(1, -(-len(sorted_values) * q // 100))
+    return sorted_values[int(rank) - 1]
+
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def proc_cpu_s(pid: int) -> float:
+    """utime + stime of one process (seconds); 0 if it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def machine_cpu() -> tuple[float, float]:
+    """(busy, total) jiffies of the whole machine since boot."""
+    vals = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = vals[3] + vals[4]
+    return float(sum(vals) - idle), float(sum(vals))
+
+
+def pids_named(pattern: str) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True, check=False).stdout  # noqa: S603, S607
+    return [int(p) for p in out.split()]
+
+
+def py_spy_record(pids: list[int], *, seconds: float, out_dir: Path) -> list[subprocess.Popen[bytes]]:
+    """``py-spy record`` (collapsed stacks, wall-clock incl. idle) of each pid for ``seconds``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spy = str(VENV_BIN / "py-spy") if (VENV_BIN / "py-spy").exists() else "py-spy"
+    return [
+        subprocess.Popen(  # noqa: S603
+            [spy, "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", "250",
+             "--format", "raw", "--nonblocking", "--output", str(out_dir / f"worker-{pid}.txt")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        for pid in pids
+    ]

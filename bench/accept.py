@@ -1,0 +1,290 @@
+"""Acceptance throughput over the real HTTP stack, against a same-run baseline (issue 2).
+
+    .venv/bin/python bench/accept.py [--clients 16] [--warm 5] [--measure 20]
+
+What runs:
+
+* a fresh Postgres database ``quire_bench`` (dropped and migrated by this script);
+* a throwaway RabbitMQ vhost carrying ``deploy/rabbitmq/definitions.json``, published to as the
+  least-privilege ``quire_publisher`` (its ``quire`` permissions copied); deleting the vhost at
+  the end purges everything published;
+* gunicorn from the Procfile's ``web`` command (gthread; ``WEB_CONCURRENCY`` x ``WEB_THREADS``);
+* phase 1, baseline: a bare Django view that inserts one row (``bench/baseline_app``), served by
+  the same gunicorn command with the same request bytes;
+* phase 2, Quire: ``POST /api/v1/jobs`` with a unique 10 KB PDF per request (``output=text``, an
+  ``Idempotency-Key`` on every request), 10 % of requests replaying an earlier key + document.
+  Tenant quota and global capacity are raised so nothing is rejected.
+
+Each phase: ``--clients`` threads on keep-alive connections, ``--warm`` seconds discarded, then
+``--measure`` seconds measured. Prints accepted/s, p50/p99 latency, the ratio to the baseline,
+and the CPU used by the client, gunicorn, Postgres, RabbitMQ and the whole machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common as c  # noqa: E402
+
+DB_NAME = "quire_bench"
+BASELINE_SETTINGS = "bench.baseline_app.settings"
+TARGETS = {"accepted_per_s": 600.0, "p99_ms": 80.0, "ratio": 0.5}
+
+
+@dataclass
+class PhaseResult:
+    name: str
+    seconds: float
+    by_status: dict[int, int] = field(default_factory=dict)
+    latencies_ms: list[float] = field(default_factory=list)
+    new_latencies_ms: list[float] = field(default_factory=list)
+    cpu: dict[str, float] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+
+    def rate(self, status: int) -> float:
+        return self.by_status.get(status, 0) / self.seconds
+
+    def pct(self, q: float, *, new_only: bool = False) -> float:
+        return c.percentile(self.new_latencies_ms if new_only else self.latencies_ms, q)
+
+
+class RequestFactory:
+    """Prebuilt request bytes: headers + multipart body around a unique 10 KB PDF."""
+
+    def __init__(self, *, path: str, token: str, port: int) -> None:
+        self.doc, self.slot = c.pdf_template(10 * 1024)
+        self.path, self.token, self.port = path, token, port
+        self.boundary = "quirebench" + uuid.uuid4().hex
+
+    def build(self) -> bytes:
+        uid = uuid.uuid4().hex.encode()
+        doc = self.doc[: self.slot] + uid + self.doc[self.slot + len(uid) :]
+        body = c.multipart(
+            [("output", b"text", None), ("file", doc, "bench.pdf")], self.boundary
+        )
+        head = (
+            f"POST {self.path} HTTP/1.1\r\n"
+            f"Host: 127.0.0.1:{self.port}\r\n"
+            f"Authorization: Bearer {self.token}\r\n"
+            f"Idempotency-Key: bench-{uid.decode()}\r\n"
+            f"Content-Type: multipart/form-data; boundary={self.boundary}\r\n"
+            f"Content-Length: {len(body)}\r\n"
+            "Connection: keep-alive\r\n\r\n"
+        )
+        return head.encode() + body
+
+
+def drive(
+    *, name: str, port: int, factories: list[RequestFactory], clients: int, warm: float,
+    measure: float, replay: float, server: c.Server, ok: set[int], profile_dir: Path | None = None,
+) -> PhaseResult:
+    result = PhaseResult(name=name, seconds=measure)
+    lock = threading.Lock()
+    start_evt = threading.Event()
+    t0 = 0.0
+    stop_at = 0.0
+
+    def client(i: int) -> None:
+        rng = random.Random(i)  # noqa: S311
+        http = c.HttpClient(port)
+        factory = factories[i % len(factories)]
+        sent: list[bytes] = []
+        local: list[tuple[float, float, int, bool]] = []
+        errors: list[str] = []
+        start_evt.wait()
+        while True:
+            is_replay = bool(sent) and rng.random() < replay
+            raw = rng.choice(sent) if is_replay else factory.build()
+            began = time.perf_counter()
+            if began >= stop_at:
+                break
+            try:
+                status, _, body = http.request(raw)
+            except Exception as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
+                continue
+            ended = time.perf_counter()
+            if status not in ok and len(errors) < 5:
+                errors.append(f"{status}: {body[:200]!r}")
+            if not is_replay and status in ok:
+                sent.append(raw)
+                if len(sent) > 200:
+                    sent.pop(0)
+            local.append((began, (ended - began) * 1000, status, not is_replay))
+        http.close()
+        with lock:
+            for began, ms, status, new in local:
+                if t0 + warm <= began < stop_at:
+                    result.by_status[status] = result.by_status.get(status, 0) + 1
+                    result.latencies_ms.append(ms)
+                    if new:
+                        result.new_latencies_ms.append(ms)
+            result.errors.extend(errors)
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
+    for t in threads:
+        t.start()
+    t0 = time.perf_counter()
+    stop_at = t0 + warm + measure
+    start_evt.set()
+    time.sleep(warm)
+    snap0 = _cpu_snapshot(server)
+    spies = c.py_spy_record(server.worker_pids(), seconds=measure, out_dir=profile_dir) if profile_dir else []
+    time.sleep(measure)
+    snap1 = _cpu_snapshot(server)
+    for spy in spies:
+        spy.wait()
+    for t in threads:
+        t.join()
+    result.latencies_ms.sort()
+    result.new_latencies_ms.sort()
+    busy = snap1["machine_busy"] - snap0["machine_busy"]
+    total = snap1["machine_total"] - snap0["machine_total"]
+    ncpu = os.cpu_count() or 1
+    for key in ("client", "gunicorn", "postgres", "rabbitmq"):
+        result.cpu[key] = (snap1[key] - snap0[key]) / measure
+    result.cpu["machine"] = busy / total * ncpu if total else float("nan")
+    return result
+
+
+def _cpu_snapshot(server: c.Server) -> dict[str, float]:
+    busy, total = c.machine_cpu()
+    return {
+        "client": time.process_time(),
+        "gunicorn": sum(c.proc_cpu_s(p) for p in [server.proc.pid, *server.worker_pids()]),
+        "postgres": sum(c.proc_cpu_s(p) for p in c.pids_named("^postgres")),
+        "rabbitmq": sum(c.proc_cpu_s(p) for p in c.pids_named("beam.smp")),
+        "machine_busy": busy,
+        "machine_total": total,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--warm", type=float, default=5.0, help="seconds discarded per phase")
+    parser.add_argument("--measure", type=float, default=20.0, help="seconds measured per phase")
+    parser.add_argument("--replay", type=float, default=0.10, help="share of idempotent replays")
+    parser.add_argument("--tenants", type=int, default=4)
+    parser.add_argument("--skip-baseline", action="store_true")
+    parser.add_argument("--keep", action="store_true", help="keep the database and storage")
+    parser.add_argument("--py-spy", type=Path, metavar="DIR",
+                        help="record the Quire phase's gunicorn workers with py-spy into DIR")
+    args = parser.parse_args()
+
+    workers = os.environ.setdefault("WEB_CONCURRENCY", "2")
+    threads = os.environ.setdefault("WEB_THREADS", "8")
+    publisher = os.environ.get("QUIRE_RMQ_PUBLISHER_USER", "quire_publisher")
+    password = os.environ.get("QUIRE_RMQ_PUBLISHER_PASSWORD", "quire-publisher-dev")
+    load_before = os.getloadavg()
+
+    db_url = c.recreate_database(DB_NAME)
+    storage = Path(tempfile.mkdtemp(prefix="quire-bench-"))
+    env = c.base_env(
+        DATABASE_URL=db_url,
+        QUIRE_STORAGE_DIR=str(storage / "storage"),
+        QUIRE_WORK_DIR=str(storage / "work"),
+        QUIRE_VAR_DIR=str(storage / "var"),
+        QUIRE_TENANT_QUOTA=str(10**9),
+        QUIRE_GLOBAL_CAPACITY=str(10**9),
+        QUIRE_LOG_LEVEL=os.environ.get("QUIRE_LOG_LEVEL", "WARNING"),
+        WEB_CONCURRENCY=workers,
+        WEB_THREADS=threads,
+    )
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    try:
+        with c.throwaway_vhost(user=publisher, password=password) as broker_url:
+            env["CELERY_BROKER_URL"] = broker_url
+            c.run([c.PYTHON, "manage.py", "migrate", "--noinput", "-v", "0"],
+                  env={**env, "DJANGO_SETTINGS_MODULE": BASELINE_SETTINGS})
+            tokens = [
+                c.run([c.PYTHON, "manage.py", "mint_token", "--tenant", f"bench-{n}", "--scope", "jobs:submit"],
+                      env=env).strip()
+                for n in range(args.tenants)
+            ]
+            baseline = None
+            if not args.skip_baseline:
+                with c.gunicorn(env={**env, "DJANGO_SETTINGS_MODULE": BASELINE_SETTINGS},
+                                log=storage / "gunicorn-baseline.log") as server:
+                    factories = [RequestFactory(path="/bench/baseline", token=t, port=server.port) for t in tokens]
+                    baseline = drive(name="baseline", port=server.port, factories=factories,
+                                     clients=args.clients, warm=args.warm, measure=args.measure,
+                                     replay=0.0, server=server, ok={201})
+            with c.gunicorn(env={**env, "DJANGO_SETTINGS_MODULE": "project.settings"},
+                            log=storage / "gunicorn-quire.log") as server:
+                factories = [RequestFactory(path="/api/v1/jobs", token=t, port=server.port) for t in tokens]
+                quire = drive(name="quire", port=server.port, factories=factories, clients=args.clients,
+                              warm=args.warm, measure=args.measure, replay=args.replay, server=server,
+                              ok={200, 202}, profile_dir=args.py_spy)
+            time.sleep(1.0)
+            jobs = c.sql_scalar(db_url, "SELECT count(*) FROM conversion_job")
+            unpublished = c.sql_scalar(db_url, "SELECT count(*) FROM conversion_outbox WHERE published_at IS NULL")
+            queued_msgs = c.queue_depth(broker_url, "conversion.v1")
+    finally:
+        if not args.keep:
+            shutil.rmtree(storage, ignore_errors=True)
+            c.drop_database(DB_NAME)
+
+    report(args=args, baseline=baseline, quire=quire, workers=workers, threads=threads,
+           load_before=load_before, jobs=jobs, unpublished=unpublished, queued_msgs=queued_msgs,
+           storage=storage)
+    return 0
+
+
+def report(*, args, baseline, quire, workers, threads, load_before, jobs, unpublished, queued_msgs, storage) -> None:  # type: ignore[no-untyped-def]  # noqa: ANN001
+    print()
+    print(f"gunicorn gthread: WEB_CONCURRENCY={workers} WEB_THREADS={threads}; clients={args.clients}; "
+          f"warm {args.warm:g} s + measure {args.measure:g} s per phase; cores={os.cpu_count()}; "
+          f"load average before {load_before[0]:.2f}")
+    print()
+    header = f"{'phase':<10} {'ok/s':>8} {'new/s':>8} {'replay/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'errors':>7}"
+    print(header)
+    print("-" * len(header))
+    rows = [r for r in (baseline, quire) if r is not None]
+    for r in rows:
+        new_status = 201 if r.name == "baseline" else 202
+        replay_status = 0 if r.name == "baseline" else 200
+        ok = r.rate(new_status) + (r.rate(replay_status) if replay_status else 0)
+        bad = sum(n for s, n in r.by_status.items() if s not in (new_status, replay_status)) + len(r.errors)
+        print(f"{r.name:<10} {ok:>8.1f} {r.rate(new_status):>8.1f} {r.rate(replay_status) if replay_status else 0:>9.1f} "
+              f"{r.pct(50):>8.1f} {r.pct(99):>8.1f} {r.latencies_ms[-1] if r.latencies_ms else float('nan'):>8.1f} {bad:>7}")
+    print()
+    print("CPU (cores busy over the measured window):")
+    print(f"{'phase':<10} {'client':>7} {'gunicorn':>9} {'postgres':>9} {'rabbitmq':>9} {'machine':>8}")
+    for r in rows:
+        cpu = r.cpu
+        print(f"{r.name:<10} {cpu['client']:>7.2f} {cpu['gunicorn']:>9.2f} {cpu['postgres']:>9.2f} "
+              f"{cpu['rabbitmq']:>9.2f} {cpu['machine']:>8.2f}")
+    print()
+    accepted = quire.rate(202)
+    p99 = quire.pct(99)
+    ratio = accepted / baseline.rate(201) if baseline and baseline.rate(201) else float("nan")
+    print(f"accepted jobs/s          {accepted:8.1f}   target >= {TARGETS['accepted_per_s']:.0f}   "
+          f"{'OK' if accepted >= TARGETS['accepted_per_s'] else 'MISSED'}")
+    print(f"p50 / p99 latency (all)  {quire.pct(50):5.1f} / {p99:5.1f} ms   target p99 <= {TARGETS['p99_ms']:.0f}   "
+          f"{'OK' if p99 <= TARGETS['p99_ms'] else 'MISSED'}")
+    print(f"p50 / p99 latency (new)  {quire.pct(50, new_only=True):5.1f} / {quire.pct(99, new_only=True):5.1f} ms")
+    print(f"ratio to baseline        {ratio:8.2f}   target >= {TARGETS['ratio']}   "
+          f"{'OK' if ratio >= TARGETS['ratio'] else 'MISSED'}")
+    print(f"database: {jobs} jobs, {unpublished} outbox rows unpublished; conversion.v1 holds {queued_msgs} messages")
+    for r in rows:
+        for err in r.errors[:5]:
+            print(f"  {r.name} error: {err}")
+    if args.keep:
+        print(f"kept: database {DB_NAME}, storage and gunicorn logs under {storage}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""Which child session serves which document (DESIGN §7.7).
+
+Each worker thread has at most one session: ``open_session`` (called by ``prepare``) always
+starts a fresh child for the document and ends the thread's previous sessions, so an attempt never
+inherits a child from an earlier attempt. ``session_for`` (called per page) returns the thread's
+session for the same document and limits, or a fresh one (private directory in the page's
+``dest_dir``) after a failure killed it or its directory was removed. ``release`` ends the calling thread's sessions; the worker calls it when an attempt ends.
+
+To take the child's start-up (interpreter, pypdfium2, Pillow) off the page path, ``release`` leaves
+one *spare* child per process: spawned but never set up, it has seen no input and no directory,
+and becomes the next session of whichever thread needs one. A spare or a session idle longer than
+``MAX_IDLE_S`` is replaced (the child ends itself after ``CHILD_IDLE_EXIT_S``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from .base import CHILD_IDLE_EXIT_S, Limits
+from .isolation import ChildSession
+
+MAX_IDLE_S = CHILD_IDLE_EXIT_S / 2
+
+_lock = threading.Lock()
+_owner_pid = os.getpid()
+#: (thread ident, document, limits) -> session
+_sessions: dict[tuple, ChildSession] = {}
+_spare: ChildSession | None = None
+
+
+def _forked() -> None:
+    """After a fork the parent's children are not ours to use or kill: forget them."""
+    global _owner_pid, _spare
+    if os.getpid() != _owner_pid:
+        _owner_pid, _spare = os.getpid(), None
+        _sessions.clear()
+
+
+def fresh_child() -> ChildSession:
+    """The spare child if there is a usable one, else a newly spawned child. Not set up."""
+    global _spare
+    with _lock:
+        _forked()
+        spare, _spare = _spare, None
+    if spare is not None and spare.usable(max_idle_s=MAX_IDLE_S):
+        return spare
+    if spare is not None:
+        spare.close()
+    return ChildSession()
+
+
+def warm() -> None:
+    """Spawn the spare child now (it starts in the background) unless there is one."""
+    global _spare
+    with _lock:
+        _forked()
+        if _spare is not None and _spare.usable(max_idle_s=MAX_IDLE_S):
+            return
+        stale, _spare = _spare, ChildSession()
+    if stale is not None:
+        stale.close()
+
+
+def _key(document: Path, limits: Limits) -> tuple:
+    return (threading.get_ident(), str(document), limits)
+
+
+def _take_thread_sessions(keep: tuple | None = None, document: Path | None = None) -> list:
+    """Remove and return this thread's sessions (of ``document`` if given), except ``keep``,
+    and any session of a thread that no longer exists. Caller holds the lock."""
+    me = threading.get_ident()
+    living = {thread.ident for thread in threading.enumerate()}
+    taken = []
+    for key in list(_sessions):
+        owner, path = key[0], key[1]
+        mine = owner == me and (document is None or path == str(document))
+        if key != keep and (mine or owner not in living):
+            taken.append(_sessions.pop(key))
+    return taken
+
+
+def open_session(
+    *, document: Path, scratch_dir: Path, limits: Limits, should_stop: Callable[[], bool]
+) -> ChildSession:
+    """A fresh, set-up child for ``document``; the calling thread's other sessions end."""
+    key = _key(document, limits)
+    with _lock:
+        _forked()
+        old = _take_thread_sessions()
+    for session in old:
+        session.close()
+    session = fresh_child()
+    try:
+        session.setup(limits=limits, scratch_dir=scratch_dir, should_stop=should_stop)
+    except BaseException:
+        session.close()
+        raise
+    with _lock:
+        _sessions[key] = session
+    return session
+
+
+def session_for(
+    *, document: Path, scratch_dir: Path, limits: Limits, should_stop: Callable[[], bool]
+) -> ChildSession:
+    """The calling thread's live session for ``document``, or a fresh one."""
+    key = _key(document, limits)
+    with _lock:
+        _forked()
+        session = _sessions.get(key)
+    if session is not None and session.usable(max_idle_s=MAX_IDLE_S):
+        return session
+    return open_session(
+        document=document, scratch_dir=scratch_dir, limits=limits, should_stop=should_stop
+    )
+
+
+def forget(session: ChildSession) -> None:
+    """Close ``session`` and drop it from the cache (e.g. its prepare failed)."""
+    with _lock:
+        for key in [k for k, s in _sessions.items() if s is session]:
+            del _sessions[key]
+    session.close()
+
+
+def release(prepared=None, *, spare: bool = True) -> None:
+    """End the calling thread's child sessions (only those of ``prepared.document`` if given):
+    kill their process groups and remove their private directories. Then, with ``spare``, start
+    a spare child for the next attempt. Safe to call more than once or with nothing open."""
+    document = getattr(prepared, "document", None)
+    with _lock:
+        _forked()
+        taken = _take_thread_sessions(document=document)
+    for session in taken:
+        session.close()
+    if spare:
+        warm()
+
+
+def release_all() -> None:
+    """End every session and the spare of this process (at exit)."""
+    global _spare
+    with _lock:
+        if os.getpid() != _owner_pid:
+            return
+        taken = list(_sessions.values())
+        _sessions.clear()
+        if _spare is not None:
+            taken.append(_spare)
+            _spare = None
+    for session in taken:
+        session.close()
+
+
+atexit.register(release_all)

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Installs everything Quire needs on a fresh Debian machine (idempotent): LibreOffice and
+# tesseract from Debian, a virtualenv with the project and its dev extras.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_apt=()
+command -v soffice >/dev/null 2>&1 || need_apt+=(libreoffice-writer-nogui libreoffice-calc-nogui libreoffice-impress-nogui)
+command -v tesseract >/dev/null 2>&1 || need_apt+=(tesseract-ocr tesseract-ocr-eng)
+if [ ${#need_apt[@]} -gt 0 ]; then
+    echo "setup: installing ${need_apt[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+fi
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+.venv/bin/python -m pip install -q -e ".[dev]" 2>&1 | grep -v -i "warning" || true
+.venv/bin/python -c "import django, celery, pypdfium2" # fail here, not later, if the install broke
+echo "setup: ok ($(.venv/bin/python --version))"

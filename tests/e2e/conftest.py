@@ -1,0 +1,165 @@
+"""e2e fixtures: the RabbitMQ topology (applied once per session), empty business queues before
+each test, and a :class:`~tests.e2e.harness.Cluster` of real Procfile processes pointed at the
+pytest-django test database and the test's storage directories.
+
+Under ``CI=true`` a missing broker or database fails the test; it never skips.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.e2e import harness
+
+CI = os.environ.get("CI", "").lower() == "true"
+
+
+def _missing(reason: str) -> None:
+    if CI:
+        pytest.fail(f"e2e service missing under CI=true: {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def rabbitmq_topology() -> str:
+    try:
+        return harness.topology_ensure()
+    except Exception as exc:
+        _missing(f"RabbitMQ topology unavailable: {exc}")
+        raise
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[Any]:
+    report = yield
+    setattr(item, f"rep_{report.when}", report)
+    return report
+
+
+@pytest.fixture
+def e2e_settings(settings: Any, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """Short timings and test faults in this process too (acceptance validates ``_test_fault``,
+    install_beat_schedule reads the sweep interval)."""
+    monkeypatch.setenv("QUIRE_ENABLE_TEST_FAULTS", "1")
+    settings.QUIRE = {
+        **settings.QUIRE,
+        "LEASE_S": float(harness.TEST_TIMINGS["QUIRE_LEASE_S"]),
+        "HEARTBEAT_S": float(harness.TEST_TIMINGS["QUIRE_HEARTBEAT_S"]),
+        "SWEEP_INTERVAL_S": float(harness.TEST_TIMINGS["QUIRE_SWEEP_INTERVAL_S"]),
+        "BACKOFF_BASE_S": float(harness.TEST_TIMINGS["QUIRE_BACKOFF_BASE_S"]),
+        "DISPATCH_TIMEOUT_S": float(harness.TEST_TIMINGS["QUIRE_DISPATCH_TIMEOUT_S"]),
+        "PAGE_MAX_ATTEMPTS": int(harness.TEST_TIMINGS["QUIRE_PAGE_MAX_ATTEMPTS"]),
+    }
+    return dict(harness.TEST_TIMINGS)
+
+
+@pytest.fixture
+def cluster(
+    request: pytest.FixtureRequest,
+    transactional_db: None,
+    rabbitmq_topology: str,
+    e2e_settings: dict[str, str],
+    settings: Any,
+    tmp_path: Path,
+) -> Iterator[harness.Cluster]:
+    """Real worker / sweeper / beat processes (start them with ``cluster.worker()`` …) on the
+    test database, least-privilege broker users, shared storage; all stopped at teardown."""
+    from django.core.management import call_command
+    from django.db import connection
+
+    base_url = os.environ.get("DATABASE_URL", "")
+    if not base_url.startswith("postgres") or not os.environ.get("CELERY_BROKER_URL", "").startswith("amqp"):
+        _missing("the production e2e tests need DATABASE_URL=postgres://… and CELERY_BROKER_URL=amqp://…")
+    harness.queues_purge()
+    call_command("install_beat_schedule", stdout=open(os.devnull, "w"))  # noqa: SIM115
+
+    env = {
+        k: v for k, v in os.environ.items()
+        if not k.startswith(("CELERY_", "DATABASE_URL", "QUIRE_", "PYTEST_"))
+    }
+    env.update(harness.TEST_TIMINGS)
+    env.update(
+        PATH=f"{harness.VENV_BIN}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+        PYTHONPATH=str(harness.REPO),
+        PYTHONUNBUFFERED="1",
+        DJANGO_SETTINGS_MODULE="project.settings",
+        DATABASE_URL=harness.database_url_for(connection.settings_dict["NAME"], base_url),
+        QUIRE_STORAGE_DIR=str(settings.QUIRE["STORAGE_DIR"]),
+        QUIRE_WORK_DIR=str(settings.QUIRE["WORK_DIR"]),
+        QUIRE_ENABLE_TEST_FAULTS="1",
+        QUIRE_LOG_FORMAT="text",
+        QUIRE_VAR_DIR=str(tmp_path / "var"),
+    )
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    c = harness.Cluster(log_dir=logs, env=env)
+    yield c
+    c.stop_all()
+    failed = any(getattr(getattr(request.node, f"rep_{w}", None), "failed", False) for w in ("setup", "call"))
+    if failed:
+        print(c.tails())  # noqa: T201  (shown with the failure report)
+    connection.close()
+
+
+def role_env(kind: str) -> dict[str, str]:
+    """Broker credentials per process role: the conversion worker consumes as the worker user;
+    the sweeper consumes quire.sweeps as the worker user and publishes outbox rows as the
+    publisher (a read/write URL split); beat only publishes."""
+    if kind == "worker":
+        return {"CELERY_BROKER_URL": harness.broker_url("worker")}
+    if kind == "sweeper":
+        return {
+            "CELERY_BROKER_URL": harness.broker_url("worker"),
+            "CELERY_BROKER_READ_URL": harness.broker_url("worker"),
+            "CELERY_BROKER_WRITE_URL": harness.broker_url("publisher"),
+        }
+    return {"CELERY_BROKER_URL": harness.broker_url("publisher")}
+
+
+@pytest.fixture
+def start(cluster: harness.Cluster) -> Callable[..., harness.Proc]:
+    """``start("worker")`` / ``start("sweeper")`` / ``start("beat")`` with the role's broker user."""
+
+    def run(kind: str, *, ready: bool = True, **env: str) -> harness.Proc:
+        proc = getattr(cluster, kind)(**{**role_env(kind), **env})
+        if ready and kind == "worker":
+            cluster.ready(proc)
+        return proc
+
+    return run
+
+
+@pytest.fixture
+def submit(settings: Any, tmp_path: Path) -> Callable[..., Any]:
+    """``submit(pages=…, options=…)`` -> a new job accepted through the service layer (its
+    on_commit fast path publishes as the publisher user)."""
+    from conversion_jobs import storage
+    from conversion_jobs.converters import testdocs
+    from conversion_jobs.services.acceptance import StagedUpload, conversion_job_accept
+
+    def make(*, pages: int = 4, output: str = "text", options: dict[str, Any] | None = None,
+             tenant: str = "tenant-a") -> Any:
+        src = tmp_path / f"{uuid.uuid4().hex}.pdf"
+        salt = uuid.uuid4().hex
+        testdocs.make_pdf(src, pages=pages, text_of=lambda n: f"Page {n} {salt}")
+        fh, staged = storage.staging_file()
+        with fh, open(src, "rb") as data:
+            shutil.copyfileobj(data, fh)
+        raw = src.read_bytes()
+        upload = StagedUpload(path=staged, sha256=hashlib.sha256(raw).hexdigest(), size=len(raw))
+        accepted = conversion_job_accept(
+            tenant=tenant, actor="e2e", upload=upload, output=output,
+            raw_options=options or {}, idempotency_key=None,
+        )
+        assert accepted.created
+        return accepted.job
+
+    return make

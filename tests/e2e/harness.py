@@ -1,0 +1,487 @@
+"""Process harness for the e2e tests: real RabbitMQ (least-privilege users), real ``celery``
+worker / sweeper / beat processes started from the Procfile's commands, real signals.
+
+Nothing here is a mock: processes are started with ``subprocess``, frozen with SIGSTOP, killed
+with SIGKILL, and their logs are kept under the test's tmp dir (tails printed on failure).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import amqp
+
+REPO = Path(__file__).resolve().parents[2]
+VENV_BIN = Path(sys.executable).parent
+PROCFILE = REPO / "Procfile"
+APPLY = REPO / "deploy" / "rabbitmq" / "apply.sh"
+
+RMQ_HOST = os.environ.get("QUIRE_RMQ_HOST", "127.0.0.1")
+RMQ_PORT = int(os.environ.get("QUIRE_RMQ_PORT", "5672"))
+VHOST = "quire"
+ADMIN = (
+    os.environ.get("QUIRE_RMQ_ADMIN_USER", "guest"),
+    os.environ.get("QUIRE_RMQ_ADMIN_PASSWORD", "guest"),
+)
+USERS = {
+    "publisher": (
+        os.environ.get("QUIRE_RMQ_PUBLISHER_USER", "quire_publisher"),
+        os.environ.get("QUIRE_RMQ_PUBLISHER_PASSWORD", "quire-publisher-dev"),
+    ),
+    "worker": (
+        os.environ.get("QUIRE_RMQ_WORKER_USER", "quire_worker"),
+        os.environ.get("QUIRE_RMQ_WORKER_PASSWORD", "quire-worker-dev"),
+    ),
+}
+CONVERSION_QUEUE = "conversion.v1"
+DEAD_QUEUE = "conversion.v1.dead"
+SWEEP_QUEUE = "quire.sweeps"
+QUEUES = (CONVERSION_QUEUE, DEAD_QUEUE, SWEEP_QUEUE)
+
+#: Short timings so crashes and recoveries happen within seconds.
+TEST_TIMINGS = {
+    "QUIRE_LEASE_S": "3",
+    "QUIRE_HEARTBEAT_S": "0.5",
+    "QUIRE_SWEEP_INTERVAL_S": "0.5",
+    "QUIRE_BACKOFF_BASE_S": "0.5",
+    "QUIRE_DISPATCH_TIMEOUT_S": "5",
+    # The retry e2e test fails a page on three attempts: the page budget must not end it first.
+    "QUIRE_PAGE_MAX_ATTEMPTS": "10",
+}
+
+
+def broker_url(role: str, *, port: int | None = None) -> str:
+    user, password = USERS[role]
+    return f"amqp://{user}:{password}@{RMQ_HOST}:{port or RMQ_PORT}/{VHOST}"
+
+
+# --- waiting ------------------------------------------------------------------------------------
+
+
+def wait_until(
+    predicate: Callable[[], Any], *, timeout: float, interval: float = 0.1, what: str = "condition"
+) -> Any:
+    """Poll ``predicate`` until it returns something truthy; fail with ``what`` at the timeout."""
+    deadline = time.monotonic() + timeout
+    last_exc: BaseException | None = None
+    while True:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except Exception as exc:  # e.g. a database restarting under the predicate
+            last_exc = exc
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"timed out after {timeout:g}s waiting for {what} (last error: {last_exc!r})"
+            )
+        time.sleep(interval)
+
+
+# --- RabbitMQ -----------------------------------------------------------------------------------
+
+
+def amqp_connection(role: str) -> amqp.Connection:
+    user, password = USERS[role]
+    conn = amqp.Connection(
+        host=f"{RMQ_HOST}:{RMQ_PORT}", userid=user, password=password, virtual_host=VHOST,
+        connect_timeout=5, confirm_publish=True,
+    )
+    conn.connect()
+    return conn
+
+
+def rabbitmqctl(*args: str, timeout: float = 120) -> str:
+    """Broker administration goes through the CLI (Erlang cookie, we run on the broker host):
+    no Quire user may purge or inspect the dead-letter queue, and guest has no access to the
+    ``quire`` vhost."""
+    proc = subprocess.run(  # noqa: S603
+        ["rabbitmqctl", "--quiet", *args], capture_output=True, text=True, timeout=timeout,  # noqa: S607
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"rabbitmqctl {' '.join(args)} failed: {proc.stderr.strip()}")
+    return proc.stdout
+
+
+def topology_ensure() -> str:
+    """Run deploy/rabbitmq/apply.sh (idempotent). Returns its output; raises if the topology is
+    not usable afterwards (the users cannot log in or a queue is missing)."""
+    proc = subprocess.run(  # noqa: S603
+        ["bash", str(APPLY)], capture_output=True, text=True, timeout=300, check=False
+    )
+    output = proc.stdout + proc.stderr
+    try:
+        for role in USERS:
+            amqp_connection(role).close()
+        depths = queue_depths()
+        missing = [q for q in QUEUES if q not in depths]
+        assert not missing, f"queues missing: {missing}"
+    except Exception as exc:
+        raise RuntimeError(f"RabbitMQ topology is not usable after apply.sh (rc={proc.returncode}): {exc}\n{output}") from exc
+    return output
+
+
+def queue_depths() -> dict[str, int]:
+    """Ready + unacknowledged messages per queue of the vhost."""
+    out = rabbitmqctl("list_queues", "-p", VHOST, "--no-table-headers", "name", "messages")
+    depths = {}
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[1].isdigit():
+            depths[parts[0]] = int(parts[1])
+    return depths
+
+
+def queue_depth(name: str) -> int:
+    return queue_depths()[name]
+
+
+def queues_purge(*names: str) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(3) as pool:
+        list(pool.map(lambda q: rabbitmqctl("purge_queue", "-p", VHOST, q), names or QUEUES))
+
+
+def publish_raw(
+    body: bytes | str,
+    *,
+    headers: dict[str, Any] | None = None,
+    content_type: str = "application/json",
+    copies: int = 1,
+) -> None:
+    """Publish ``copies`` identical persistent messages to conversion.v1 as the least-privilege
+    publisher, with publisher confirms."""
+    conn = amqp_connection("publisher")
+    try:
+        channel = conn.channel()
+        for _ in range(copies):
+            msg = amqp.Message(
+                body,
+                content_type=content_type,
+                content_encoding="utf-8",
+                application_headers=headers or {},
+                delivery_mode=2,
+            )
+            channel.basic_publish(msg, exchange="quire.conversion", routing_key=CONVERSION_QUEUE)
+    finally:
+        conn.close()
+
+
+def publish_task(
+    *, job_id: Any, generation: Any, copies: int = 1, args: list[Any] | None = None
+) -> None:
+    """A Celery protocol-2 message for ``run_conversion`` (what the outbox publishes), raw."""
+    task_id = str(uuid.uuid4())
+    headers = {
+        "lang": "py",
+        "task": "tasks.conversion.run_conversion",
+        "id": task_id,
+        "root_id": task_id,
+        "parent_id": None,
+        "group": None,
+        "retries": 0,
+        "argsrepr": "",
+        "kwargsrepr": "{}",
+        "origin": "e2e",
+        "ignore_result": True,
+    }
+    body = json.dumps([args if args is not None else [str(job_id), generation], {}, {}])
+    publish_raw(body, headers=headers, copies=copies)
+
+
+def rabbitmq_restart() -> None:
+    subprocess.run(["rabbitmqctl", "stop_app"], check=True, capture_output=True, timeout=120)  # noqa: S607
+    subprocess.run(["rabbitmqctl", "start_app"], check=True, capture_output=True, timeout=120)  # noqa: S607
+    subprocess.run(["rabbitmqctl", "await_startup"], check=True, capture_output=True, timeout=120)  # noqa: S607
+
+
+def rabbitmq_ensure_running() -> None:
+    """Whatever a test did, leave the broker running."""
+    subprocess.run(["rabbitmqctl", "start_app"], capture_output=True, timeout=120, check=False)  # noqa: S607
+    subprocess.run(["rabbitmqctl", "await_startup"], capture_output=True, timeout=120, check=False)  # noqa: S607
+
+
+# --- PostgreSQL ---------------------------------------------------------------------------------
+
+
+def postgres_version() -> str:
+    versions = sorted(p.name for p in Path("/etc/postgresql").iterdir() if p.name.isdigit())
+    return versions[-1]
+
+
+def postgres_restart() -> None:
+    subprocess.run(  # noqa: S603
+        ["pg_ctlcluster", "--skip-systemctl-redirect", postgres_version(), "main", "restart"],  # noqa: S607
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+
+
+def postgres_ensure_running(url: str) -> None:
+    import psycopg
+
+    try:
+        psycopg.connect(url, connect_timeout=3).close()
+        return
+    except Exception:  # noqa: S110
+        pass
+    subprocess.run(  # noqa: S603
+        ["pg_ctlcluster", "--skip-systemctl-redirect", postgres_version(), "main", "start"],  # noqa: S607
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
+    wait_until(
+        lambda: psycopg.connect(url, connect_timeout=3).close() or True,
+        timeout=60,
+        what="postgres up",
+    )
+
+
+def database_url_for(name: str, base: str) -> str:
+    parts = urlsplit(base)
+    return urlunsplit((parts.scheme, parts.netloc, f"/{name}", parts.query, parts.fragment))
+
+
+# --- processes ----------------------------------------------------------------------------------
+
+
+def procfile_command(kind: str, env: dict[str, str]) -> list[str]:
+    """The Procfile's command for ``kind`` with ``${VAR:-default}`` expanded from ``env``."""
+    for line in PROCFILE.read_text().splitlines():
+        name, _, command = line.partition(":")
+        if name.strip() == kind:
+            break
+    else:
+        raise KeyError(kind)
+
+    def expand(match: re.Match[str]) -> str:
+        var, default = match.group(1), match.group(3) or ""
+        return env.get(var, default)
+
+    expanded = re.sub(r"\$\{(\w+)(:-([^}]*))?\}", expand, command.strip())
+    return shlex.split(expanded)
+
+
+def _children() -> dict[int, list[int]]:
+    tree: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry.name}/stat").read_bytes()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        if fields[0] in (b"Z", b"X"):
+            continue
+        tree.setdefault(int(fields[1]), []).append(int(entry.name))
+    return tree
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its live descendants (converter children live in their own groups)."""
+    tree, out, todo = _children(), [], [pid]
+    while todo:
+        current = todo.pop()
+        out.append(current)
+        todo.extend(tree.get(current, []))
+    return out
+
+
+@dataclass
+class Proc:
+    kind: str
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+    frozen: bool = False
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def tree(self) -> list[int]:
+        return process_tree(self.pid) if self.popen.poll() is None else []
+
+    def signal_tree(self, sig: int) -> None:
+        for pid in self.tree():
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill9(self) -> None:
+        """SIGKILL the whole tree at once (main process, pool children, converter children)."""
+        self.signal_tree(signal.SIGKILL)
+        self.popen.wait(timeout=10)
+
+    def freeze(self) -> None:
+        self.signal_tree(signal.SIGSTOP)
+        self.frozen = True
+
+    def thaw(self) -> None:
+        self.signal_tree(signal.SIGCONT)
+        self.frozen = False
+
+    def stop(self, timeout: float = 8.0) -> None:
+        if self.popen.poll() is not None:
+            return
+        if self.frozen:
+            self.thaw()
+        pids = self.tree()
+        try:
+            os.killpg(self.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        for pid in [*pids, *self.tree()]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.popen.wait(timeout=10)
+
+    def tail(self, lines: int = 60) -> str:
+        try:
+            text = self.log.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(text[-lines:])
+
+
+@dataclass
+class Cluster:
+    """Starts Procfile processes with a shared environment; stops them all at teardown."""
+
+    log_dir: Path
+    env: dict[str, str]
+    procs: list[Proc] = field(default_factory=list)
+    _counter: int = 0
+
+    def start(self, kind: str, *, role: str | None = None, **env: str) -> Proc:
+        self._counter += 1
+        name = f"{kind}{self._counter}"
+        full_env = {**self.env, "PORT": str(self._counter), **env}
+        argv = procfile_command(kind, full_env)
+        if argv[0] == "celery":
+            argv[0] = str(VENV_BIN / "celery")
+        log = self.log_dir / f"{name}.log"
+        with open(log, "ab") as out:
+            popen = subprocess.Popen(  # noqa: S603
+                argv,
+                cwd=REPO,
+                env=full_env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        proc = Proc(kind=kind, name=name, popen=popen, log=log)
+        self.procs.append(proc)
+        return proc
+
+    def worker(self, **env: str) -> Proc:
+        env.setdefault("WORKER_CONCURRENCY", "1")
+        return self.start("worker", **env)
+
+    def sweeper(self, **env: str) -> Proc:
+        return self.start("sweeper", **env)
+
+    def beat(self, **env: str) -> Proc:
+        return self.start("beat", **env)
+
+    def ready(self, proc: Proc, *, timeout: float = 30) -> Proc:
+        """Wait until a worker logs that it is ready (consuming)."""
+        wait_until(
+            lambda: _check_alive(proc) and "ready." in proc.log.read_text(errors="replace"),
+            timeout=timeout,
+            what=f"{proc.name} ready",
+        )
+        return proc
+
+    def owner_of(self, worker_identity: str) -> Proc:
+        """The started process whose tree holds the pid in an attempt's ``worker`` column."""
+        pid = int(worker_identity.rsplit(":", 1)[1])
+        for proc in self.procs:
+            if pid in proc.tree():
+                return proc
+        raise LookupError(worker_identity)
+
+    def stop_all(self) -> None:
+        for proc in reversed(self.procs):
+            try:
+                proc.stop()
+            except Exception:  # noqa: S110  (teardown: keep stopping the others)
+                pass
+
+    def tails(self) -> str:
+        return "\n".join(f"----- {p.name} ({p.log}) -----\n{p.tail()}" for p in self.procs)
+
+
+def _check_alive(proc: Proc) -> bool:
+    if proc.popen.poll() is not None:
+        raise AssertionError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.tail()}")
+    return True
+
+
+# --- the test process's own publisher -----------------------------------------------------------
+
+
+class broker_unreachable:  # noqa: N801  (a context manager used like a function)
+    """While inside, this process's Celery app publishes to a closed port: the on_commit fast
+    path fails exactly as it does when the broker is down at that moment."""
+
+    def __enter__(self) -> broker_unreachable:
+        import socket
+
+        sock = socket.socket()
+        sock.bind((RMQ_HOST, 0))
+        closed_port = sock.getsockname()[1]
+        sock.close()  # nothing listens there now: connection refused
+        self._saved = {k: os.environ.get(k) for k in ("CELERY_BROKER_URL", "CELERY_BROKER_WRITE_URL")}
+        os.environ["CELERY_BROKER_URL"] = os.environ["CELERY_BROKER_WRITE_URL"] = broker_url(
+            "publisher", port=closed_port
+        )
+        _reset_producer_pools()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for key, value in self._saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        _reset_producer_pools()
+
+
+def _reset_producer_pools() -> None:
+    from project.celery import app
+
+    if app._pool is not None:
+        app._pool.force_close_all()
+    app._pool = None
+    app.amqp._producer_pool = None

@@ -1,0 +1,59 @@
+"""Crash windows of acceptance, by named fault injection (conversion_jobs/faults.py)."""
+
+from __future__ import annotations
+
+import pytest
+from rest_framework.test import APIClient
+
+from conversion_jobs import faults
+from conversion_jobs.models import ConversionOutbox
+from tests.conftest import token
+from tests.integration.api.conftest import row_counts, submit
+
+
+def _client() -> APIClient:
+    client = APIClient(raise_request_exception=False)
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {token()}")
+    return client
+
+
+@pytest.mark.django_db(transaction=True)
+def test_submit__fault_after_job_insert_leaves_no_row(pdf_file, no_broker_publish):
+    with faults.armed("accept.after_job_insert"):
+        response = submit(_client(), pdf_file(), key="k1")
+    assert response.status_code == 500
+    assert response["Content-Type"] == "application/problem+json"
+    assert response.json()["code"] == "internal_error"
+    assert row_counts() == {"jobs": 0, "outbox": 0, "idempotency": 0, "audit": 0, "cancellations": 0}
+    assert no_broker_publish == []
+    # The client's retry with the same key is a fresh, successful submit.
+    retry = submit(_client(), pdf_file(), key="k1")
+    assert retry.status_code == 202
+
+
+@pytest.mark.django_db(transaction=True)
+def test_submit__fault_after_commit_leaves_a_recoverable_queued_job(pdf_file, no_broker_publish):
+    path = pdf_file()
+    with faults.armed("accept.after_commit"):
+        response = submit(_client(), path, key="k1")
+    assert response.status_code == 500
+    assert response["Content-Type"] == "application/problem+json"
+
+    client = _client()
+    listed = client.get("/api/v1/jobs").json()["jobs"]
+    assert len(listed) == 1
+    job_id = listed[0]["id"]
+    polled = client.get(f"/api/v1/jobs/{job_id}")
+    assert polled.status_code == 200
+    assert polled.json()["state"] == "queued"
+    assert polled.json()["generation"] == 1
+    outbox = ConversionOutbox.objects.get(job_id=job_id)
+    assert outbox.generation == 1
+    assert row_counts() == {"jobs": 1, "outbox": 1, "idempotency": 1, "audit": 1, "cancellations": 0}
+    # The commit happened, so the fast path ran; the sweeper would cover it had it not.
+    assert no_broker_publish == [(job_id, 1)]
+    # The client retries with its key and learns the job id.
+    retry = submit(client, path, key="k1")
+    assert retry.status_code == 200
+    assert retry["Idempotent-Replayed"] == "true"
+    assert retry.json()["id"] == job_id

@@ -1,0 +1,267 @@
+"""Issue 5 in-process: cancellation of jobs in every state, against real Postgres, with the real
+worker path (``conversion_job_execute``) and real converter child processes in threads."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from datetime import timedelta
+
+import pytest
+from django.conf import settings
+from django.utils import timezone
+
+from conversion_jobs import storage
+from conversion_jobs.converters import process_group_members, testdocs
+from conversion_jobs.models import (
+    CancellationRequest,
+    ConversionAttempt,
+    ConversionJob,
+    ConversionOutbox,
+    ExecutionAuditEvent,
+    PageCheckpoint,
+    WorkerLease,
+)
+from conversion_jobs.services import execution
+from conversion_jobs.services.recovery import (
+    conversion_jobs_recover_if_lease_expired,
+    conversion_jobs_requeue_if_retry_due,
+)
+from tests.integration.execution.jobkit import (
+    Worker,
+    converter_children,
+    execute,
+    result_files,
+    submit,
+    unique_text,
+    wait_for,
+    work_dir_entries,
+)
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("fast_quire")]
+
+
+def _pdf_job(tmp_path, *, pages: int = 1, output: str = "text", **kwargs) -> ConversionJob:
+    source = testdocs.make_pdf(tmp_path / f"{uuid.uuid4().hex}.pdf", pages=pages, text_of=unique_text())
+    return submit(source, output=output, **kwargs)
+
+
+def _cancel(api, job_id, *, tenant: str = "tenant-a"):
+    return api(tenant=tenant).post(f"/api/v1/jobs/{job_id}/cancel")
+
+
+def _requests(job: ConversionJob) -> list[tuple[str, str, bool]]:
+    return [
+        (r.state_seen, r.outcome, r.resolved_at is not None)
+        for r in CancellationRequest.objects.filter(job=job).order_by("id")
+    ]
+
+
+def _claim(job: ConversionJob) -> execution.Lease:
+    lease = execution.conversion_job_claim(job_id=job.id, generation=job.generation, worker="test")
+    assert lease is not None
+    return lease
+
+
+def test_cancel__queued_is_cancelled_at_once_and_its_delivery_is_stale(
+    tmp_path, api, no_broker_publish
+):
+    job = _pdf_job(tmp_path)
+
+    response = _cancel(api, job.id)
+
+    assert response.status_code == 200
+    assert response.json()["state"] == "cancelled"
+    job.refresh_from_db()
+    assert (job.state, job.generation, job.finished_at is not None) == ("cancelled", 1, True)
+    assert _requests(job) == [("queued", "cancelled", True)]
+    # The message of generation 1 arrives later: the claim CAS loses, nothing runs.
+    assert execute(job, generation=1) == "duplicate"
+    assert not ConversionAttempt.objects.filter(job=job).exists()
+    job.refresh_from_db()
+    assert (job.state, job.attempts) == ("cancelled", 0)
+
+
+def test_cancel__retry_wait_is_cancelled_and_its_timer_never_dispatches(
+    tmp_path, api, no_broker_publish
+):
+    job = _pdf_job(tmp_path, fault={"kind": "segv"})
+    assert execute(job) == "retry_wait"
+    # The timer is due: without the cancel, the sweep would re-dispatch the job now.
+    ConversionJob.objects.filter(id=job.id).update(next_attempt_at=timezone.now() - timedelta(seconds=1))
+    outbox_before = ConversionOutbox.objects.filter(job=job).count()
+
+    response = _cancel(api, job.id)
+
+    assert (response.status_code, response.json()["state"]) == (200, "cancelled")
+    assert conversion_jobs_requeue_if_retry_due() == 0
+    job.refresh_from_db()
+    assert (job.state, job.generation, job.next_attempt_at) == ("cancelled", 1, None)
+    assert ConversionOutbox.objects.filter(job=job).count() == outbox_before
+    assert _requests(job) == [("retry_wait", "cancelled", True)]
+    assert execute(job, generation=2) == "duplicate"
+
+
+def test_cancel__running_stops_the_worker_within_the_heartbeat_bound(
+    tmp_path, api, no_broker_publish
+):
+    job = _pdf_job(tmp_path, pages=6, fault={"kind": "slow", "seconds": 1.0})
+    worker = Worker(job.id, 1)
+    worker.start()
+    wait_for(lambda: PageCheckpoint.objects.filter(job=job, state="done").exists(), timeout=30)
+    children = wait_for(lambda: converter_children(job.id))
+    pgids = {__import__("os").getpgid(pid) for pid in children}
+
+    started = time.monotonic()
+    response = _cancel(api, job.id)
+    assert (response.status_code, response.json()["state"]) == (202, "cancelling")
+    wait_for(lambda: ConversionJob.objects.get(id=job.id).state == "cancelled", timeout=10, interval=0.01)
+    latency = time.monotonic() - started
+
+    assert worker.result() == "cancelled"
+    assert latency < settings.QUIRE["HEARTBEAT_S"] + 1.5, latency
+    assert all(process_group_members(pgid) == [] for pgid in pgids)
+    assert converter_children(job.id) == []
+    assert work_dir_entries() == []
+    job.refresh_from_db()
+    assert (job.result_key, job.result_sha256, job.lease_token) == (None, None, None)
+    assert result_files(job.id) == []
+    assert _requests(job) == [("running", "cancelled", True)]
+    attempt = ConversionAttempt.objects.get(job=job)
+    assert attempt.outcome == "cancelled"
+    assert not WorkerLease.objects.filter(job=job).exists()
+    events = list(ExecutionAuditEvent.objects.filter(job_id=job.id).values_list("event_type", flat=True))
+    assert "published" not in events
+    assert events.count("cancelled") == 1
+    # Policy: pages finished before the cancel stay checkpointed and stored, and are served
+    # (allow_partial, the default, lets partial results survive cancellation).
+    done = list(PageCheckpoint.objects.filter(job=job, state="done").order_by("page_number"))
+    assert 1 <= len(done) < 6
+    assert all(storage.path_of(p.artifact_key).is_file() for p in done)
+    page = api().get(f"/api/v1/jobs/{job.id}/pages/{done[0].page_number}")
+    assert (page.status_code, page["ETag"]) == (200, f'"{done[0].artifact_sha256}"')
+    assert api().get(f"/api/v1/jobs/{job.id}/result").json()["code"] == "no_result"
+
+
+def test_cancel__all_or_nothing_job_keeps_no_served_pages(tmp_path, api, no_broker_publish):
+    job = _pdf_job(
+        tmp_path, pages=4, options={"allow_partial": False}, fault={"kind": "slow", "seconds": 0.5}
+    )
+    worker = Worker(job.id, 1)
+    worker.start()
+    done = wait_for(lambda: PageCheckpoint.objects.filter(job=job, state="done").first(), timeout=30)
+
+    assert _cancel(api, job.id).status_code == 202
+    assert worker.result() == "cancelled"
+
+    assert api().get(f"/api/v1/jobs/{job.id}/pages/{done.page_number}").status_code == 404
+    # Kept in storage until retention (the checkpoint still names it), but not published.
+    assert storage.path_of(done.artifact_key).is_file()
+
+
+def test_cancel__twice_gives_the_same_answer_and_one_state_change(tmp_path, api, no_broker_publish):
+    queued, running = _pdf_job(tmp_path), _pdf_job(tmp_path)
+    lease = _claim(running)
+    for job, status, state in ((queued, 200, "cancelled"), (running, 202, "cancelling")):
+        version = ConversionJob.objects.get(id=job.id).state_version
+
+        first, second = _cancel(api, job.id), _cancel(api, job.id)
+
+        assert (first.status_code, second.status_code) == (status, status)
+        assert first.json()["state"] == second.json()["state"] == state
+        assert first.json()["state_version"] == second.json()["state_version"] == version + 1
+    assert [o for _s, o, _r in _requests(queued)] == ["cancelled", "already_cancelled"]
+    assert _requests(running) == [
+        ("running", "cancelling", False), ("cancelling", "already_cancelled", True)]
+    # The worker ends it; the pending request resolves; a third cancel still agrees.
+    assert execution.conversion_job_finish_cancel(lease=lease)
+    assert _requests(running)[0] == ("running", "cancelled", True)
+    third = _cancel(api, running.id)
+    assert (third.status_code, third.json()["state"]) == (200, "cancelled")
+
+
+@pytest.mark.parametrize("end", ["succeeded", "partial", "failed"])
+def test_cancel__finished_job_is_too_late_and_its_result_stands(tmp_path, api, end, no_broker_publish):
+    fault = {"succeeded": None, "partial": {"kind": "fail", "page": 2}, "failed": {"kind": "fail"}}[end]
+    job = _pdf_job(tmp_path, pages=2, fault=fault)
+    assert execute(job) == end
+    before = ConversionJob.objects.filter(id=job.id).values().get()
+    result_before = api().get(f"/api/v1/jobs/{job.id}/result")
+
+    response = _cancel(api, job.id)
+
+    assert response.status_code == 409
+    assert response["Content-Type"] == "application/problem+json"
+    assert response.json()["code"] == "too_late"
+    assert ConversionJob.objects.filter(id=job.id).values().get() == before
+    assert _requests(job) == [(end, "too_late", True)]
+    result_after = api().get(f"/api/v1/jobs/{job.id}/result")
+    assert result_after.status_code == result_before.status_code
+    if end != "failed":
+        assert result_after["ETag"] == result_before["ETag"] == f'"{before["result_sha256"]}"'
+
+
+def test_cancel__lease_expiry_while_cancelling_ends_cancelled_not_redispatched(
+    tmp_path, api, no_broker_publish
+):
+    job = _pdf_job(tmp_path)
+    _claim(job)  # a worker claimed it and died without a word
+    assert _cancel(api, job.id).status_code == 202
+    WorkerLease.objects.filter(job=job).update(expires_at=timezone.now() - timedelta(seconds=1))
+
+    assert conversion_jobs_recover_if_lease_expired() == 1
+
+    job.refresh_from_db()
+    assert (job.state, job.generation, job.lease_token) == ("cancelled", 1, None)
+    assert ConversionOutbox.objects.filter(job=job).count() == 1
+    assert _requests(job) == [("running", "cancelled", True)]
+    assert ConversionAttempt.objects.get(job=job).outcome == "lease_lost"
+    assert execute(job, generation=1) == execute(job, generation=2) == "duplicate"
+    assert conversion_jobs_recover_if_lease_expired() == 0
+
+
+def test_cancel__other_tenant_is_not_found_and_records_nothing(tmp_path, api, no_broker_publish):
+    job = _pdf_job(tmp_path)
+    events = ExecutionAuditEvent.objects.filter(job_id=job.id).count()
+
+    response = _cancel(api, job.id, tenant="tenant-b")
+    missing = _cancel(api, uuid.uuid4(), tenant="tenant-b")
+
+    assert response.status_code == missing.status_code == 404
+    assert response.content == missing.content
+    assert response["Content-Type"] == missing["Content-Type"]
+    assert not CancellationRequest.objects.exists()
+    assert ExecutionAuditEvent.objects.filter(job_id=job.id).count() == events
+    job.refresh_from_db()
+    assert (job.state, job.state_version) == ("queued", 1)
+
+
+def test_cancel__operator_retry_of_a_cancelled_job_is_refused(tmp_path, api, no_broker_publish):
+    # DESIGN §4/§9: cancelled is terminal; only failed -> queued is an operator retry.
+    job = _pdf_job(tmp_path)
+    assert _cancel(api, job.id).status_code == 200
+
+    response = api().post(f"/api/v1/jobs/{job.id}/retry")
+
+    assert (response.status_code, response.json()["code"]) == (409, "not_retryable")
+    job.refresh_from_db()
+    assert (job.state, job.generation) == ("cancelled", 1)
+    assert ConversionOutbox.objects.filter(job=job).count() == 1
+
+
+def test_cancel__resubmission_after_cancel_starts_clean(tmp_path, api, no_broker_publish):
+    source = testdocs.make_pdf(tmp_path / "doc.pdf", pages=4, text_of=unique_text())
+    job = submit(source, output="text", fault={"kind": "slow", "seconds": 0.4})
+    worker = Worker(job.id, 1)
+    worker.start()
+    wait_for(lambda: PageCheckpoint.objects.filter(job=job, state="done").exists(), timeout=30)
+    assert _cancel(api, job.id).status_code == 202
+    assert worker.result() == "cancelled"
+
+    again = submit(source, output="text")
+
+    assert again.id != job.id
+    assert execute(again) == "succeeded"
+    assert ConversionAttempt.objects.get(job=again).pages_converted == 4
+    assert set(PageCheckpoint.objects.filter(job=again).values_list("generation", flat=True)) == {1}
+    assert work_dir_entries() == []

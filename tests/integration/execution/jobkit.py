@@ -1,0 +1,138 @@
+"""Helpers for in-process execution tests: accept a real document, run the real worker path
+(``conversion_job_execute``) with real converter child processes, inspect what it left."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.conf import settings
+from django.db import connection
+
+from conversion_jobs import storage
+from conversion_jobs.converters import TEST_FAULTS_ENV
+from conversion_jobs.models import ConversionJob
+from conversion_jobs.services.acceptance import StagedUpload, conversion_job_accept
+from conversion_jobs.services.runner import conversion_job_execute
+
+CHILD_MODULE = "conversion_jobs.converters.child"
+
+
+@pytest.fixture
+def fast_quire(settings: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Short heartbeat and lease, and test faults honoured by this (worker) process."""
+    settings.QUIRE = {**settings.QUIRE, "HEARTBEAT_S": 0.2, "LEASE_S": 2}
+    monkeypatch.setenv(TEST_FAULTS_ENV, "1")
+
+
+def submit(
+    source: Path,
+    *,
+    output: str,
+    tenant: str = "tenant-a",
+    options: dict[str, Any] | None = None,
+    fault: dict[str, Any] | None = None,
+) -> ConversionJob:
+    """Accept ``source`` (a copy: acceptance consumes the staged file) as a new job.
+    A test fault is written into the stored options, as a client could not send it."""
+    staged = Path(settings.QUIRE["STORAGE_DIR"]) / "staging" / f"test-{uuid.uuid4().hex}"
+    staged.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(source, staged)
+    sha, size = storage.sha256_file(staged)
+    acceptance = conversion_job_accept(
+        tenant=tenant,
+        actor="tester",
+        upload=StagedUpload(path=staged, sha256=sha, size=size),
+        output=output,
+        raw_options=options,
+        idempotency_key=None,
+    )
+    assert acceptance.created, "documents in these tests are unique: a new job is expected"
+    job = acceptance.job
+    if fault is not None:
+        ConversionJob.objects.filter(id=job.id).update(options={**job.options, "_test_fault": fault})
+    return ConversionJob.objects.get(id=job.id)
+
+
+def execute(job: ConversionJob, generation: int | None = None) -> str:
+    return conversion_job_execute(job_id=job.id, generation=generation or job.generation)
+
+
+class Worker(threading.Thread):
+    """``conversion_job_execute`` in its own thread (and its own database connection)."""
+
+    def __init__(self, job_id: uuid.UUID, generation: int, before: Callable[[], None] | None = None):
+        super().__init__(name=f"worker-{job_id}", daemon=True)
+        self.job_id, self.generation, self.before = job_id, generation, before
+        self.outcome: str | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            if self.before is not None:
+                self.before()
+            self.outcome = conversion_job_execute(job_id=self.job_id, generation=self.generation)
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            connection.close()
+
+    def result(self, timeout: float = 60) -> str | None:
+        self.join(timeout)
+        assert not self.is_alive(), "the worker thread did not finish"
+        if self.error is not None:
+            raise self.error
+        return self.outcome
+
+
+def wait_for(predicate: Callable[[], Any], *, timeout: float = 20, interval: float = 0.02) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        time.sleep(interval)
+
+
+def work_dir_entries() -> list[Path]:
+    root = Path(settings.QUIRE["WORK_DIR"])
+    return sorted(root.rglob("*")) if root.exists() else []
+
+
+def result_files(job_id: uuid.UUID) -> list[Path]:
+    folder = storage.path_of(f"results/{job_id}")
+    return sorted(folder.iterdir()) if folder.exists() else []
+
+
+def converter_children(job_id: uuid.UUID) -> list[int]:
+    """Live converter child processes working for ``job_id`` (their cwd is in its work dir)."""
+    job_dir = str(Path(settings.QUIRE["WORK_DIR"]).resolve() / str(job_id))
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/cmdline", "rb") as fh:
+                cmdline = fh.read()
+            if CHILD_MODULE.encode() not in cmdline:
+                continue
+            if os.readlink(f"/proc/{entry.name}/cwd").startswith(job_dir):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def unique_text(prefix: str = "Quire") -> Callable[[int], str]:
+    """Page texts unique to this call (a document's content identity must be new)."""
+    salt = uuid.uuid4().hex[:8]
+    return lambda n: f"{prefix} {salt} page {n}"

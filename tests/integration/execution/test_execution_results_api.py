@@ -1,0 +1,75 @@
+"""Issue 4: the results API over jobs the real worker path converted."""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+
+import pytest
+
+from conversion_jobs.converters import testdocs
+from conversion_jobs.services import execution
+from tests.integration.execution.jobkit import execute, submit, unique_text
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("fast_quire")]
+
+
+def _body(response) -> bytes:
+    return b"".join(response.streaming_content)
+
+
+def test_result__headers_match_the_artifact(tmp_path, api, no_broker_publish):
+    source = testdocs.make_pdf(tmp_path / "doc.pdf", pages=2, text_of=unique_text())
+    text_job, png_job = submit(source, output="text"), submit(source, output="png", options={"dpi": 72})
+    assert execute(text_job) == execute(png_job) == "succeeded"
+    client = api()
+
+    for job, media_type, ext in ((text_job, "text/plain; charset=utf-8", "txt"), (png_job, "application/zip", "zip")):
+        response = client.get(f"/api/v1/jobs/{job.id}/result")
+        body = _body(response)
+        job.refresh_from_db()
+        assert response.status_code == 200
+        assert response["Content-Type"] == media_type
+        assert response["Content-Disposition"] == f'attachment; filename="{job.id}.{ext}"'
+        assert response["ETag"] == f'"{hashlib.sha256(body).hexdigest()}"' == f'"{job.result_sha256}"'
+        assert len(body) == job.result_size
+        cached = client.get(f"/api/v1/jobs/{job.id}/result", HTTP_IF_NONE_MATCH=response["ETag"])
+        assert (cached.status_code, cached["ETag"]) == (304, response["ETag"])
+
+    listing = client.get(f"/api/v1/jobs/{png_job.id}/pages").json()["pages"]
+    assert [(p["page"], p["state"]) for p in listing] == [(1, "done"), (2, "done")]
+    page = client.get(f"/api/v1/jobs/{png_job.id}/pages/2")
+    body = _body(page)
+    assert page.status_code == 200
+    assert page["Content-Type"] == "image/png"
+    assert page["Content-Disposition"] == f'attachment; filename="{png_job.id}-page-00002.png"'
+    assert page["ETag"] == f'"{hashlib.sha256(body).hexdigest()}"' == f'"{listing[1]["sha256"]}"'
+    assert body.startswith(b"\x89PNG")
+    assert client.get(f"/api/v1/jobs/{png_job.id}/pages/3").status_code == 404
+
+
+def test_result__not_ready_before_the_job_is_terminal(tmp_path, api, no_broker_publish):
+    queued = submit(testdocs.make_pdf(tmp_path / "a.pdf", pages=1, text_of=unique_text()), output="text")
+    running = submit(testdocs.make_pdf(tmp_path / "b.pdf", pages=1, text_of=unique_text()), output="text")
+    assert execution.conversion_job_claim(job_id=running.id, generation=1, worker="test")
+    client = api()
+
+    for job in (queued, running):
+        for path in ("result", "pages/1"):
+            response = client.get(f"/api/v1/jobs/{job.id}/{path}")
+            assert response.status_code == 409, path
+            assert response["Content-Type"] == "application/problem+json"
+            assert response.json()["code"] == "not_ready"
+
+
+def test_result__other_tenant_is_not_found(tmp_path, api, no_broker_publish):
+    job = submit(testdocs.make_pdf(tmp_path / "a.pdf", pages=1, text_of=unique_text()), output="text")
+    assert execute(job) == "succeeded"
+    owner, stranger = api(), api(tenant="tenant-b")
+
+    for path in ("result", "pages", "pages/1"):
+        assert owner.get(f"/api/v1/jobs/{job.id}/{path}").status_code == 200
+        theirs = stranger.get(f"/api/v1/jobs/{job.id}/{path}")
+        missing = stranger.get(f"/api/v1/jobs/{uuid.uuid4()}/{path}")
+        assert theirs.status_code == missing.status_code == 404, path
+        assert theirs.content == missing.content

@@ -1,0 +1,82 @@
+"""JWT decoding (conversion_jobs/api/auth.py): expired, tampered, missing claims."""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+
+import jwt
+import pytest
+from django.conf import settings
+
+from conversion_jobs.api.auth import Principal, token_decode, token_mint
+from conversion_jobs.exceptions import NotAuthenticated
+
+
+def _encode(claims: dict, key: str | None = None, algorithm: str = "HS256") -> str:
+    return jwt.encode(claims, key or settings.QUIRE["JWT_KEY"], algorithm=algorithm)
+
+
+def _claims(**overrides: object) -> dict:
+    claims = {"sub": "alice", "tenant": "acme", "scope": "jobs:read jobs:submit", "exp": int(time.time()) + 60}
+    claims.update(overrides)
+    return {k: v for k, v in claims.items() if v is not None}
+
+
+def test_token_decode__valid():
+    principal = token_decode(token_mint(tenant="acme", subject="alice", scopes=["jobs:read"], ttl_s=60))
+    assert principal == Principal(subject="alice", tenant="acme", scopes=frozenset({"jobs:read"}))
+    assert principal.is_authenticated
+
+
+def test_token_decode__scopes_split_on_spaces():
+    assert token_decode(_encode(_claims())).scopes == {"jobs:read", "jobs:submit"}
+    assert token_decode(_encode(_claims(scope=""))).scopes == frozenset()
+
+
+def test_token_decode__expired():
+    with pytest.raises(NotAuthenticated):
+        token_decode(token_mint(tenant="acme", subject="alice", scopes=["jobs:read"], ttl_s=-1))
+
+
+def test_token_decode__tampered_payload():
+    token = _encode(_claims())
+    header, payload, signature = token.split(".")
+    claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+    claims["tenant"] = "victim"
+    forged = base64.urlsafe_b64encode(json.dumps(claims).encode()).decode().rstrip("=")
+    with pytest.raises(NotAuthenticated):
+        token_decode(f"{header}.{forged}.{signature}")
+
+
+def test_token_decode__wrong_key():
+    with pytest.raises(NotAuthenticated):
+        token_decode(_encode(_claims(), key="another-key-of-sufficient-length-0123456789"))
+
+
+def test_token_decode__alg_none_rejected():
+    with pytest.raises(NotAuthenticated):
+        token_decode(jwt.encode(_claims(), key=None, algorithm="none"))
+
+
+@pytest.mark.parametrize("missing", ["sub", "tenant", "scope", "exp"])
+def test_token_decode__missing_claim(missing):
+    claims = _claims()
+    del claims[missing]
+    with pytest.raises(NotAuthenticated):
+        token_decode(_encode(claims))
+
+
+@pytest.mark.parametrize(
+    "overrides", [{"tenant": ""}, {"sub": ""}, {"tenant": 7}, {"sub": ["a"]}, {"scope": ["jobs:read"]}]
+)
+def test_token_decode__malformed_claims(overrides):
+    with pytest.raises(NotAuthenticated):
+        token_decode(_encode(_claims(**overrides)))
+
+
+@pytest.mark.parametrize("garbage", ["", "abc", "a.b.c", "Bearer x"])
+def test_token_decode__garbage(garbage):
+    with pytest.raises(NotAuthenticated):
+        token_decode(garbage)
