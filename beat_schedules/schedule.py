@@ -57,4 +57,11 @@ def sweeps() -> list[Sweep]:
             60.0,
             "A killed worker cannot clean its attempt directory; no later attempt may read it.",
         ),
+        Sweep(
+            "quire: apply retention",
+            "tasks.sweeps.apply_retention",
+            300.0,
+            "Expire results and sources past QUIRE_RESULT_RETENTION_S (rows first, files "
+            "second), prune published outbox rows, purge audit chains past their retention.",
+        ),
     ]

@@ -10,6 +10,7 @@ import uuid
 
 from django.db import models
 from django.db.models import Q
+from django.db.models.functions import Now
 
 from conversion_jobs.states import LEASED_STATES, LIVE_STATES, TERMINAL_STATES, State
 
@@ -35,7 +36,7 @@ class ConversionJobQuerySet(models.QuerySet["ConversionJob"]):
         return self.filter(state__in=_in(LIVE_STATES))
 
     def due_for_retry(self) -> ConversionJobQuerySet:
-        return self.filter(state=State.RETRY_WAIT, next_attempt_at__lte=models.functions.Now())
+        return self.filter(state=State.RETRY_WAIT, next_attempt_at__lte=Now())
 
 
 class ConversionJob(models.Model):
@@ -79,7 +80,10 @@ class ConversionJob(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
     finished_at = models.DateTimeField(null=True, blank=True)
+    #: Retention: the result and artifacts expired (rows first) ...
     expired_at = models.DateTimeField(null=True, blank=True)
+    #: ... and their files were deleted (files second; a crash in between is redone).
+    purged_at = models.DateTimeField(null=True, blank=True)
 
     objects = ConversionJobQuerySet.as_manager()
 
@@ -111,6 +115,10 @@ class ConversionJob(models.Model):
             ),
             models.CheckConstraint(name="job_generation_positive", condition=Q(generation__gte=1)),
             models.CheckConstraint(
+                name="job_purged_after_expired",
+                condition=Q(purged_at__isnull=True) | Q(expired_at__isnull=False),
+            ),
+            models.CheckConstraint(
                 name="job_attempts_within_max", condition=Q(attempts__lte=models.F("max_attempts"))
             ),
             models.UniqueConstraint(
@@ -133,6 +141,11 @@ class ConversionJob(models.Model):
             ),
             models.Index(
                 name="job_queued_since", fields=["queued_at"], condition=Q(state=State.QUEUED)
+            ),
+            models.Index(
+                name="job_expired_unpurged",
+                fields=["expired_at"],
+                condition=Q(expired_at__isnull=False, purged_at__isnull=True),
             ),
             models.Index(
                 name="job_finished_unexpired",

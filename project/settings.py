@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import dj_database_url
 from kombu import Exchange, Queue
@@ -143,7 +144,7 @@ SPECTACULAR_SETTINGS = {
 }
 
 # --- Quire ----------------------------------------------------------------------------------
-QUIRE = {
+QUIRE: dict[str, Any] = {
     # secrets
     "JWT_KEY": env_str("QUIRE_JWT_KEY", "quire-dev-only-jwt-key-change-me-0123456789abcdef"),
     "JWT_ALGORITHM": "HS256",
@@ -171,6 +172,10 @@ QUIRE = {
     "SWEEP_BATCH": env_int("QUIRE_SWEEP_BATCH", 500),
     "SWEEP_INTERVAL_S": env_float("QUIRE_SWEEP_INTERVAL_S", 1.0),
     "LONG_POLL_MAX_S": 30,
+    # retention
+    "RESULT_RETENTION_S": env_float("QUIRE_RESULT_RETENTION_S", 7 * 86400),
+    "OUTBOX_RETENTION_S": env_float("QUIRE_OUTBOX_RETENTION_S", 86400),
+    "AUDIT_RETENTION_S": env_float("QUIRE_AUDIT_RETENTION_S", 400 * 86400),
 }
 
 # --- Celery (project/celery.py reads these with namespace "CELERY") --------------------------

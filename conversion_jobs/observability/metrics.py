@@ -44,3 +44,4 @@ CANCELLATION_LATENCY = Histogram(
 DEAD_LETTERS = Counter("quire_dead_letters", "Messages dead-lettered as poison")
 PAGES = Counter("quire_pages", "Pages converted by outcome", ["outcome"])
 TERMINAL = Counter("quire_jobs_finished", "Jobs that reached a terminal state", ["state"])
+RETENTION_PURGES = Counter("quire_retention_purges", "Rows and files purged by retention", ["kind"])

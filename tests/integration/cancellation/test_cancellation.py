@@ -3,12 +3,17 @@ worker path (``conversion_job_execute``) and real converter child processes in t
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 import uuid
+from collections import Counter
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from django.conf import settings
+from django.db import connection
 from django.utils import timezone
 
 from conversion_jobs import storage
@@ -110,7 +115,7 @@ def test_cancel__running_stops_the_worker_within_the_heartbeat_bound(
     worker.start()
     wait_for(lambda: PageCheckpoint.objects.filter(job=job, state="done").exists(), timeout=30)
     children = wait_for(lambda: converter_children(job.id))
-    pgids = {__import__("os").getpgid(pid) for pid in children}
+    pgids = {os.getpgid(pid) for pid in children}
 
     started = time.monotonic()
     response = _cancel(api, job.id)
@@ -265,3 +270,75 @@ def test_cancel__resubmission_after_cancel_starts_clean(tmp_path, api, no_broker
     assert ConversionAttempt.objects.get(job=again).pages_converted == 4
     assert set(PageCheckpoint.objects.filter(job=again).values_list("generation", flat=True)) == {1}
     assert work_dir_entries() == []
+
+
+class _Canceller(threading.Thread):
+    def __init__(self, api, job_id, barrier: threading.Barrier, delay: float = 0.0):
+        super().__init__(daemon=True)
+        self.client, self.job_id, self.barrier, self.delay = api(), job_id, barrier, delay
+        self.status: int | None = None
+
+    def run(self) -> None:
+        try:
+            self.barrier.wait(timeout=30)
+            time.sleep(self.delay)
+            self.status = self.client.post(f"/api/v1/jobs/{self.job_id}/cancel").status_code
+        finally:
+            connection.close()
+
+
+RACES = 50
+
+
+def test_cancel__racing_completion_ends_in_one_consistent_terminal_state(
+    tmp_path, api, monkeypatch, no_broker_publish
+):
+    """Cancel and completion fire at the same instant: at the publish CAS (most runs) or at the
+    claim CAS (every fifth), with small spreads so that either side wins some runs. Whichever
+    guarded UPDATE commits first wins, and the loser changes nothing."""
+    publish = execution.conversion_job_publish
+    gate: dict[str, Any] = {"publish": None, "delay": 0.0}
+
+    def publish_at_the_barrier(**kwargs):
+        barrier = gate["publish"]
+        if barrier is not None:
+            barrier.wait(timeout=30)
+            # The cancel goes through the API first: spread the start so both sides win often.
+            time.sleep(gate["delay"])
+        return publish(**kwargs)
+
+    monkeypatch.setattr(execution, "conversion_job_publish", publish_at_the_barrier)
+    tally: Counter[tuple[str, str, str]] = Counter()
+    for run in range(RACES):
+        job = _pdf_job(tmp_path)
+        barrier = threading.Barrier(2)
+        at_claim = run % 5 == 0
+        gate["publish"] = None if at_claim else barrier
+        gate["delay"] = (run % 10) * 0.002
+        worker = Worker(job.id, 1, before=(lambda b=barrier: b.wait(timeout=30)) if at_claim else None)
+        canceller = _Canceller(api, job.id, barrier, delay=(run // 5 % 5) * 0.01 if at_claim else 0)
+        worker.start()
+        canceller.start()
+        outcome = worker.result()
+        canceller.join(30)
+
+        job.refresh_from_db()
+        (request,) = CancellationRequest.objects.filter(job=job)
+        published = ExecutionAuditEvent.objects.filter(job_id=job.id, event_type="published").count()
+        tally[("claim" if at_claim else "publish", job.state, request.outcome)] += 1
+        assert request.resolved_at is not None, run
+        if job.state == "cancelled":
+            assert outcome in ("cancelled", "duplicate"), run
+            assert canceller.status in (200, 202), run
+            assert request.outcome == "cancelled", run
+            assert (job.result_key, job.result_sha256, published) == (None, None, 0), run
+            assert result_files(job.id) == [], run
+        else:
+            assert (job.state, outcome, canceller.status) == ("succeeded", "succeeded", 409), run
+            assert request.outcome in ("too_late", "lost_to_completion"), run
+            assert published == 1, run
+            assert result_files(job.id) == [storage.path_of(job.result_key)], run
+        assert not WorkerLease.objects.filter(job=job).exists(), run
+        assert work_dir_entries() == [], run
+    print(dict(tally))
+    assert sum(tally.values()) == RACES

@@ -1,0 +1,133 @@
+"""Retention (issue 6): expire results and sources after configured ages, prune published
+outbox rows, and purge whole audit chains past their own retention.
+
+Rows first, files second: a job is marked ``expired_at`` (its page rows deleted, an ``expired``
+audit event appended) in one transaction; its files are deleted afterwards and ``purged_at``
+set. A crash between the two leaves ``expired_at`` set and ``purged_at`` empty, and the next
+sweep finishes the file deletion. Readers never see a row that points at a deleted file as
+servable, because the API refuses anything with ``expired_at`` set.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+
+from django.conf import settings
+from django.db import connection, transaction
+from django.db.models import Max
+from django.db.models.functions import Now
+from django.utils import timezone
+
+from conversion_jobs import storage
+from conversion_jobs.models import ConversionJob, ConversionOutbox, ExecutionAuditEvent, PageCheckpoint
+from conversion_jobs.services.audit import audit_event_append
+from conversion_jobs.states import TERMINAL_STATES
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RetentionResult:
+    outbox_pruned: int = 0
+    jobs_expired: int = 0
+    jobs_purged: int = 0
+    audit_events_purged: int = 0
+
+
+def _ago(key: str) -> timezone.datetime:
+    return timezone.now() - timedelta(seconds=float(settings.QUIRE[key]))
+
+
+def outbox_rows_prune_published(*, batch: int) -> int:
+    cutoff = _ago("OUTBOX_RETENTION_S")
+    ids = list(
+        ConversionOutbox.objects.filter(published_at__lt=cutoff).values_list("id", flat=True)[:batch]
+    )
+    return ConversionOutbox.objects.filter(id__in=ids).delete()[0] if ids else 0
+
+
+def conversion_jobs_expire_if_past_retention(*, batch: int) -> int:
+    """Terminal jobs finished before the cutoff: mark expired, drop page rows, audit it."""
+    cutoff = _ago("RESULT_RETENTION_S")
+    expired = 0
+    with transaction.atomic():
+        due = list(
+            ConversionJob.objects.select_for_update(skip_locked=True)
+            .filter(finished_at__lt=cutoff, expired_at__isnull=True, state__in=list(TERMINAL_STATES))
+            .values_list("id", "generation")[:batch]
+        )
+        for job_id, generation in due:
+            if not ConversionJob.objects.filter(id=job_id, expired_at__isnull=True).update(
+                expired_at=Now(), updated_at=Now()
+            ):
+                continue
+            pages = PageCheckpoint.objects.filter(job_id=job_id).delete()[0]
+            audit_event_append(
+                job_id=job_id,
+                event_type="expired",
+                generation=generation,
+                details={"page_rows": pages},
+                lock_job=False,
+            )
+            expired += 1
+    return expired
+
+
+def conversion_jobs_purge_files_if_expired(*, batch: int) -> int:
+    """Delete the files of expired jobs, then record ``purged_at``. Idempotent."""
+    purged = 0
+    jobs = list(
+        ConversionJob.objects.filter(expired_at__isnull=False, purged_at__isnull=True).values_list(
+            "id", "source_key", "source_sha256"
+        )[:batch]
+    )
+    for job_id, source_key, sha in jobs:
+        storage.delete_tree(f"results/{job_id}")
+        storage.delete_tree(f"pages/{job_id}")
+        # Sources are content-addressed and shared: delete only when no unexpired job uses it.
+        if not ConversionJob.objects.filter(source_sha256=sha, expired_at__isnull=True).exists():
+            storage.delete(source_key)
+        purged += ConversionJob.objects.filter(id=job_id, purged_at__isnull=True).update(
+            purged_at=Now()
+        )
+    return purged
+
+
+def audit_chains_purge_if_past_retention(*, batch: int) -> int:
+    """Whole chains only (a job's newest event older than the cutoff), through the one audited
+    path the append-only trigger allows."""
+    cutoff = _ago("AUDIT_RETENTION_S")
+    job_ids = list(
+        ExecutionAuditEvent.objects.values("job_id")
+        .annotate(newest=Max("created_at"))
+        .filter(newest__lt=cutoff)
+        .values_list("job_id", flat=True)[:batch]
+    )
+    if not job_ids:
+        return 0
+    with transaction.atomic():
+        if connection.vendor == "postgresql":
+            with connection.cursor() as cursor:
+                cursor.execute("SET LOCAL quire.audit_purge = 'on'")
+        deleted = ExecutionAuditEvent.objects.filter(job_id__in=job_ids).delete()[0]
+    log.info("audit chains purged", extra={"chains": len(job_ids), "events": deleted})
+    return int(deleted)
+
+
+def retention_apply(*, batch: int | None = None) -> RetentionResult:
+    batch = batch or settings.QUIRE["SWEEP_BATCH"]
+    result = RetentionResult(
+        outbox_pruned=outbox_rows_prune_published(batch=batch),
+        jobs_expired=conversion_jobs_expire_if_past_retention(batch=batch),
+        jobs_purged=conversion_jobs_purge_files_if_expired(batch=batch),
+        audit_events_purged=audit_chains_purge_if_past_retention(batch=batch),
+    )
+    from conversion_jobs.observability import metrics
+
+    metrics.RETENTION_PURGES.labels(kind="outbox_rows").inc(result.outbox_pruned)
+    metrics.RETENTION_PURGES.labels(kind="jobs_expired").inc(result.jobs_expired)
+    metrics.RETENTION_PURGES.labels(kind="jobs_purged").inc(result.jobs_purged)
+    metrics.RETENTION_PURGES.labels(kind="audit_events").inc(result.audit_events_purged)
+    return result

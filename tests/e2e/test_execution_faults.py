@@ -1,0 +1,105 @@
+"""e2e: lease-fenced execution under crashes, freezes and redeliveries (issue 3 acceptance)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from conversion_jobs.models import (
+    ConversionAttempt,
+    ConversionJob,
+    ExecutionAuditEvent,
+    PageCheckpoint,
+)
+from tests.e2e import harness
+
+pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
+
+LEASE_S = float(harness.TEST_TIMINGS["QUIRE_LEASE_S"])
+SWEEP_S = float(harness.TEST_TIMINGS["QUIRE_SWEEP_INTERVAL_S"])
+SLOW = {"kind": "slow", "seconds": 0.6}
+
+
+def job_state(job_id) -> str:
+    return ConversionJob.objects.get(id=job_id).state
+
+
+def pages_done(job_id) -> int:
+    return PageCheckpoint.objects.filter(job_id=job_id, state="done").count()
+
+
+def running_attempt(job_id) -> ConversionAttempt:
+    return ConversionAttempt.objects.filter(job_id=job_id, finished_at__isnull=True).get()
+
+
+def test_worker_killed__job_completes_elsewhere_without_redoing_checkpointed_pages(start, submit):
+    first = start("worker")
+    start("sweeper")
+    start("beat")
+    job = submit(pages=8, options={"_test_fault": SLOW})
+    harness.wait_until(lambda: pages_done(job.id) >= 2, timeout=30, what="two pages checkpointed")
+    victim = harness.Cluster.owner_of  # noqa: F841  (documentation: the attempt names the process)
+    attempt = running_attempt(job.id)
+    assert first.pid in harness.process_tree(first.pid)
+    first.kill9()
+    killed_at = time.monotonic()
+    early = dict(
+        PageCheckpoint.objects.filter(job_id=job.id, state="done").values_list("page_number", "generation")
+    )
+    second = start("worker")
+    harness.wait_until(lambda: job_state(job.id) == "succeeded", timeout=40, what="success after kill -9")
+    recovered_in = time.monotonic() - killed_at
+    # The new attempt claimed within lease TTL + sweep interval (+ slack for startup).
+    second_attempt = ConversionAttempt.objects.filter(job_id=job.id, generation=2).get()
+    first_attempt = ConversionAttempt.objects.get(id=attempt.id)
+    assert first_attempt.outcome == "lease_lost"
+    assert second_attempt.outcome == "succeeded"
+    claim_delay = (second_attempt.started_at - first_attempt.heartbeat_at).total_seconds()
+    assert claim_delay <= LEASE_S + 2 * SWEEP_S + 3, claim_delay
+    # Pages checkpointed before the kill keep the first generation: never redone.
+    final = dict(PageCheckpoint.objects.filter(job_id=job.id).values_list("page_number", "generation"))
+    for page, generation in early.items():
+        assert generation == 1 and final[page] == 1
+    assert sorted(final) == list(range(1, 9))
+    assert second_attempt.pages_converted == 8 - len(early)
+    assert ExecutionAuditEvent.objects.filter(job_id=job.id, event_type="published").count() == 1
+    print(f"recovered in {recovered_in:.1f}s")  # noqa: T201
+
+
+def test_worker_frozen_past_lease__resumed_writes_are_rejected(start, submit, cluster):
+    frozen = start("worker")
+    start("sweeper")
+    start("beat")
+    job = submit(pages=6, options={"_test_fault": SLOW})
+    harness.wait_until(lambda: pages_done(job.id) >= 1, timeout=30, what="first page")
+    attempt = running_attempt(job.id)
+    assert cluster.owner_of(attempt.worker) is frozen
+    frozen.freeze()
+    try:
+        start("worker")
+        harness.wait_until(lambda: job_state(job.id) == "succeeded", timeout=45, what="success elsewhere")
+        done = ConversionJob.objects.get(id=job.id)
+        published = (done.result_key, done.result_sha256, done.state_version)
+        checkpoints = dict(PageCheckpoint.objects.filter(job_id=job.id).values_list("page_number", "generation"))
+    finally:
+        frozen.thaw()
+    # The resumed worker notices it lost the lease and stops; its attempt ends lease_lost.
+    harness.wait_until(
+        lambda: ConversionAttempt.objects.get(id=attempt.id).outcome == "lease_lost"
+        and "lost" in frozen.log.read_text(errors="replace") or _idle(frozen),
+        timeout=20, what="the resumed worker to give up",
+    )
+    time.sleep(2 * LEASE_S / 3)
+    after = ConversionJob.objects.get(id=job.id)
+    assert (after.state, after.result_key, after.result_sha256, after.state_version) == ("succeeded", *published)
+    assert dict(PageCheckpoint.objects.filter(job_id=job.id).values_list("page_number", "generation")) == checkpoints
+    assert ConversionAttempt.objects.get(id=attempt.id).outcome == "lease_lost"
+    outcomes = sorted(ConversionAttempt.objects.filter(job_id=job.id).values_list("outcome", flat=True))
+    assert outcomes == ["lease_lost", "succeeded"]
+    assert ExecutionAuditEvent.objects.filter(job_id=job.id, event_type="published").count() == 1
+
+
+def _idle(proc: harness.Proc) -> bool:
+    # The pool child returned to idle: only the main process and its pool child remain.
+    return len(proc.tree()) <= 2 and "succeeded in" in proc.log.read_text(errors="replace")

@@ -1,0 +1,199 @@
+"""One long-lived converter child per document and attempt: reuse, respawn, release, spare."""
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+from convhelpers import alive, never, prepare
+
+from conversion_jobs.converters import (
+    TEST_FAULTS_ENV,
+    ConversionTimeout,
+    ConverterCrashed,
+    InvalidInput,
+    Limits,
+    process_group_members,
+    release,
+    sessions,
+    testdocs,
+)
+
+LIMITS = Limits(page_timeout_s=10, prepare_timeout_s=20)
+
+
+@pytest.fixture(autouse=True)
+def _no_children_left_behind():
+    yield
+    sessions.release_all()
+
+
+@pytest.fixture
+def faults_enabled(monkeypatch):
+    monkeypatch.setenv(TEST_FAULTS_ENV, "1")
+
+
+@pytest.fixture
+def doc(tmp_path):
+    source = testdocs.make_pdf(tmp_path / "doc.pdf", pages=40)
+    converter, prepared = prepare(source, tmp_path / "attempt", output="text", limits=LIMITS)
+    return converter, prepared
+
+
+def _convert(doc, tmp_path, page, *, output="text", fault=None, limits=LIMITS):
+    converter, prepared = doc
+    options = {"dpi": 72}
+    if fault:
+        options["_test_fault"] = fault
+    return converter.convert_page(
+        prepared=prepared,
+        page=page,
+        output=output,
+        options=options,
+        dest_dir=tmp_path / "attempt",
+        limits=limits,
+        should_stop=never,
+    )
+
+
+def _child(doc, tmp_path, limits=LIMITS):
+    """The calling thread's session child for the document (a new one if there is none)."""
+    _converter, prepared = doc
+    return sessions.session_for(
+        document=prepared.document,
+        scratch_dir=tmp_path / "attempt",
+        limits=limits,
+        should_stop=never,
+    ).proc.pid
+
+
+def _private_dirs(tmp_path):
+    return sorted((tmp_path / "attempt").glob(".isolated-*"))
+
+
+def _written_bytes(pid):
+    io = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
+    return int(io["wchar"])
+
+
+def test_session__prepare_and_pages_share_one_child(tmp_path, doc):
+    pid = _child(doc, tmp_path)
+    before = _written_bytes(pid)
+    sizes = 0
+    for page in (1, 2, 3):
+        artifact = _convert(doc, tmp_path, page)
+        assert artifact.path.read_text() == f"Page {page} of the Quire test document"
+        sizes += artifact.path.stat().st_size
+    assert _child(doc, tmp_path) == pid
+    assert _written_bytes(pid) - before > sizes  # this child wrote the pages (and its answers)
+    assert alive(pid)
+    [private] = _private_dirs(tmp_path)
+    assert os.readlink(f"/proc/{pid}/cwd") == str(private)
+
+
+def test_session__child_is_isolated(tmp_path, monkeypatch):
+    monkeypatch.setenv("QUIRE_SECRET_FOR_TEST", "hunter2")
+    sessions.warm()  # the spare is spawned now; prepare makes it the document's child
+    limits = Limits(memory_bytes=700_000_000)
+    source = testdocs.make_pdf(tmp_path / "doc.pdf", pages=2)
+    _converter, prepared = prepare(source, tmp_path / "attempt", output="text", limits=limits)
+    pid = _child((None, prepared), tmp_path, limits)
+    assert os.getpgid(pid) == os.getsid(pid) == pid != os.getpgid(0)
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    assert not any(b"QUIRE_SECRET_FOR_TEST" in entry for entry in environ)
+    limits_text = Path(f"/proc/{pid}/limits").read_text()
+    assert any(
+        line.startswith("Max address space") and "700000000" in line
+        for line in limits_text.splitlines()
+    )
+
+
+def test_session__structured_error_keeps_the_child(tmp_path, doc, faults_enabled):
+    pid = _child(doc, tmp_path)
+    with pytest.raises(InvalidInput):
+        _convert(doc, tmp_path, 7, fault={"kind": "fail", "page": 7})
+    assert _convert(doc, tmp_path, 8).path.is_file()
+    assert _child(doc, tmp_path) == pid
+
+
+def test_session__crash_kills_group_and_next_page_gets_a_fresh_child(
+    tmp_path, doc, faults_enabled
+):
+    first = _child(doc, tmp_path)
+    [first_private] = _private_dirs(tmp_path)
+    with pytest.raises(ConverterCrashed):
+        _convert(doc, tmp_path, 2, fault={"kind": "segv", "page": 2})
+    assert process_group_members(first) == []
+    assert not first_private.exists()
+    assert not (tmp_path / "attempt" / "page-0002.txt").exists()
+    artifact = _convert(doc, tmp_path, 3, fault={"kind": "segv", "page": 2})
+    assert artifact.path.read_text() == "Page 3 of the Quire test document"
+    second = _child(doc, tmp_path)
+    assert second != first
+    assert alive(second)
+
+
+def test_session__timeout_then_the_next_page_converts(tmp_path, doc, faults_enabled):
+    limits = Limits(page_timeout_s=1.5, prepare_timeout_s=20)
+    with pytest.raises(ConversionTimeout):
+        _convert(doc, tmp_path, 3, fault={"kind": "hang", "page": 3}, limits=limits)
+    artifact = _convert(doc, tmp_path, 4, fault={"kind": "hang", "page": 3}, limits=limits)
+    assert artifact.path.read_text() == "Page 4 of the Quire test document"
+
+
+def test_release__kills_the_child_removes_its_dir_and_leaves_a_spare(tmp_path, doc):
+    _converter, prepared = doc
+    pid = _child(doc, tmp_path)
+    _convert(doc, tmp_path, 1)
+    release(prepared)
+    assert process_group_members(pid) == []
+    assert _private_dirs(tmp_path) == []
+    spare = sessions._spare
+    assert spare is not None and alive(spare.proc.pid)
+    # The next attempt (fresh workdir) is served by the spare, never by the released child.
+    _c, again = prepare(prepared.document, tmp_path / "attempt", output="text", limits=LIMITS)
+    assert _child((None, again), tmp_path) == spare.proc.pid
+
+
+def test_prepare__a_new_attempt_never_reuses_the_previous_child(tmp_path, doc):
+    _converter, prepared = doc
+    first = _child(doc, tmp_path)
+    _c, again = prepare(prepared.document, tmp_path / "attempt", output="text", limits=LIMITS)
+    assert again == prepared
+    second = _child((None, again), tmp_path)
+    assert second != first
+    assert process_group_members(first) == []
+
+
+def test_session__each_thread_has_its_own_child(tmp_path, doc):
+    mine = _child(doc, tmp_path)
+    theirs = []
+
+    def work():
+        _convert(doc, tmp_path, 5)
+        theirs.append(_child(doc, tmp_path))
+        release()
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert theirs and theirs[0] != mine
+    assert process_group_members(theirs[0]) == []
+    assert alive(mine)
+
+
+def test_session__png_pages_keep_the_child_memory_flat(tmp_path, doc):
+    def peak_kb(pid):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+        raise AssertionError("no VmHWM")
+
+    pid = _child(doc, tmp_path)
+    for page in range(1, 6):
+        _convert(doc, tmp_path, page, output="png")
+    early = peak_kb(pid)
+    for page in range(6, 31):
+        _convert(doc, tmp_path, page, output="png")
+    assert _child(doc, tmp_path) == pid
+    assert peak_kb(pid) - early < 15_000

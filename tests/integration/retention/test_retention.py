@@ -1,0 +1,108 @@
+"""Retention: expired artifacts gone from rows and storage, unexpired untouched, a crash between
+the row and the file deletion finished by the next sweep."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from conversion_jobs import storage
+from conversion_jobs.models import ConversionJob, ConversionOutbox, ExecutionAuditEvent, PageCheckpoint
+from conversion_jobs.services import retention
+from conversion_jobs.services.audit import audit_event_append, audit_chain_verify
+
+
+def _with_files(make_job, *, finished_ago: timedelta, sha: str):
+    job = make_job(state="succeeded", source_sha256=sha, finished_at=timezone.now() - finished_ago)
+    for key in (job.source_key, f"results/{job.id}/result.g1.txt", f"pages/{job.id}/00001.g1.txt"):
+        path = storage.path_of(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("x")
+    ConversionJob.objects.filter(id=job.id).update(result_key=f"results/{job.id}/result.g1.txt")
+    PageCheckpoint.objects.create(
+        job=job, page_number=1, state="done", artifact_key=f"pages/{job.id}/00001.g1.txt",
+        artifact_sha256="0" * 64, generation=1,
+    )
+    return job
+
+
+@pytest.mark.django_db(transaction=True)
+def test_retention__expires_old_and_keeps_young(make_job, settings):
+    settings.QUIRE = {**settings.QUIRE, "RESULT_RETENTION_S": 3600}
+    old = _with_files(make_job, finished_ago=timedelta(hours=2), sha="a" * 64)
+    young = _with_files(make_job, finished_ago=timedelta(minutes=5), sha="b" * 64)
+
+    result = retention.retention_apply()
+
+    assert result.jobs_expired == 1 and result.jobs_purged == 1
+    old.refresh_from_db()
+    young.refresh_from_db()
+    assert old.expired_at is not None and old.purged_at is not None
+    assert not PageCheckpoint.objects.filter(job=old).exists()
+    assert not storage.path_of(old.source_key).exists()
+    assert not storage.path_of(f"results/{old.id}").exists()
+    assert not storage.path_of(f"pages/{old.id}").exists()
+    assert young.expired_at is None and young.purged_at is None
+    assert PageCheckpoint.objects.filter(job=young).count() == 1
+    assert storage.path_of(young.source_key).exists()
+    assert storage.path_of(f"results/{young.id}/result.g1.txt").exists()
+    assert list(ExecutionAuditEvent.objects.filter(job_id=old.id).values_list("event_type", flat=True)) == ["expired"]
+    assert audit_chain_verify()[1] == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_retention__crash_between_rows_and_files_is_finished_by_next_sweep(make_job, settings):
+    settings.QUIRE = {**settings.QUIRE, "RESULT_RETENTION_S": 60}
+    job = _with_files(make_job, finished_ago=timedelta(hours=1), sha="c" * 64)
+
+    # The first sweep dies after committing the rows, before touching a file.
+    assert retention.conversion_jobs_expire_if_past_retention(batch=10) == 1
+    job.refresh_from_db()
+    assert job.expired_at is not None and job.purged_at is None
+    assert storage.path_of(job.source_key).exists()
+
+    result = retention.retention_apply()
+    assert result.jobs_expired == 0 and result.jobs_purged == 1
+    job.refresh_from_db()
+    assert job.purged_at is not None
+    assert not storage.path_of(job.source_key).exists()
+    assert not storage.path_of(f"results/{job.id}").exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_retention__shared_source_kept_while_an_unexpired_job_uses_it(make_job, settings):
+    settings.QUIRE = {**settings.QUIRE, "RESULT_RETENTION_S": 3600}
+    old = _with_files(make_job, finished_ago=timedelta(hours=2), sha="d" * 64)
+    make_job(state="queued", source_sha256="d" * 64, output="png")
+    retention.retention_apply()
+    old.refresh_from_db()
+    assert old.purged_at is not None
+    assert storage.path_of(old.source_key).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_retention__prunes_published_outbox_rows_only(make_job, settings):
+    settings.QUIRE = {**settings.QUIRE, "OUTBOX_RETENTION_S": 60}
+    job = make_job()
+    published = ConversionOutbox.objects.create(job=job, generation=1)
+    ConversionOutbox.objects.filter(id=published.id).update(published_at=timezone.now() - timedelta(hours=1))
+    fresh = ConversionOutbox.objects.create(job=job, generation=1)
+    ConversionOutbox.objects.filter(id=fresh.id).update(published_at=timezone.now())
+    unpublished = ConversionOutbox.objects.create(job=job, generation=1)
+
+    assert retention.retention_apply().outbox_pruned == 1
+    assert set(ConversionOutbox.objects.values_list("id", flat=True)) == {fresh.id, unpublished.id}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_retention__purges_whole_old_audit_chains_through_the_trigger(make_job, settings):
+    from django.db import transaction
+
+    settings.QUIRE = {**settings.QUIRE, "AUDIT_RETENTION_S": 0}
+    job = make_job()
+    with transaction.atomic():
+        audit_event_append(job_id=job.id, event_type="accepted", generation=1)
+    assert retention.audit_chains_purge_if_past_retention(batch=10) == 1
+    assert not ExecutionAuditEvent.objects.filter(job_id=job.id).exists()
