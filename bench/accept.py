@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import _common as c  # noqa: E402
+import _common as c
 
 DB_NAME = "quire_bench"
 BASELINE_SETTINGS = "bench.baseline_app.settings"
@@ -71,9 +71,7 @@ class RequestFactory:
     def build(self) -> bytes:
         uid = uuid.uuid4().hex.encode()
         doc = self.doc[: self.slot] + uid + self.doc[self.slot + len(uid) :]
-        body = c.multipart(
-            [("output", b"text", None), ("file", doc, "bench.pdf")], self.boundary
-        )
+        body = c.multipart([("output", b"text", None), ("file", doc, "bench.pdf")], self.boundary)
         head = (
             f"POST {self.path} HTTP/1.1\r\n"
             f"Host: 127.0.0.1:{self.port}\r\n"
@@ -87,8 +85,17 @@ class RequestFactory:
 
 
 def drive(
-    *, name: str, port: int, factories: list[RequestFactory], clients: int, warm: float,
-    measure: float, replay: float, server: c.Server, ok: set[int], profile_dir: Path | None = None,
+    *,
+    name: str,
+    port: int,
+    factories: list[RequestFactory],
+    clients: int,
+    warm: float,
+    measure: float,
+    replay: float,
+    server: c.Server,
+    ok: set[int],
+    profile_dir: Path | None = None,
 ) -> PhaseResult:
     result = PhaseResult(name=name, seconds=measure)
     lock = threading.Lock()
@@ -97,7 +104,7 @@ def drive(
     stop_at = 0.0
 
     def client(i: int) -> None:
-        rng = random.Random(i)  # noqa: S311
+        rng = random.Random(i)
         http = c.HttpClient(port)
         factory = factories[i % len(factories)]
         sent: list[bytes] = []
@@ -141,7 +148,11 @@ def drive(
     start_evt.set()
     time.sleep(warm)
     snap0 = _cpu_snapshot(server)
-    spies = c.py_spy_record(server.worker_pids(), seconds=measure, out_dir=profile_dir) if profile_dir else []
+    spies = (
+        c.py_spy_record(server.worker_pids(), seconds=measure, out_dir=profile_dir)
+        if profile_dir
+        else []
+    )
     time.sleep(measure)
     snap1 = _cpu_snapshot(server)
     for spy in spies:
@@ -172,7 +183,9 @@ def _cpu_snapshot(server: c.Server) -> dict[str, float]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--warm", type=float, default=5.0, help="seconds discarded per phase")
     parser.add_argument("--measure", type=float, default=20.0, help="seconds measured per phase")
@@ -180,8 +193,12 @@ def main() -> int:
     parser.add_argument("--tenants", type=int, default=4)
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument("--keep", action="store_true", help="keep the database and storage")
-    parser.add_argument("--py-spy", type=Path, metavar="DIR",
-                        help="record the Quire phase's gunicorn workers with py-spy into DIR")
+    parser.add_argument(
+        "--py-spy",
+        type=Path,
+        metavar="DIR",
+        help="record the Quire phase's gunicorn workers with py-spy into DIR",
+    )
     args = parser.parse_args()
 
     workers = os.environ.setdefault("WEB_CONCURRENCY", "2")
@@ -207,83 +224,174 @@ def main() -> int:
     try:
         with c.throwaway_vhost(user=publisher, password=password) as broker_url:
             env["CELERY_BROKER_URL"] = broker_url
-            c.run([c.PYTHON, "manage.py", "migrate", "--noinput", "-v", "0"],
-                  env={**env, "DJANGO_SETTINGS_MODULE": BASELINE_SETTINGS})
+            c.run(
+                [c.PYTHON, "manage.py", "migrate", "--noinput", "-v", "0"],
+                env={**env, "DJANGO_SETTINGS_MODULE": BASELINE_SETTINGS},
+            )
             tokens = [
-                c.run([c.PYTHON, "manage.py", "mint_token", "--tenant", f"bench-{n}", "--scope", "jobs:submit"],
-                      env=env).strip()
+                c.run(
+                    [
+                        c.PYTHON,
+                        "manage.py",
+                        "mint_token",
+                        "--tenant",
+                        f"bench-{n}",
+                        "--scope",
+                        "jobs:submit",
+                    ],
+                    env=env,
+                ).strip()
                 for n in range(args.tenants)
             ]
             baseline = None
             if not args.skip_baseline:
-                with c.gunicorn(env={**env, "DJANGO_SETTINGS_MODULE": BASELINE_SETTINGS},
-                                log=storage / "gunicorn-baseline.log") as server:
-                    factories = [RequestFactory(path="/bench/baseline", token=t, port=server.port) for t in tokens]
-                    baseline = drive(name="baseline", port=server.port, factories=factories,
-                                     clients=args.clients, warm=args.warm, measure=args.measure,
-                                     replay=0.0, server=server, ok={201})
-            with c.gunicorn(env={**env, "DJANGO_SETTINGS_MODULE": "project.settings"},
-                            log=storage / "gunicorn-quire.log") as server:
-                factories = [RequestFactory(path="/api/v1/jobs", token=t, port=server.port) for t in tokens]
-                quire = drive(name="quire", port=server.port, factories=factories, clients=args.clients,
-                              warm=args.warm, measure=args.measure, replay=args.replay, server=server,
-                              ok={200, 202}, profile_dir=args.py_spy)
+                with c.gunicorn(
+                    env={**env, "DJANGO_SETTINGS_MODULE": BASELINE_SETTINGS},
+                    log=storage / "gunicorn-baseline.log",
+                ) as server:
+                    factories = [
+                        RequestFactory(path="/bench/baseline", token=t, port=server.port)
+                        for t in tokens
+                    ]
+                    baseline = drive(
+                        name="baseline",
+                        port=server.port,
+                        factories=factories,
+                        clients=args.clients,
+                        warm=args.warm,
+                        measure=args.measure,
+                        replay=0.0,
+                        server=server,
+                        ok={201},
+                    )
+            with c.gunicorn(
+                env={**env, "DJANGO_SETTINGS_MODULE": "project.settings"},
+                log=storage / "gunicorn-quire.log",
+            ) as server:
+                factories = [
+                    RequestFactory(path="/api/v1/jobs", token=t, port=server.port) for t in tokens
+                ]
+                quire = drive(
+                    name="quire",
+                    port=server.port,
+                    factories=factories,
+                    clients=args.clients,
+                    warm=args.warm,
+                    measure=args.measure,
+                    replay=args.replay,
+                    server=server,
+                    ok={200, 202},
+                    profile_dir=args.py_spy,
+                )
             time.sleep(1.0)
-            jobs = c.sql_scalar(db_url, "SELECT count(*) FROM conversion_job")
-            unpublished = c.sql_scalar(db_url, "SELECT count(*) FROM conversion_outbox WHERE published_at IS NULL")
-            queued_msgs = c.queue_depth(broker_url, "conversion.v1")
+            jobs = c.best_effort(c.sql_scalar, db_url, "SELECT count(*) FROM conversion_job")
+            unpublished = c.best_effort(
+                c.sql_scalar,
+                db_url,
+                "SELECT count(*) FROM conversion_outbox WHERE published_at IS NULL",
+            )
+            queued_msgs = c.best_effort(c.queue_depth, broker_url, "conversion.v1")
     finally:
         if not args.keep:
             shutil.rmtree(storage, ignore_errors=True)
-            c.drop_database(DB_NAME)
+            c.best_effort(c.drop_database, DB_NAME)
 
-    report(args=args, baseline=baseline, quire=quire, workers=workers, threads=threads,
-           load_before=load_before, jobs=jobs, unpublished=unpublished, queued_msgs=queued_msgs,
-           storage=storage)
+    facts = {
+        "workers": workers,
+        "threads": threads,
+        "clients": args.clients,
+        "warm": args.warm,
+        "measure": args.measure,
+        "load": load_before[0],
+        "jobs": jobs,
+        "unpublished": unpublished,
+        "queued_msgs": queued_msgs,
+        "kept": storage if args.keep else None,
+    }
+    report(baseline=baseline, quire=quire, facts=facts)
     return 0
 
 
-def report(*, args, baseline, quire, workers, threads, load_before, jobs, unpublished, queued_msgs, storage) -> None:  # type: ignore[no-untyped-def]  # noqa: ANN001
+def _row(r: PhaseResult) -> str:
+    new_status, replay_status = (201, None) if r.name == "baseline" else (202, 200)
+    replays = r.rate(replay_status) if replay_status else 0.0
+    ok = r.rate(new_status) + replays
+    bad = sum(n for s, n in r.by_status.items() if s not in (new_status, replay_status))
+    worst = r.latencies_ms[-1] if r.latencies_ms else float("nan")
+    return (
+        f"{r.name:<10} {ok:>8.1f} {r.rate(new_status):>8.1f} {replays:>9.1f} "
+        f"{r.pct(50):>8.1f} {r.pct(99):>8.1f} {worst:>8.1f} {bad + len(r.errors):>7}"
+    )
+
+
+def _cpu_row(r: PhaseResult) -> str:
+    cpu = r.cpu
+    per_s = sum(r.by_status.values()) / r.seconds or float("nan")
+    return (
+        f"{r.name:<10} {cpu['client']:>7.2f} {cpu['gunicorn']:>9.2f} {cpu['postgres']:>9.2f} "
+        f"{cpu['rabbitmq']:>9.2f} {cpu['machine']:>8.2f} "
+        f"{cpu['gunicorn'] / per_s * 1000:>16.2f} {cpu['postgres'] / per_s * 1000:>16.2f}"
+    )
+
+
+def _verdict(ok: bool) -> str:
+    return "OK" if ok else "MISSED"
+
+
+def report(*, baseline: PhaseResult | None, quire: PhaseResult, facts: dict[str, object]) -> None:
     print()
-    print(f"gunicorn gthread: WEB_CONCURRENCY={workers} WEB_THREADS={threads}; clients={args.clients}; "
-          f"warm {args.warm:g} s + measure {args.measure:g} s per phase; cores={os.cpu_count()}; "
-          f"load average before {load_before[0]:.2f}")
+    print(
+        f"gunicorn gthread: WEB_CONCURRENCY={facts['workers']} WEB_THREADS={facts['threads']}; "
+        f"clients={facts['clients']}; warm {facts['warm']:g} s + measure {facts['measure']:g} s "
+        f"per phase; cores={os.cpu_count()}; load average before {facts['load']:.2f}"
+    )
     print()
-    header = f"{'phase':<10} {'ok/s':>8} {'new/s':>8} {'replay/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'errors':>7}"
+    header = (
+        f"{'phase':<10} {'ok/s':>8} {'new/s':>8} {'replay/s':>9} {'p50 ms':>8} {'p99 ms':>8} "
+        f"{'max ms':>8} {'errors':>7}"
+    )
     print(header)
     print("-" * len(header))
     rows = [r for r in (baseline, quire) if r is not None]
     for r in rows:
-        new_status = 201 if r.name == "baseline" else 202
-        replay_status = 0 if r.name == "baseline" else 200
-        ok = r.rate(new_status) + (r.rate(replay_status) if replay_status else 0)
-        bad = sum(n for s, n in r.by_status.items() if s not in (new_status, replay_status)) + len(r.errors)
-        print(f"{r.name:<10} {ok:>8.1f} {r.rate(new_status):>8.1f} {r.rate(replay_status) if replay_status else 0:>9.1f} "
-              f"{r.pct(50):>8.1f} {r.pct(99):>8.1f} {r.latencies_ms[-1] if r.latencies_ms else float('nan'):>8.1f} {bad:>7}")
+        print(_row(r))
     print()
     print("CPU (cores busy over the measured window):")
-    print(f"{'phase':<10} {'client':>7} {'gunicorn':>9} {'postgres':>9} {'rabbitmq':>9} {'machine':>8}")
+    print(
+        f"{'phase':<10} {'client':>7} {'gunicorn':>9} {'postgres':>9} {'rabbitmq':>9} "
+        f"{'machine':>8} {'gunicorn ms/req':>16} {'postgres ms/req':>16}"
+    )
     for r in rows:
-        cpu = r.cpu
-        print(f"{r.name:<10} {cpu['client']:>7.2f} {cpu['gunicorn']:>9.2f} {cpu['postgres']:>9.2f} "
-              f"{cpu['rabbitmq']:>9.2f} {cpu['machine']:>8.2f}")
+        print(_cpu_row(r))
+    print("(postgres / rabbitmq / machine include whatever else runs on this host)")
     print()
     accepted = quire.rate(202)
-    p99 = quire.pct(99)
-    ratio = accepted / baseline.rate(201) if baseline and baseline.rate(201) else float("nan")
-    print(f"accepted jobs/s          {accepted:8.1f}   target >= {TARGETS['accepted_per_s']:.0f}   "
-          f"{'OK' if accepted >= TARGETS['accepted_per_s'] else 'MISSED'}")
-    print(f"p50 / p99 latency (all)  {quire.pct(50):5.1f} / {p99:5.1f} ms   target p99 <= {TARGETS['p99_ms']:.0f}   "
-          f"{'OK' if p99 <= TARGETS['p99_ms'] else 'MISSED'}")
-    print(f"p50 / p99 latency (new)  {quire.pct(50, new_only=True):5.1f} / {quire.pct(99, new_only=True):5.1f} ms")
-    print(f"ratio to baseline        {ratio:8.2f}   target >= {TARGETS['ratio']}   "
-          f"{'OK' if ratio >= TARGETS['ratio'] else 'MISSED'}")
-    print(f"database: {jobs} jobs, {unpublished} outbox rows unpublished; conversion.v1 holds {queued_msgs} messages")
+    p50, p99 = quire.pct(50), quire.pct(99)
+    base = baseline.rate(201) if baseline else 0.0
+    ratio = accepted / base if base else float("nan")
+    print(
+        f"accepted jobs/s          {accepted:8.1f}   target >= {TARGETS['accepted_per_s']:.0f}   "
+        f"{_verdict(accepted >= TARGETS['accepted_per_s'])}"
+    )
+    print(
+        f"p50 / p99 latency (all)  {p50:5.1f} / {p99:5.1f} ms   "
+        f"target p99 <= {TARGETS['p99_ms']:.0f}   {_verdict(p99 <= TARGETS['p99_ms'])}"
+    )
+    new50, new99 = quire.pct(50, new_only=True), quire.pct(99, new_only=True)
+    print(f"p50 / p99 latency (new)  {new50:5.1f} / {new99:5.1f} ms")
+    print(
+        f"ratio to baseline        {ratio:8.2f}   target >= {TARGETS['ratio']}   "
+        f"{_verdict(ratio >= TARGETS['ratio'])}"
+    )
+    print(
+        f"database: {facts['jobs']} jobs, {facts['unpublished']} outbox rows unpublished; "
+        f"conversion.v1 holds {facts['queued_msgs']} messages"
+    )
     for r in rows:
         for err in r.errors[:5]:
             print(f"  {r.name} error: {err}")
-    if args.keep:
-        print(f"kept: database {DB_NAME}, storage and gunicorn logs under {storage}")
+    if facts.get("kept"):
+        print(f"kept: database {DB_NAME}, storage and gunicorn logs under {facts['kept']}")
 
 
 if __name__ == "__main__":

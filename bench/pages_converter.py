@@ -168,7 +168,7 @@ def _spare_ready() -> bool:
     """The spare child has finished importing (it then waits on its stdin)."""
     from conversion_jobs.converters import sessions
 
-    spare = sessions._spare  # noqa: SLF001 - a benchmark may look inside
+    spare = sessions._spare
     if spare is None:
         return False
     try:
@@ -183,7 +183,7 @@ def _spare_ready() -> bool:
 
 
 def _spawn(args: list[str]) -> subprocess.Popen[str]:
-    return subprocess.Popen(  # noqa: S603
+    return subprocess.Popen(
         [sys.executable, __file__, "--worker", *args],
         cwd=ROOT,
         stdin=subprocess.PIPE,
@@ -200,9 +200,7 @@ def run_pair(mode: str, *, source: Path, output: str, pages: int, scratch: Path)
         out = scratch / f"{mode}-{output}-{index}"
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
-        procs.append(
-            _spawn([mode, str(source), output, str(first), str(last), str(out)])
-        )
+        procs.append(_spawn([mode, str(source), output, str(first), str(last), str(out)]))
     for proc in procs:
         if proc.stdout.readline().strip() != "ready":
             raise RuntimeError(f"{mode} worker failed to start")
@@ -258,17 +256,19 @@ def main() -> None:
         source = testdocs.make_pdf(
             scratch / "doc.pdf", pages=args.pages, text_of=page_text(args.lines)
         )
-        print(
-            f"{args.pages}-page PDF ({source.stat().st_size // 1024} KiB, {args.lines} lines/page), "
-            f"2 processes, {args.rounds} rounds, load average {os.getloadavg()[0]:.1f}"
-        )
+        load = os.getloadavg()[0]
+        size_kib = source.stat().st_size // 1024
+        print(f"{args.pages}-page PDF ({size_kib} KiB, {args.lines} lines/page)")
+        print(f"2 processes per mode, {args.rounds} rounds, load average {load:.1f}")
         modes = args.modes.split(",")
         for output in args.outputs.split(","):
             speed: dict[str, list[float]] = {mode: [] for mode in modes}
             cost: dict[str, list[float]] = {mode: [] for mode in modes}
             for _ in range(args.rounds):
                 for mode in modes:
-                    r = run_pair(mode, source=source, output=output, pages=args.pages, scratch=scratch)
+                    r = run_pair(
+                        mode, source=source, output=output, pages=args.pages, scratch=scratch
+                    )
                     speed[mode].append(r["pages_s"])
                     cost[mode].append(r["cpu_ms"])
             label = "text" if output == "text" else f"png@{DPI}dpi"
@@ -300,10 +300,11 @@ def main() -> None:
             proc.wait()
             worker_mb = report["maxrss_self_kb"] / 1024
             child_mb = report["maxrss_children_kb"] / 1024
+            pages_s = report["pages"] / (report["end"] - report["start"])
             print(
                 f"  peak RSS, {args.rss_pages}-page PDF -> png@{DPI}dpi in one worker: "
                 f"worker process {worker_mb:.0f} MB, converter child {child_mb:.0f} MB, "
-                f"sum {worker_mb + child_mb:.0f} MB ({report['pages'] / (report['end'] - report['start']):.1f} pages/s)"
+                f"sum {worker_mb + child_mb:.0f} MB ({pages_s:.1f} pages/s)"
             )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

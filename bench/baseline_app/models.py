@@ -10,3 +10,6 @@ class BaselineRow(models.Model):
 
     class Meta:
         db_table = "bench_baseline_row"
+
+    def __str__(self) -> str:
+        return f"baseline row {self.id}"

@@ -112,9 +112,9 @@ def _start_watchdog(watch: _Watch, *, parent_pid: int) -> None:
     threading.Thread(target=run, name="quire-watchdog", daemon=True).start()
 
 
-def _setup(*, dir: str, limits: dict) -> Limits:  # noqa: A002
-    os.chdir(dir)
-    os.environ["HOME"] = os.environ["TMPDIR"] = dir
+def _setup(*, directory: str, limits: dict) -> Limits:
+    os.chdir(directory)
+    os.environ["HOME"] = os.environ["TMPDIR"] = directory
     tempfile.tempdir = None
     parsed = Limits(**limits)
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
@@ -123,8 +123,9 @@ def _setup(*, dir: str, limits: dict) -> Limits:  # noqa: A002
 
 
 def _preload() -> None:
-    """Import the heavy libraries while the child waits as a spare, not while a page waits."""
-    from . import imageops, pdfops  # noqa: F401
+    """Import pypdfium2 while the child waits as a spare, not while a page waits. (Pillow comes
+    with the first PNG or image page: a text-only PDF never needs it.)"""
+    from . import pdfops  # noqa: F401
 
 
 def _inject_fault(fault: dict, *, op: str, args: dict) -> None:

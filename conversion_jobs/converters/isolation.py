@@ -81,7 +81,7 @@ class ChildSession:
     """
 
     def __init__(self) -> None:
-        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the session
+        self._stderr = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(  # noqa: S603
             [sys.executable, "-m", CHILD_MODULE],
             env=_child_env(),
@@ -117,15 +117,13 @@ class ChildSession:
         except ChildProcessError:
             return True
 
-    def setup(
-        self, *, limits: Limits, scratch_dir: Path, should_stop: Callable[[], bool]
-    ) -> None:
+    def setup(self, *, limits: Limits, scratch_dir: Path, should_stop: Callable[[], bool]) -> None:
         private = Path(scratch_dir) / f".isolated-{uuid.uuid4().hex}"
         private.mkdir(parents=True)
         self.private, self.limits = private, limits
         self.call(
             "setup",
-            {"dir": str(private), "limits": asdict(limits)},
+            {"directory": str(private), "limits": asdict(limits)},
             timeout_s=limits.page_timeout_s,
             should_stop=should_stop,
         )
@@ -185,7 +183,13 @@ class ChildSession:
                     self._crashed()
                 self._buffer += chunk
         line, self._buffer = self._buffer[:newline], self._buffer[newline + 1 :]
-        return json.loads(line)
+        try:
+            outcome = json.loads(line)
+        except ValueError:
+            raise ConverterCrashed("the converter sent an unreadable answer") from None
+        if not isinstance(outcome, dict) or "ok" not in outcome:
+            raise ConverterCrashed("the converter sent an unreadable answer")
+        return outcome
 
     def _crashed(self) -> None:
         """The child ended (or closed its pipe) without answering: kill, reap, raise."""
@@ -284,5 +288,3 @@ def process_group_members(pgid: int) -> list[int]:
         if pgrp == pgid and state not in (b"Z", b"X"):
             members.append(int(entry.name))
     return members
-
-

@@ -142,7 +142,11 @@ class ImageConverter:
     def prepare(self, *, source, media_type, workdir, limits, should_stop) -> Prepared:
         _check_magic(source, media_type)
         result = _prepare_in_session(
-            op="image_prepare", source=source, workdir=workdir, limits=limits, should_stop=should_stop
+            op="image_prepare",
+            source=source,
+            workdir=workdir,
+            limits=limits,
+            should_stop=should_stop,
         )
         return Prepared(
             document=Path(source), media_type=media_type, page_count=result["page_count"]

@@ -4,9 +4,10 @@ Each worker thread has at most one session: ``open_session`` (called by ``prepar
 starts a fresh child for the document and ends the thread's previous sessions, so an attempt never
 inherits a child from an earlier attempt. ``session_for`` (called per page) returns the thread's
 session for the same document and limits, or a fresh one (private directory in the page's
-``dest_dir``) after a failure killed it or its directory was removed. ``release`` ends the calling thread's sessions; the worker calls it when an attempt ends.
+``dest_dir``) after a failure killed it or its directory was removed. ``release`` ends the
+calling thread's sessions; the worker calls it when an attempt ends.
 
-To take the child's start-up (interpreter, pypdfium2, Pillow) off the page path, ``release`` leaves
+To take the child's start-up (interpreter, pypdfium2) off the page path, ``release`` leaves
 one *spare* child per process: spawned but never set up, it has seen no input and no directory,
 and becomes the next session of whichever thread needs one. A spare or a session idle longer than
 ``MAX_IDLE_S`` is replaced (the child ends itself after ``CHILD_IDLE_EXIT_S``).

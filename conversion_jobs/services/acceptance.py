@@ -45,7 +45,9 @@ class Acceptance:
     replayed: bool
 
 
-def _existing_by_identity(*, tenant: str, sha256: str, output: str, digest: str) -> ConversionJob | None:
+def _existing_by_identity(
+    *, tenant: str, sha256: str, output: str, digest: str
+) -> ConversionJob | None:
     return (
         ConversionJob.objects.filter(
             tenant=tenant,
@@ -90,7 +92,9 @@ def conversion_job_accept(
             raise UnsupportedOutput(f"{media_type} cannot be converted to {output} here")
         options = normalize_options(raw_options, output=output)
         digest = options_digest(options)
-        fingerprint = request_fingerprint(source_sha256=upload.sha256, output=output, options=options)
+        fingerprint = request_fingerprint(
+            source_sha256=upload.sha256, output=output, options=options
+        )
         if idempotency_key is not None:
             replayed = _replay(tenant=tenant, key=idempotency_key, fingerprint=fingerprint)
             if replayed is not None:
@@ -103,7 +107,10 @@ def conversion_job_accept(
                 try:
                     with transaction.atomic():
                         _record_key(
-                            tenant=tenant, key=idempotency_key, fingerprint=fingerprint, job=duplicate
+                            tenant=tenant,
+                            key=idempotency_key,
+                            fingerprint=fingerprint,
+                            job=duplicate,
                         )
                 except _ExistingJob as existing:
                     return Acceptance(job=existing.job, created=False, replayed=existing.replayed)
@@ -181,7 +188,9 @@ def _insert_job(
             raise InvalidRequest("a concurrent identical job changed state; retry") from exc
         if idempotency_key is not None:
             try:
-                _record_key(tenant=tenant, key=idempotency_key, fingerprint=fingerprint, job=existing)
+                _record_key(
+                    tenant=tenant, key=idempotency_key, fingerprint=fingerprint, job=existing
+                )
             except _ExistingJob as winner:
                 return Acceptance(job=winner.job, created=False, replayed=winner.replayed)
         return Acceptance(job=existing, created=False, replayed=False)
@@ -198,7 +207,9 @@ def _insert_job(
         details={"media_type": media_type, "size": upload.size, "output": output},
         lock_job=False,
     )
-    outbox_publish_after_commit(outbox_id=outbox.id, job_id=job.id, generation=1, traceparent=traceparent)
+    outbox_publish_after_commit(
+        outbox_id=outbox.id, job_id=job.id, generation=1, traceparent=traceparent
+    )
     return Acceptance(job=job, created=True, replayed=False)
 
 
@@ -206,7 +217,9 @@ def _record_key(*, tenant: str, key: str, fingerprint: str, job: ConversionJob) 
     """Bind the key to ``job``; a concurrent binding of the same key wins and decides."""
     try:
         with transaction.atomic():
-            IdempotencyRecord.objects.create(tenant=tenant, key=key, fingerprint=fingerprint, job=job)
+            IdempotencyRecord.objects.create(
+                tenant=tenant, key=key, fingerprint=fingerprint, job=job
+            )
     except IntegrityError as exc:
         if violated_constraint(exc) != "idempotency_tenant_key":
             raise

@@ -144,10 +144,15 @@ def _run(*, lease: Lease, heartbeat: Heartbeat, workdir: Path) -> str:
     except (LeaseLost, ConversionStopped):
         return _stopped(lease=lease)
     except ConversionError as exc:
+        code = exc.code
         if exc.retryable:
-            state = _db_retry(lambda: execution.conversion_job_retry_later(lease=lease, code=exc.code), deadline_s=_ttl())
+            state = _db_retry(
+                lambda: execution.conversion_job_retry_later(lease=lease, code=code), deadline_s=_ttl()
+            )
             return str(state) if state else _stopped(lease=lease)
-        won = _db_retry(lambda: execution.conversion_job_fail(lease=lease, code=exc.code, detail=exc.code), deadline_s=_ttl())
+        won = _db_retry(
+            lambda: execution.conversion_job_fail(lease=lease, code=code, detail=code), deadline_s=_ttl()
+        )
         return "failed" if won else _stopped(lease=lease)
     except DB_ERRORS:
         # The database stayed away longer than the lease: the sweep will recover the job.
@@ -179,22 +184,26 @@ def _selected_pages(options: dict[str, Any], page_count: int) -> list[int]:
     return list(range(first, min(last, page_count) + 1))
 
 
-def _options_for_attempt(options: dict[str, Any], attempt_number: int) -> dict[str, Any]:
+def _options_for_attempt(options: dict[str, Any], lease: Lease) -> dict[str, Any]:
     """The options given to the converter. A test fault (honoured only with
-    QUIRE_ENABLE_TEST_FAULTS=1, see converters/isolation.py) may say ``until_attempt``: it then
-    applies to the first N attempts of the job only, so "fail three times, then succeed" is a
-    property of the job's durable attempt counter, not of any worker's memory."""
+    QUIRE_ENABLE_TEST_FAULTS=1, see converters/isolation.py) may say ``until_attempt`` or
+    ``until_generation``: it then applies only while the job's durable attempt counter (or its
+    generation) is at most N, so "fail three times, then succeed" lives in Postgres, not in any
+    worker's memory."""
     fault = options.get("_test_fault")
-    if not isinstance(fault, dict) or "until_attempt" not in fault:
+    if not isinstance(fault, dict):
         return options
-    if attempt_number > int(fault["until_attempt"]):
+    over = ("until_attempt" in fault and lease.attempt_number > int(fault["until_attempt"])) or (
+        "until_generation" in fault and lease.generation > int(fault["until_generation"])
+    )
+    if over:
         return {k: v for k, v in options.items() if k != "_test_fault"}
-    return {**options, "_test_fault": {**fault, "attempt": attempt_number}}
+    return options
 
 
 def _convert(*, lease: Lease, heartbeat: Heartbeat, workdir: Path) -> str:
     job = _db_retry(lambda: ConversionJob.objects.get(id=lease.job_id), deadline_s=_ttl())
-    options = _options_for_attempt(job.options, lease.attempt_number)
+    options = _options_for_attempt(job.options, lease)
     limits = limits_from_settings()
     converter = converters.converter_for(job.source_media_type, job.output)
     stop = heartbeat.stop.is_set

@@ -76,13 +76,18 @@ def cluster(
     from django.db import connection
 
     base_url = os.environ.get("DATABASE_URL", "")
-    if not base_url.startswith("postgres") or not os.environ.get("CELERY_BROKER_URL", "").startswith("amqp"):
-        _missing("the production e2e tests need DATABASE_URL=postgres://… and CELERY_BROKER_URL=amqp://…")
+    if not base_url.startswith("postgres") or not os.environ.get(
+        "CELERY_BROKER_URL", ""
+    ).startswith("amqp"):
+        _missing(
+            "the production e2e tests need DATABASE_URL=postgres://… and CELERY_BROKER_URL=amqp://…"
+        )
     harness.queues_purge()
-    call_command("install_beat_schedule", stdout=open(os.devnull, "w"))  # noqa: SIM115
+    call_command("install_beat_schedule", stdout=open(os.devnull, "w"))
 
     env = {
-        k: v for k, v in os.environ.items()
+        k: v
+        for k, v in os.environ.items()
         if not k.startswith(("CELERY_", "DATABASE_URL", "QUIRE_", "PYTEST_"))
     }
     env.update(harness.TEST_TIMINGS)
@@ -103,10 +108,15 @@ def cluster(
     c = harness.Cluster(log_dir=logs, env=env)
     yield c
     c.stop_all()
-    failed = any(getattr(getattr(request.node, f"rep_{w}", None), "failed", False) for w in ("setup", "call"))
+    refused = [p.name for p in c.procs if "ACCESS_REFUSED" in p.log.read_text(errors="replace")]
+    failed = any(
+        getattr(getattr(request.node, f"rep_{w}", None), "failed", False) for w in ("setup", "call")
+    )
     if failed:
-        print(c.tails())  # noqa: T201  (shown with the failure report)
+        print(c.tails())
     connection.close()
+    # Least privilege holds only if no process ever needed a permission it lacks.
+    assert not refused, f"the broker refused an operation to {refused}:\n{c.tails()}"
 
 
 def role_env(kind: str) -> dict[str, str]:
@@ -126,7 +136,8 @@ def role_env(kind: str) -> dict[str, str]:
 
 @pytest.fixture
 def start(cluster: harness.Cluster) -> Callable[..., harness.Proc]:
-    """``start("worker")`` / ``start("sweeper")`` / ``start("beat")`` with the role's broker user."""
+    """``start("worker")`` / ``start("sweeper")`` / ``start("beat")``, each as its role's
+    broker user."""
 
     def run(kind: str, *, ready: bool = True, **env: str) -> harness.Proc:
         proc = getattr(cluster, kind)(**{**role_env(kind), **env})
@@ -145,8 +156,13 @@ def submit(settings: Any, tmp_path: Path) -> Callable[..., Any]:
     from conversion_jobs.converters import testdocs
     from conversion_jobs.services.acceptance import StagedUpload, conversion_job_accept
 
-    def make(*, pages: int = 4, output: str = "text", options: dict[str, Any] | None = None,
-             tenant: str = "tenant-a") -> Any:
+    def make(
+        *,
+        pages: int = 4,
+        output: str = "text",
+        options: dict[str, Any] | None = None,
+        tenant: str = "tenant-a",
+    ) -> Any:
         src = tmp_path / f"{uuid.uuid4().hex}.pdf"
         salt = uuid.uuid4().hex
         testdocs.make_pdf(src, pages=pages, text_of=lambda n: f"Page {n} {salt}")
@@ -156,8 +172,12 @@ def submit(settings: Any, tmp_path: Path) -> Callable[..., Any]:
         raw = src.read_bytes()
         upload = StagedUpload(path=staged, sha256=hashlib.sha256(raw).hexdigest(), size=len(raw))
         accepted = conversion_job_accept(
-            tenant=tenant, actor="e2e", upload=upload, output=output,
-            raw_options=options or {}, idempotency_key=None,
+            tenant=tenant,
+            actor="e2e",
+            upload=upload,
+            output=output,
+            raw_options=options or {},
+            idempotency_key=None,
         )
         assert accepted.created
         return accepted.job

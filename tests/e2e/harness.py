@@ -97,8 +97,12 @@ def wait_until(
 def amqp_connection(role: str) -> amqp.Connection:
     user, password = USERS[role]
     conn = amqp.Connection(
-        host=f"{RMQ_HOST}:{RMQ_PORT}", userid=user, password=password, virtual_host=VHOST,
-        connect_timeout=5, confirm_publish=True,
+        host=f"{RMQ_HOST}:{RMQ_PORT}",
+        userid=user,
+        password=password,
+        virtual_host=VHOST,
+        connect_timeout=5,
+        confirm_publish=True,
     )
     conn.connect()
     return conn
@@ -108,8 +112,11 @@ def rabbitmqctl(*args: str, timeout: float = 120) -> str:
     """Broker administration goes through the CLI (Erlang cookie, we run on the broker host):
     no Quire user may purge or inspect the dead-letter queue, and guest has no access to the
     ``quire`` vhost."""
-    proc = subprocess.run(  # noqa: S603
-        ["rabbitmqctl", "--quiet", *args], capture_output=True, text=True, timeout=timeout,  # noqa: S607
+    proc = subprocess.run(
+        ["rabbitmqctl", "--quiet", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
         check=False,
     )
     if proc.returncode != 0:
@@ -120,7 +127,7 @@ def rabbitmqctl(*args: str, timeout: float = 120) -> str:
 def topology_ensure() -> str:
     """Run deploy/rabbitmq/apply.sh (idempotent). Returns its output; raises if the topology is
     not usable afterwards (the users cannot log in or a queue is missing)."""
-    proc = subprocess.run(  # noqa: S603
+    proc = subprocess.run(
         ["bash", str(APPLY)], capture_output=True, text=True, timeout=300, check=False
     )
     output = proc.stdout + proc.stderr
@@ -131,7 +138,9 @@ def topology_ensure() -> str:
         missing = [q for q in QUEUES if q not in depths]
         assert not missing, f"queues missing: {missing}"
     except Exception as exc:
-        raise RuntimeError(f"RabbitMQ topology is not usable after apply.sh (rc={proc.returncode}): {exc}\n{output}") from exc
+        raise RuntimeError(
+            f"RabbitMQ topology unusable after apply.sh (rc={proc.returncode}): {exc}\n{output}"
+        ) from exc
     return output
 
 
@@ -205,15 +214,15 @@ def publish_task(
 
 
 def rabbitmq_restart() -> None:
-    subprocess.run(["rabbitmqctl", "stop_app"], check=True, capture_output=True, timeout=120)  # noqa: S607
-    subprocess.run(["rabbitmqctl", "start_app"], check=True, capture_output=True, timeout=120)  # noqa: S607
-    subprocess.run(["rabbitmqctl", "await_startup"], check=True, capture_output=True, timeout=120)  # noqa: S607
+    subprocess.run(["rabbitmqctl", "stop_app"], check=True, capture_output=True, timeout=120)
+    subprocess.run(["rabbitmqctl", "start_app"], check=True, capture_output=True, timeout=120)
+    subprocess.run(["rabbitmqctl", "await_startup"], check=True, capture_output=True, timeout=120)
 
 
 def rabbitmq_ensure_running() -> None:
     """Whatever a test did, leave the broker running."""
-    subprocess.run(["rabbitmqctl", "start_app"], capture_output=True, timeout=120, check=False)  # noqa: S607
-    subprocess.run(["rabbitmqctl", "await_startup"], capture_output=True, timeout=120, check=False)  # noqa: S607
+    subprocess.run(["rabbitmqctl", "start_app"], capture_output=True, timeout=120, check=False)
+    subprocess.run(["rabbitmqctl", "await_startup"], capture_output=True, timeout=120, check=False)
 
 
 # --- PostgreSQL ---------------------------------------------------------------------------------
@@ -225,8 +234,8 @@ def postgres_version() -> str:
 
 
 def postgres_restart() -> None:
-    subprocess.run(  # noqa: S603
-        ["pg_ctlcluster", "--skip-systemctl-redirect", postgres_version(), "main", "restart"],  # noqa: S607
+    subprocess.run(
+        ["pg_ctlcluster", "--skip-systemctl-redirect", postgres_version(), "main", "restart"],
         check=True,
         capture_output=True,
         timeout=120,
@@ -241,8 +250,8 @@ def postgres_ensure_running(url: str) -> None:
         return
     except Exception:  # noqa: S110
         pass
-    subprocess.run(  # noqa: S603
-        ["pg_ctlcluster", "--skip-systemctl-redirect", postgres_version(), "main", "start"],  # noqa: S607
+    subprocess.run(
+        ["pg_ctlcluster", "--skip-systemctl-redirect", postgres_version(), "main", "start"],
         capture_output=True,
         timeout=120,
         check=False,
@@ -340,7 +349,7 @@ class Proc:
         self.signal_tree(signal.SIGCONT)
         self.frozen = False
 
-    def stop(self, timeout: float = 8.0) -> None:
+    def stop(self, timeout: float = 3.0) -> None:
         if self.popen.poll() is not None:
             return
         if self.frozen:
@@ -391,7 +400,7 @@ class Cluster:
             argv[0] = str(VENV_BIN / "celery")
         log = self.log_dir / f"{name}.log"
         with open(log, "ab") as out:
-            popen = subprocess.Popen(  # noqa: S603
+            popen = subprocess.Popen(
                 argv,
                 cwd=REPO,
                 env=full_env,
@@ -432,9 +441,13 @@ class Cluster:
         raise LookupError(worker_identity)
 
     def stop_all(self) -> None:
+        """Teardown: SIGKILL every tree (graceful shutdown is not under test here, and waiting
+        for soft shutdowns would dominate the suite's runtime)."""
         for proc in reversed(self.procs):
             try:
-                proc.stop()
+                if proc.popen.poll() is None:
+                    proc.thaw()
+                    proc.kill9()
             except Exception:  # noqa: S110  (teardown: keep stopping the others)
                 pass
 
@@ -451,7 +464,7 @@ def _check_alive(proc: Proc) -> bool:
 # --- the test process's own publisher -----------------------------------------------------------
 
 
-class broker_unreachable:  # noqa: N801  (a context manager used like a function)
+class broker_unreachable:
     """While inside, this process's Celery app publishes to a closed port: the on_commit fast
     path fails exactly as it does when the broker is down at that moment."""
 
@@ -462,7 +475,9 @@ class broker_unreachable:  # noqa: N801  (a context manager used like a function
         sock.bind((RMQ_HOST, 0))
         closed_port = sock.getsockname()[1]
         sock.close()  # nothing listens there now: connection refused
-        self._saved = {k: os.environ.get(k) for k in ("CELERY_BROKER_URL", "CELERY_BROKER_WRITE_URL")}
+        self._saved = {
+            k: os.environ.get(k) for k in ("CELERY_BROKER_URL", "CELERY_BROKER_WRITE_URL")
+        }
         os.environ["CELERY_BROKER_URL"] = os.environ["CELERY_BROKER_WRITE_URL"] = broker_url(
             "publisher", port=closed_port
         )

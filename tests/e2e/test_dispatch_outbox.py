@@ -6,7 +6,12 @@ import time
 
 import pytest
 
-from conversion_jobs.models import ConversionAttempt, ConversionJob, ConversionOutbox, ExecutionAuditEvent
+from conversion_jobs.models import (
+    ConversionAttempt,
+    ConversionJob,
+    ConversionOutbox,
+    ExecutionAuditEvent,
+)
 from tests.e2e import harness
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
@@ -29,7 +34,8 @@ def test_outbox__crash_between_commit_and_publish_is_recovered_by_the_sweeper_ex
     start("sweeper")
     start("beat")
     harness.wait_until(
-        lambda: ConversionJob.objects.get(id=job.id).state == "succeeded", timeout=30,
+        lambda: ConversionJob.objects.get(id=job.id).state == "succeeded",
+        timeout=30,
         what="the job to succeed after the outbox sweep",
     )
     row.refresh_from_db()
@@ -47,7 +53,9 @@ def test_delivery__five_copies_of_one_generation_raced_by_two_workers_run_once(s
     start("worker")
     start("worker")
     harness.wait_until(
-        lambda: ConversionJob.objects.get(id=job.id).state == "succeeded", timeout=30, what="success"
+        lambda: ConversionJob.objects.get(id=job.id).state == "succeeded",
+        timeout=30,
+        what="success",
     )
     # Every copy is consumed (acked), none left in the queue or dead-lettered.
     harness.wait_until(
@@ -56,6 +64,8 @@ def test_delivery__five_copies_of_one_generation_raced_by_two_workers_run_once(s
     assert harness.queue_depth(harness.DEAD_QUEUE) == 0
     attempts = list(ConversionAttempt.objects.filter(job_id=job.id))
     assert [(a.generation, a.outcome) for a in attempts] == [(1, "succeeded")]
-    events = list(ExecutionAuditEvent.objects.filter(job_id=job.id).values_list("event_type", flat=True))
+    events = list(
+        ExecutionAuditEvent.objects.filter(job_id=job.id).values_list("event_type", flat=True)
+    )
     assert events.count("claimed") == 1 and events.count("published") == 1
     assert ConversionJob.objects.get(id=job.id).generation == 1

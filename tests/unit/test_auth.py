@@ -19,13 +19,20 @@ def _encode(claims: dict, key: str | None = None, algorithm: str = "HS256") -> s
 
 
 def _claims(**overrides: object) -> dict:
-    claims = {"sub": "alice", "tenant": "acme", "scope": "jobs:read jobs:submit", "exp": int(time.time()) + 60}
+    claims = {
+        "sub": "alice",
+        "tenant": "acme",
+        "scope": "jobs:read jobs:submit",
+        "exp": int(time.time()) + 60,
+    }
     claims.update(overrides)
     return {k: v for k, v in claims.items() if v is not None}
 
 
 def test_token_decode__valid():
-    principal = token_decode(token_mint(tenant="acme", subject="alice", scopes=["jobs:read"], ttl_s=60))
+    principal = token_decode(
+        token_mint(tenant="acme", subject="alice", scopes=["jobs:read"], ttl_s=60)
+    )
     assert principal == Principal(subject="alice", tenant="acme", scopes=frozenset({"jobs:read"}))
     assert principal.is_authenticated
 
@@ -69,7 +76,8 @@ def test_token_decode__missing_claim(missing):
 
 
 @pytest.mark.parametrize(
-    "overrides", [{"tenant": ""}, {"sub": ""}, {"tenant": 7}, {"sub": ["a"]}, {"scope": ["jobs:read"]}]
+    "overrides",
+    [{"tenant": ""}, {"sub": ""}, {"tenant": 7}, {"sub": ["a"]}, {"scope": ["jobs:read"]}],
 )
 def test_token_decode__malformed_claims(overrides):
     with pytest.raises(NotAuthenticated):

@@ -64,9 +64,13 @@ def test_redact_filter__formats_args_before_redacting():
 
 def test_redact_filter__secret_named_attributes():
     record = _filtered(
-        _record("x", token="t0k", upload_filename="a.pdf", content=b"%PDF", page_text="hello", code="ok")
+        _record(
+            "x", token="t0k", upload_filename="a.pdf", content=b"%PDF", page_text="hello", code="ok"
+        )
     )
-    assert record.token == record.upload_filename == record.content == record.page_text == "[redacted]"
+    assert (
+        record.token == record.upload_filename == record.content == record.page_text == "[redacted]"
+    )
     assert record.code == "ok"
 
 

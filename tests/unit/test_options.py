@@ -18,8 +18,16 @@ SHA = "a" * 64
 
 @pytest.mark.parametrize("raw", [None, "", {}, "{}", b"{}"])
 def test_normalize_options__empty_fills_defaults(raw):
-    assert normalize_options(raw, output="text") == {"dpi": None, "pages": None, "allow_partial": True}
-    assert normalize_options(raw, output="png") == {"dpi": DEFAULT_DPI, "pages": None, "allow_partial": True}
+    assert normalize_options(raw, output="text") == {
+        "dpi": None,
+        "pages": None,
+        "allow_partial": True,
+    }
+    assert normalize_options(raw, output="png") == {
+        "dpi": DEFAULT_DPI,
+        "pages": None,
+        "allow_partial": True,
+    }
 
 
 @pytest.mark.parametrize("pages", ["3-7", [3, 7], '"3-7"'])
@@ -87,9 +95,9 @@ def test_options_digest__different_meaning_differs():
 def test_request_fingerprint__same_request_same_fingerprint():
     opts = normalize_options({"pages": "1-3"}, output="text")
     again = normalize_options({"pages": [1, 3], "allow_partial": True}, output="text")
-    assert request_fingerprint(source_sha256=SHA, output="text", options=opts) == request_fingerprint(
-        source_sha256=SHA, output="text", options=again
-    )
+    assert request_fingerprint(
+        source_sha256=SHA, output="text", options=opts
+    ) == request_fingerprint(source_sha256=SHA, output="text", options=again)
 
 
 def test_request_fingerprint__bytes_output_or_options_change_it():

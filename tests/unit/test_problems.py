@@ -58,13 +58,18 @@ def test_problem_body__not_found_has_no_detail():
 
 
 def test_problem_body__detail_defaults_to_docstring():
-    assert problem_body(errors.TooLate())["detail"] == "The job already finished; the result stands."
+    assert (
+        problem_body(errors.TooLate())["detail"] == "The job already finished; the result stands."
+    )
     assert problem_body(errors.TooLate("custom"))["detail"] == "custom"
 
 
 @pytest.mark.parametrize(
     ("cls", "status", "code"),
-    [(errors.TenantQuotaExceeded, 429, "tenant_quota_exceeded"), (errors.CapacityExceeded, 503, "capacity_exceeded")],
+    [
+        (errors.TenantQuotaExceeded, 429, "tenant_quota_exceeded"),
+        (errors.CapacityExceeded, 503, "capacity_exceeded"),
+    ],
 )
 def test_problem_response__rejection_carries_retry_after(cls, status, code):
     response = problem_response(cls(retry_after=42))

@@ -12,7 +12,9 @@ BASE, CAP = 2.0, 300.0
 
 
 def _delay(attempt: int, seed: int) -> float:
-    return backoff_delay(attempt=attempt, base_s=BASE, cap_s=CAP, rng=random.Random(seed)).total_seconds()
+    return backoff_delay(
+        attempt=attempt, base_s=BASE, cap_s=CAP, rng=random.Random(seed)
+    ).total_seconds()
 
 
 @pytest.mark.parametrize("attempt", range(1, 12))

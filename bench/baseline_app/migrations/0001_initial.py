@@ -9,7 +9,12 @@ class Migration(migrations.Migration):
         migrations.CreateModel(
             name="BaselineRow",
             fields=[
-                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
                 ("tenant", models.CharField(max_length=64)),
                 ("size", models.PositiveIntegerField()),
                 ("created_at", models.DateTimeField(auto_now_add=True)),

@@ -20,7 +20,9 @@ from conversion_jobs.models import (
 )
 
 
-def submit(client: Any, path: Path, *, output: str = "text", options: Any = None, key: str | None = None) -> Any:
+def submit(
+    client: Any, path: Path, *, output: str = "text", options: Any = None, key: str | None = None
+) -> Any:
     data: dict[str, Any] = {"output": output}
     if options is not None:
         data["options"] = options if isinstance(options, str) else json.dumps(options)

@@ -24,7 +24,13 @@ def test_submit__fault_after_job_insert_leaves_no_row(pdf_file, no_broker_publis
     assert response.status_code == 500
     assert response["Content-Type"] == "application/problem+json"
     assert response.json()["code"] == "internal_error"
-    assert row_counts() == {"jobs": 0, "outbox": 0, "idempotency": 0, "audit": 0, "cancellations": 0}
+    assert row_counts() == {
+        "jobs": 0,
+        "outbox": 0,
+        "idempotency": 0,
+        "audit": 0,
+        "cancellations": 0,
+    }
     assert no_broker_publish == []
     # The client's retry with the same key is a fresh, successful submit.
     retry = submit(_client(), pdf_file(), key="k1")
@@ -49,7 +55,13 @@ def test_submit__fault_after_commit_leaves_a_recoverable_queued_job(pdf_file, no
     assert polled.json()["generation"] == 1
     outbox = ConversionOutbox.objects.get(job_id=job_id)
     assert outbox.generation == 1
-    assert row_counts() == {"jobs": 1, "outbox": 1, "idempotency": 1, "audit": 1, "cancellations": 0}
+    assert row_counts() == {
+        "jobs": 1,
+        "outbox": 1,
+        "idempotency": 1,
+        "audit": 1,
+        "cancellations": 0,
+    }
     # The commit happened, so the fast path ran; the sweeper would cover it had it not.
     assert no_broker_publish == [(job_id, 1)]
     # The client retries with its key and learns the job id.

@@ -7,7 +7,12 @@ import json
 import pytest
 from rest_framework.test import APIClient
 
-from conversion_jobs.models import ConversionJob, ConversionOutbox, ExecutionAuditEvent, IdempotencyRecord
+from conversion_jobs.models import (
+    ConversionJob,
+    ConversionOutbox,
+    ExecutionAuditEvent,
+    IdempotencyRecord,
+)
 from tests.conftest import token
 from tests.integration.api.conftest import problem, row_counts, run_concurrently, submit
 
@@ -56,7 +61,13 @@ def test_submit__20_concurrent_same_content_without_key_make_one_job(pdf_file, n
     assert statuses == [200] * (THREADS - 1) + [202], [r.content[:200] for r in responses]
     assert len({r.json()["id"] for r in responses}) == 1
     assert all("Idempotent-Replayed" not in r for r in responses)
-    assert row_counts() == {"jobs": 1, "outbox": 1, "idempotency": 0, "audit": 1, "cancellations": 0}
+    assert row_counts() == {
+        "jobs": 1,
+        "outbox": 1,
+        "idempotency": 0,
+        "audit": 1,
+        "cancellations": 0,
+    }
     assert len(no_broker_publish) == 1
 
 
@@ -73,7 +84,9 @@ def test_submit__replay_with_key_answers_200_replayed(api, pdf_file, no_broker_p
 
 
 @pytest.mark.django_db(transaction=True)
-def test_submit__same_key_different_file_is_422_and_writes_nothing(api, pdf_file, no_broker_publish):
+def test_submit__same_key_different_file_is_422_and_writes_nothing(
+    api, pdf_file, no_broker_publish
+):
     client = api()
     assert submit(client, pdf_file(salt="one"), key="k1").status_code == 202
     before = row_counts()
@@ -84,7 +97,9 @@ def test_submit__same_key_different_file_is_422_and_writes_nothing(api, pdf_file
 
 
 @pytest.mark.django_db(transaction=True)
-def test_submit__same_key_different_options_is_422_and_writes_nothing(api, pdf_file, no_broker_publish):
+def test_submit__same_key_different_options_is_422_and_writes_nothing(
+    api, pdf_file, no_broker_publish
+):
     client, path = api(), pdf_file()
     assert submit(client, path, key="k1", options={"pages": "1-1"}).status_code == 202
     before = row_counts()
@@ -97,7 +112,9 @@ def test_submit__same_key_different_options_is_422_and_writes_nothing(api, pdf_f
 def test_submit__same_key_equivalent_options_is_a_replay(api, pdf_file, no_broker_publish):
     client, path = api(), pdf_file()
     first = submit(client, path, key="k1", options={"pages": "2-2"})
-    again = submit(client, path, key="k1", options=json.dumps({"pages": [2], "allow_partial": True}))
+    again = submit(
+        client, path, key="k1", options=json.dumps({"pages": [2], "allow_partial": True})
+    )
     assert (first.status_code, again.status_code) == (202, 200)
     assert again["Idempotent-Replayed"] == "true"
     assert again.json()["id"] == first.json()["id"]
@@ -130,7 +147,9 @@ def test_submit__content_duplicate_binds_a_new_key(api, pdf_file, no_broker_publ
 
 
 @pytest.mark.django_db(transaction=True)
-def test_submit__concurrent_keyed_and_unkeyed_same_content_bind_every_key(pdf_file, no_broker_publish):
+def test_submit__concurrent_keyed_and_unkeyed_same_content_bind_every_key(
+    pdf_file, no_broker_publish
+):
     """Racing submits of the same bytes under different keys all land on one job, and every key
     ends up bound to it (no key is lost by a rolled-back race)."""
     path = pdf_file()
@@ -150,7 +169,9 @@ def test_submit__finished_failed_job_does_not_block_a_new_one(api, pdf_file, no_
     client, path = api(), pdf_file()
     first = submit(client, path)
     ConversionJob.objects.filter(id=first.json()["id"]).update(
-        state="failed", error_code="invalid_input", finished_at=ConversionJob.objects.get().created_at
+        state="failed",
+        error_code="invalid_input",
+        finished_at=ConversionJob.objects.get().created_at,
     )
     again = submit(client, path)
     assert again.status_code == 202

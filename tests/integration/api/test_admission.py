@@ -18,7 +18,9 @@ def _client(tenant: str = "tenant-a") -> APIClient:
 
 
 @pytest.mark.django_db(transaction=True)
-def test_submit__over_tenant_quota_is_429_and_writes_nothing(pdf_file, settings_quire, no_broker_publish):
+def test_submit__over_tenant_quota_is_429_and_writes_nothing(
+    pdf_file, settings_quire, no_broker_publish
+):
     settings_quire(TENANT_QUOTA=3, GLOBAL_CAPACITY=100)
     client = _client()
     for i in range(3):
@@ -35,7 +37,9 @@ def test_submit__over_tenant_quota_is_429_and_writes_nothing(pdf_file, settings_
 
 
 @pytest.mark.django_db(transaction=True)
-def test_submit__terminal_jobs_do_not_count_against_quota(make_job, pdf_file, settings_quire, no_broker_publish):
+def test_submit__terminal_jobs_do_not_count_against_quota(
+    make_job, pdf_file, settings_quire, no_broker_publish
+):
     settings_quire(TENANT_QUOTA=2)
     for state in TERMINAL_STATES:
         make_job(state=state)
@@ -46,14 +50,18 @@ def test_submit__terminal_jobs_do_not_count_against_quota(make_job, pdf_file, se
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("state", sorted(LIVE_STATES))
-def test_submit__every_live_state_counts_against_quota(make_job, pdf_file, settings_quire, no_broker_publish, state):
+def test_submit__every_live_state_counts_against_quota(
+    make_job, pdf_file, settings_quire, no_broker_publish, state
+):
     settings_quire(TENANT_QUOTA=1)
     make_job(state=state)
     problem(submit(_client(), pdf_file()), 429, "tenant_quota_exceeded")
 
 
 @pytest.mark.django_db(transaction=True)
-def test_submit__over_global_capacity_is_503_and_writes_nothing(make_job, pdf_file, settings_quire, no_broker_publish):
+def test_submit__over_global_capacity_is_503_and_writes_nothing(
+    make_job, pdf_file, settings_quire, no_broker_publish
+):
     settings_quire(TENANT_QUOTA=100, GLOBAL_CAPACITY=3)
     for tenant in ("tenant-b", "tenant-c", "tenant-d"):
         make_job(tenant=tenant)
@@ -67,7 +75,9 @@ def test_submit__over_global_capacity_is_503_and_writes_nothing(make_job, pdf_fi
 
 
 @pytest.mark.django_db(transaction=True)
-def test_submit__retry_after_follows_measured_drain_rate(make_job, pdf_file, settings_quire, no_broker_publish):
+def test_submit__retry_after_follows_measured_drain_rate(
+    make_job, pdf_file, settings_quire, no_broker_publish
+):
     settings_quire(TENANT_QUOTA=1, RETRY_AFTER_MIN_S=1, RETRY_AFTER_MAX_S=300)
     make_job()
     idle = submit(_client(), pdf_file())
@@ -94,7 +104,9 @@ def test_submit__replay_is_answered_even_at_quota(pdf_file, settings_quire, no_b
 
 
 @pytest.mark.django_db(transaction=True)
-def test_submit__concurrent_overshoot_is_bounded(make_job, pdf_file, settings_quire, no_broker_publish):
+def test_submit__concurrent_overshoot_is_bounded(
+    make_job, pdf_file, settings_quire, no_broker_publish
+):
     """conversion_jobs/services/admission.py: the count runs before the acceptance transaction,
     so K concurrent submits overshoot the quota by at most K - 1 and never undershoot it."""
     quota, threads = 4, 8

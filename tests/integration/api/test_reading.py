@@ -26,9 +26,22 @@ def test_get_job__etag_is_state_version_and_if_none_match_is_304(api, make_job):
     body = first.json()
     assert body["id"] == str(job.id) and body["state_version"] == 1
     assert set(body) >= {
-        "id", "state", "generation", "state_version", "output", "options", "source", "attempts",
-        "max_attempts", "pages", "error", "next_attempt_at", "created_at", "updated_at",
-        "finished_at", "links",
+        "id",
+        "state",
+        "generation",
+        "state_version",
+        "output",
+        "options",
+        "source",
+        "attempts",
+        "max_attempts",
+        "pages",
+        "error",
+        "next_attempt_at",
+        "created_at",
+        "updated_at",
+        "finished_at",
+        "links",
     }
     assert body["links"]["self"] == f"/api/v1/jobs/{job.id}"
 
@@ -154,8 +167,14 @@ def test_list__state_filter(api, make_job):
 @pytest.mark.django_db
 @pytest.mark.parametrize(
     ("query", "code"),
-    [("state=bogus", "invalid_request"), ("limit=0", "invalid_request"), ("limit=101", "invalid_request"),
-     ("limit=x", "invalid_request"), ("cursor=%25%25%25", "invalid_cursor"), ("cursor=bm90LWEtY3Vyc29y", "invalid_cursor")],
+    [
+        ("state=bogus", "invalid_request"),
+        ("limit=0", "invalid_request"),
+        ("limit=101", "invalid_request"),
+        ("limit=x", "invalid_request"),
+        ("cursor=%25%25%25", "invalid_cursor"),
+        ("cursor=bm90LWEtY3Vyc29y", "invalid_cursor"),
+    ],
 )
 def test_list__bad_parameters_are_400(api, query, code):
     problem(api().get(f"/api/v1/jobs?{query}"), 400, code)
@@ -165,7 +184,9 @@ def test_list__bad_parameters_are_400(api, query, code):
 def test_events__metadata_only_chain(api, pdf_file, no_broker_publish):
     client = api()
     with open(pdf_file(name="Secret Merger Plan.pdf"), "rb") as fh:
-        job_id = client.post("/api/v1/jobs", {"file": fh, "output": "text"}, format="multipart").json()["id"]
+        job_id = client.post(
+            "/api/v1/jobs", {"file": fh, "output": "text"}, format="multipart"
+        ).json()["id"]
     events = client.get(f"/api/v1/jobs/{job_id}/events").json()["events"]
     assert [e["type"] for e in events] == ["accepted"]
     assert events[0]["seq"] == 1 and events[0]["generation"] == 1
@@ -190,7 +211,9 @@ def test_schema__is_openapi_3(client):
     assert response.status_code == 200
     schema = response.json()
     assert schema["openapi"].startswith("3.")
-    assert {"/api/v1/jobs", "/api/v1/jobs/{job_id}", "/api/v1/jobs/{job_id}/cancel"} <= set(schema["paths"])
+    assert {"/api/v1/jobs", "/api/v1/jobs/{job_id}", "/api/v1/jobs/{job_id}/cancel"} <= set(
+        schema["paths"]
+    )
     assert client.get("/api/v1/docs").status_code == 200
 
 

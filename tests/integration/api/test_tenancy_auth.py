@@ -27,9 +27,21 @@ JOB_ENDPOINTS = [
     ("post", "/api/v1/jobs/{id}/cancel", "jobs:cancel"),
     ("post", "/api/v1/jobs/{id}/retry", "jobs:admin"),
 ]
-ALL_ENDPOINTS = [*JOB_ENDPOINTS, ("get", "/api/v1/jobs", "jobs:read"), ("post", "/api/v1/jobs", "jobs:submit")]
+ALL_ENDPOINTS = [
+    *JOB_ENDPOINTS,
+    ("get", "/api/v1/jobs", "jobs:read"),
+    ("post", "/api/v1/jobs", "jobs:submit"),
+]
 #: Headers whose presence or value could tell one 404 from another.
-COMPARED_HEADERS = ("Content-Type", "Content-Length", "ETag", "Allow", "Vary", "WWW-Authenticate", "Location")
+COMPARED_HEADERS = (
+    "Content-Type",
+    "Content-Length",
+    "ETag",
+    "Allow",
+    "Vary",
+    "WWW-Authenticate",
+    "Location",
+)
 
 
 def _client(tenant: str = "tenant-a", scopes: tuple[str, ...] = SCOPES) -> APIClient:
@@ -38,10 +50,16 @@ def _client(tenant: str = "tenant-a", scopes: tuple[str, ...] = SCOPES) -> APICl
     return client
 
 
-def _call(client: APIClient, method: str, path: str, job_id: object) -> tuple[int, dict[str, str | None], bytes]:
+def _call(
+    client: APIClient, method: str, path: str, job_id: object
+) -> tuple[int, dict[str, str | None], bytes]:
     response = getattr(client, method)(path.format(id=job_id))
     headers = {name: response.get(name) for name in COMPARED_HEADERS}
-    return response.status_code, headers, b"".join(response) if response.streaming else response.content
+    return (
+        response.status_code,
+        headers,
+        b"".join(response) if response.streaming else response.content,
+    )
 
 
 @pytest.fixture
@@ -49,8 +67,14 @@ def foreign_jobs(make_job):
     """tenant-b's jobs in the states that would answer differently if tenancy leaked."""
     done = make_job(state="succeeded", tenant="tenant-b", source_page_count=1, pages_done=1)
     PageCheckpoint.objects.create(
-        job=done, page_number=1, state="done", artifact_key="pages/x/00001.txt",
-        artifact_sha256="0" * 64, artifact_size=1, media_type="text/plain", generation=1,
+        job=done,
+        page_number=1,
+        state="done",
+        artifact_key="pages/x/00001.txt",
+        artifact_sha256="0" * 64,
+        artifact_size=1,
+        media_type="text/plain",
+        generation=1,
     )
     return {
         "succeeded": done,
@@ -62,7 +86,9 @@ def foreign_jobs(make_job):
 
 @pytest.mark.django_db
 @pytest.mark.parametrize(("method", "path", "scope"), JOB_ENDPOINTS, ids=lambda v: str(v))
-def test_endpoint__other_tenants_job_is_byte_identical_to_missing(foreign_jobs, method, path, scope):
+def test_endpoint__other_tenants_job_is_byte_identical_to_missing(
+    foreign_jobs, method, path, scope
+):
     client = _client("tenant-a")
     missing = _call(client, method, path, uuid.uuid4())
     assert missing[0] == 404
@@ -71,9 +97,9 @@ def test_endpoint__other_tenants_job_is_byte_identical_to_missing(foreign_jobs, 
         assert _call(client, method, path, job.id) == missing, job.state
     # Nothing changed on tenant-b's jobs and no cancellation was recorded.
     assert CancellationRequest.objects.count() == 0
-    assert {j.id: (j.state, j.generation, j.state_version) for j in ConversionJob.objects.all()} == {
-        j.id: (j.state, j.generation, j.state_version) for j in foreign_jobs.values()
-    }
+    assert {
+        j.id: (j.state, j.generation, j.state_version) for j in ConversionJob.objects.all()
+    } == {j.id: (j.state, j.generation, j.state_version) for j in foreign_jobs.values()}
 
 
 @pytest.mark.django_db
@@ -81,7 +107,10 @@ def test_endpoint__own_job_is_found(foreign_jobs):
     """The control for the test above: the owner sees the same ids."""
     owner = _client("tenant-b")
     assert owner.get(f"/api/v1/jobs/{foreign_jobs['queued'].id}").status_code == 200
-    assert owner.get(f"/api/v1/jobs/{foreign_jobs['succeeded'].id}/pages").json()["pages"][0]["page"] == 1
+    assert (
+        owner.get(f"/api/v1/jobs/{foreign_jobs['succeeded'].id}/pages").json()["pages"][0]["page"]
+        == 1
+    )
     assert owner.get(f"/api/v1/jobs/{foreign_jobs['running'].id}/events").status_code == 200
 
 
@@ -132,13 +161,18 @@ BAD_TOKENS = {
     "tampered": lambda: _tampered(token()),
     "wrong_key": lambda: jwt.encode(
         {"sub": "x", "tenant": "tenant-a", "scope": " ".join(SCOPES), "exp": 2**31},
-        "not-the-configured-key-0123456789abcdef", algorithm="HS256",
+        "not-the-configured-key-0123456789abcdef",
+        algorithm="HS256",
     ),
     "alg_none": lambda: jwt.encode(
-        {"sub": "x", "tenant": "tenant-a", "scope": " ".join(SCOPES), "exp": 2**31}, None, algorithm="none"
+        {"sub": "x", "tenant": "tenant-a", "scope": " ".join(SCOPES), "exp": 2**31},
+        None,
+        algorithm="none",
     ),
     "missing_tenant": lambda: jwt.encode(
-        {"sub": "x", "scope": " ".join(SCOPES), "exp": 2**31}, settings.QUIRE["JWT_KEY"], algorithm="HS256"
+        {"sub": "x", "scope": " ".join(SCOPES), "exp": 2**31},
+        settings.QUIRE["JWT_KEY"],
+        algorithm="HS256",
     ),
     "garbage": lambda: "not-a-token",
 }
@@ -146,7 +180,9 @@ BAD_TOKENS = {
 
 @pytest.mark.django_db
 @pytest.mark.parametrize("kind", sorted(BAD_TOKENS))
-@pytest.mark.parametrize(("method", "path", "scope"), ALL_ENDPOINTS[:1] + ALL_ENDPOINTS[-2:], ids=lambda v: str(v))
+@pytest.mark.parametrize(
+    ("method", "path", "scope"), ALL_ENDPOINTS[:1] + ALL_ENDPOINTS[-2:], ids=lambda v: str(v)
+)
 def test_endpoint__invalid_token_is_401(make_job, kind, method, path, scope):
     job = make_job()
     client = APIClient()

@@ -25,7 +25,9 @@ def _blob(path: Path, size: int) -> Path:
 
 
 @pytest.mark.django_db
-def test_submit__far_over_size_limit_is_413_before_reading(api, tmp_path, settings_quire, no_broker_publish):
+def test_submit__far_over_size_limit_is_413_before_reading(
+    api, tmp_path, settings_quire, no_broker_publish
+):
     settings_quire(MAX_UPLOAD_BYTES=LIMIT)
     body = problem(submit(api(), _blob(tmp_path / "big.pdf", 5 * LIMIT)), 413, "payload_too_large")
     assert str(LIMIT) in body["detail"]
@@ -34,7 +36,9 @@ def test_submit__far_over_size_limit_is_413_before_reading(api, tmp_path, settin
 
 
 @pytest.mark.django_db
-def test_submit__just_over_size_limit_is_413_and_the_partial_file_is_removed(api, tmp_path, settings_quire, no_broker_publish):
+def test_submit__just_over_size_limit_is_413_and_the_partial_file_is_removed(
+    api, tmp_path, settings_quire, no_broker_publish
+):
     """Content-Length passes the envelope allowance: the handler stops while streaming."""
     settings_quire(MAX_UPLOAD_BYTES=LIMIT)
     problem(submit(api(), _blob(tmp_path / "big.pdf", LIMIT + 10_000)), 413, "payload_too_large")
@@ -54,7 +58,9 @@ def test_submit__at_size_limit_is_accepted(api, tmp_path, settings_quire, no_bro
     assert response.json()["source"]["size"] == LIMIT
     staged = list((Path(settings.QUIRE["STORAGE_DIR"]) / "staging").glob("*"))
     assert staged == []
-    sources = [p for p in (Path(settings.QUIRE["STORAGE_DIR"]) / "sources").rglob("*") if p.is_file()]
+    sources = [
+        p for p in (Path(settings.QUIRE["STORAGE_DIR"]) / "sources").rglob("*") if p.is_file()
+    ]
     assert len(sources) == 1
     assert sources[0].stat().st_size == LIMIT
 
@@ -72,7 +78,9 @@ def test_submit__zip_declared_as_pdf_is_415(api, tmp_path, no_broker_publish):
 
 @pytest.mark.django_db
 def test_submit__wrong_magic_is_415(api, tmp_path, no_broker_publish):
-    problem(submit(api(), testdocs.make_wrong_magic(tmp_path / "x.pdf")), 415, "unsupported_media_type")
+    problem(
+        submit(api(), testdocs.make_wrong_magic(tmp_path / "x.pdf")), 415, "unsupported_media_type"
+    )
     assert _storage_files() == []
 
 

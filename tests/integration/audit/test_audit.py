@@ -80,7 +80,11 @@ def test_audit_event__delete_is_rejected_on_postgres(make_job):
     event = _chain(make_job().id, 1)[0]
     with pytest.raises(DatabaseError, match="append-only"), transaction.atomic():
         ExecutionAuditEvent.objects.filter(id=event.id).delete()
-    with pytest.raises(DatabaseError, match="append-only"), transaction.atomic(), connection.cursor() as cursor:
+    with (
+        pytest.raises(DatabaseError, match="append-only"),
+        transaction.atomic(),
+        connection.cursor() as cursor,
+    ):
         cursor.execute("UPDATE execution_audit_event SET details = '{}' WHERE id = %s", [event.id])
     assert ExecutionAuditEvent.objects.filter(id=event.id).exists()
 
@@ -113,7 +117,9 @@ def test_verify_audit__names_the_tampered_event(make_job):
     clean, tampered = make_job(), make_job()
     _chain(clean.id)
     events = _chain(tampered.id)
-    _tamper("UPDATE execution_audit_event SET details = %s WHERE id = %s", ['{"i": 99}', events[1].id])
+    _tamper(
+        "UPDATE execution_audit_event SET details = %s WHERE id = %s", ['{"i": 99}', events[1].id]
+    )
     out, error = _verify()
     assert error is not None and "break" in error
     assert f"BREAK job={tampered.id} event={events[1].id} seq=2: hash mismatch" in out

@@ -47,7 +47,9 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("
 
 
 def _pdf_job(tmp_path, *, pages: int = 1, output: str = "text", **kwargs) -> ConversionJob:
-    source = testdocs.make_pdf(tmp_path / f"{uuid.uuid4().hex}.pdf", pages=pages, text_of=unique_text())
+    source = testdocs.make_pdf(
+        tmp_path / f"{uuid.uuid4().hex}.pdf", pages=pages, text_of=unique_text()
+    )
     return submit(source, output=output, **kwargs)
 
 
@@ -93,7 +95,9 @@ def test_cancel__retry_wait_is_cancelled_and_its_timer_never_dispatches(
     job = _pdf_job(tmp_path, fault={"kind": "segv"})
     assert execute(job) == "retry_wait"
     # The timer is due: without the cancel, the sweep would re-dispatch the job now.
-    ConversionJob.objects.filter(id=job.id).update(next_attempt_at=timezone.now() - timedelta(seconds=1))
+    ConversionJob.objects.filter(id=job.id).update(
+        next_attempt_at=timezone.now() - timedelta(seconds=1)
+    )
     outbox_before = ConversionOutbox.objects.filter(job=job).count()
 
     response = _cancel(api, job.id)
@@ -120,7 +124,9 @@ def test_cancel__running_stops_the_worker_within_the_heartbeat_bound(
     started = time.monotonic()
     response = _cancel(api, job.id)
     assert (response.status_code, response.json()["state"]) == (202, "cancelling")
-    wait_for(lambda: ConversionJob.objects.get(id=job.id).state == "cancelled", timeout=10, interval=0.01)
+    wait_for(
+        lambda: ConversionJob.objects.get(id=job.id).state == "cancelled", timeout=10, interval=0.01
+    )
     latency = time.monotonic() - started
 
     assert worker.result() == "cancelled"
@@ -135,7 +141,9 @@ def test_cancel__running_stops_the_worker_within_the_heartbeat_bound(
     attempt = ConversionAttempt.objects.get(job=job)
     assert attempt.outcome == "cancelled"
     assert not WorkerLease.objects.filter(job=job).exists()
-    events = list(ExecutionAuditEvent.objects.filter(job_id=job.id).values_list("event_type", flat=True))
+    events = list(
+        ExecutionAuditEvent.objects.filter(job_id=job.id).values_list("event_type", flat=True)
+    )
     assert "published" not in events
     assert events.count("cancelled") == 1
     # Policy: pages finished before the cancel stay checkpointed and stored, and are served
@@ -154,7 +162,9 @@ def test_cancel__all_or_nothing_job_keeps_no_served_pages(tmp_path, api, no_brok
     )
     worker = Worker(job.id, 1)
     worker.start()
-    done = wait_for(lambda: PageCheckpoint.objects.filter(job=job, state="done").first(), timeout=30)
+    done = wait_for(
+        lambda: PageCheckpoint.objects.filter(job=job, state="done").first(), timeout=30
+    )
 
     assert _cancel(api, job.id).status_code == 202
     assert worker.result() == "cancelled"
@@ -177,7 +187,9 @@ def test_cancel__twice_gives_the_same_answer_and_one_state_change(tmp_path, api,
         assert first.json()["state_version"] == second.json()["state_version"] == version + 1
     assert [o for _s, o, _r in _requests(queued)] == ["cancelled", "already_cancelled"]
     assert _requests(running) == [
-        ("running", "cancelling", False), ("cancelling", "already_cancelled", True)]
+        ("running", "cancelling", False),
+        ("cancelling", "already_cancelled", True),
+    ]
     # The worker ends it; the pending request resolves; a third cancel still agrees.
     assert execution.conversion_job_finish_cancel(lease=lease)
     assert _requests(running)[0] == ("running", "cancelled", True)
@@ -186,8 +198,12 @@ def test_cancel__twice_gives_the_same_answer_and_one_state_change(tmp_path, api,
 
 
 @pytest.mark.parametrize("end", ["succeeded", "partial", "failed"])
-def test_cancel__finished_job_is_too_late_and_its_result_stands(tmp_path, api, end, no_broker_publish):
-    fault = {"succeeded": None, "partial": {"kind": "fail", "page": 2}, "failed": {"kind": "fail"}}[end]
+def test_cancel__finished_job_is_too_late_and_its_result_stands(
+    tmp_path, api, end, no_broker_publish
+):
+    fault = {"succeeded": None, "partial": {"kind": "fail", "page": 2}, "failed": {"kind": "fail"}}[
+        end
+    ]
     job = _pdf_job(tmp_path, pages=2, fault=fault)
     assert execute(job) == end
     before = ConversionJob.objects.filter(id=job.id).values().get()
@@ -315,7 +331,9 @@ def test_cancel__racing_completion_ends_in_one_consistent_terminal_state(
         at_claim = run % 5 == 0
         gate["publish"] = None if at_claim else barrier
         gate["delay"] = (run % 10) * 0.002
-        worker = Worker(job.id, 1, before=(lambda b=barrier: b.wait(timeout=30)) if at_claim else None)
+        worker = Worker(
+            job.id, 1, before=(lambda b=barrier: b.wait(timeout=30)) if at_claim else None
+        )
         canceller = _Canceller(api, job.id, barrier, delay=(run // 5 % 5) * 0.01 if at_claim else 0)
         worker.start()
         canceller.start()
@@ -324,7 +342,9 @@ def test_cancel__racing_completion_ends_in_one_consistent_terminal_state(
 
         job.refresh_from_db()
         (request,) = CancellationRequest.objects.filter(job=job)
-        published = ExecutionAuditEvent.objects.filter(job_id=job.id, event_type="published").count()
+        published = ExecutionAuditEvent.objects.filter(
+            job_id=job.id, event_type="published"
+        ).count()
         tally[("claim" if at_claim else "publish", job.state, request.outcome)] += 1
         assert request.resolved_at is not None, run
         if job.state == "cancelled":

@@ -116,9 +116,7 @@ def test_session__structured_error_keeps_the_child(tmp_path, doc, faults_enabled
     assert _child(doc, tmp_path) == pid
 
 
-def test_session__crash_kills_group_and_next_page_gets_a_fresh_child(
-    tmp_path, doc, faults_enabled
-):
+def test_session__crash_kills_group_and_next_page_gets_a_fresh_child(tmp_path, doc, faults_enabled):
     first = _child(doc, tmp_path)
     [first_private] = _private_dirs(tmp_path)
     with pytest.raises(ConverterCrashed):

@@ -57,7 +57,9 @@ def submit(
     assert acceptance.created, "documents in these tests are unique: a new job is expected"
     job = acceptance.job
     if fault is not None:
-        ConversionJob.objects.filter(id=job.id).update(options={**job.options, "_test_fault": fault})
+        ConversionJob.objects.filter(id=job.id).update(
+            options={**job.options, "_test_fault": fault}
+        )
     return ConversionJob.objects.get(id=job.id)
 
 
@@ -68,7 +70,9 @@ def execute(job: ConversionJob, generation: int | None = None) -> str:
 class Worker(threading.Thread):
     """``conversion_job_execute`` in its own thread (and its own database connection)."""
 
-    def __init__(self, job_id: uuid.UUID, generation: int, before: Callable[[], None] | None = None):
+    def __init__(
+        self, job_id: uuid.UUID, generation: int, before: Callable[[], None] | None = None
+    ):
         super().__init__(name=f"worker-{job_id}", daemon=True)
         self.job_id, self.generation, self.before = job_id, generation, before
         self.outcome: str | None = None

@@ -39,7 +39,11 @@ def test_execute__pdf_text_round_trips_exactly(tmp_path, api, no_broker_publish)
 
     job.refresh_from_db()
     assert (job.state, job.source_page_count, job.pages_done, job.pages_failed) == (
-        "succeeded", 7, 7, 0)
+        "succeeded",
+        7,
+        7,
+        0,
+    )
     body = _result(api, job).decode("utf-8")
     assert body.split("\f") == [text_of(n) for n in range(1, 8)]
     attempt = ConversionAttempt.objects.get(job=job)
@@ -81,7 +85,9 @@ def test_execute__image_to_pdf_keeps_page_count_and_pixels(tmp_path, api, no_bro
 def test_execute__docx_to_pdf_to_text_contains_source_text(tmp_path, api, no_broker_publish):
     salt = unique_text("Docx")(0)
     paragraphs = [f"First paragraph {salt}", f"Second paragraph {salt}", f"Third one {salt}"]
-    source = testdocs.make_docx(tmp_path / "doc.docx", paragraphs=paragraphs, page_break_after_each=True)
+    source = testdocs.make_docx(
+        tmp_path / "doc.docx", paragraphs=paragraphs, page_break_after_each=True
+    )
     pdf_job = submit(source, output="pdf")
 
     assert execute(pdf_job) == "succeeded"
@@ -107,7 +113,10 @@ def test_execute__page_range_converts_only_selected_pages(tmp_path, api, no_brok
 
     assert _result(api, job).decode().split("\f") == [text_of(n) for n in (2, 3, 4)]
     assert sorted(PageCheckpoint.objects.filter(job=job).values_list("page_number", flat=True)) == [
-        2, 3, 4]
+        2,
+        3,
+        4,
+    ]
 
 
 def test_execute__result_is_stored_once_under_a_job_derived_key(tmp_path, no_broker_publish):
@@ -118,7 +127,10 @@ def test_execute__result_is_stored_once_under_a_job_derived_key(tmp_path, no_bro
 
     job.refresh_from_db()
     assert job.result_key.startswith(f"results/{job.id}/")
-    assert storage.sha256_file(storage.path_of(job.result_key)) == (job.result_sha256, job.result_size)
+    assert storage.sha256_file(storage.path_of(job.result_key)) == (
+        job.result_sha256,
+        job.result_size,
+    )
     pages = PageCheckpoint.objects.filter(job=job).order_by("page_number")
     for page in pages:
         assert Path(storage.path_of(page.artifact_key)).is_file()

@@ -50,7 +50,10 @@ def test_execute__failing_page_ends_partial_with_the_good_pages(tmp_path, api, n
     pages = _checkpoints(job)
     assert sorted(pages) == list(range(1, 51))
     assert (pages[7].state, pages[7].error_code, pages[7].artifact_key) == (
-        "failed", "invalid_input", None)
+        "failed",
+        "invalid_input",
+        None,
+    )
     assert all(pages[n].state == "done" for n in pages if n != 7)
     client = api()
     body = b"".join(client.get(f"/api/v1/jobs/{job.id}/result").streaming_content).decode()
@@ -59,7 +62,9 @@ def test_execute__failing_page_ends_partial_with_the_good_pages(tmp_path, api, n
     assert listing[6] == {**listing[6], "page": 7, "state": "failed", "error_code": "invalid_input"}
     assert client.get(f"/api/v1/jobs/{job.id}/pages/7").status_code == 404
     assert client.get(f"/api/v1/jobs/{job.id}/pages/8").status_code == 200
-    events = list(ExecutionAuditEvent.objects.filter(job_id=job.id).values_list("event_type", flat=True))
+    events = list(
+        ExecutionAuditEvent.objects.filter(job_id=job.id).values_list("event_type", flat=True)
+    )
     assert events.count("page_failed") == 1
     assert events.count("published") == 1
 
@@ -74,7 +79,11 @@ def test_execute__failing_page_without_allow_partial_fails_and_publishes_nothing
 
     job.refresh_from_db()
     assert (job.state, job.error_code, job.result_key, job.result_sha256) == (
-        "failed", "invalid_input", None, None)
+        "failed",
+        "invalid_input",
+        None,
+        None,
+    )
     assert result_files(job.id) == []
     assert _checkpoints(job)[7].state == "failed"
     client = api()
@@ -107,11 +116,12 @@ def test_execute__resumed_attempt_converts_only_the_remaining_pages(tmp_path, no
 
     attempts = {a.generation: a for a in ConversionAttempt.objects.filter(job=job)}
     assert (attempts[1].outcome, attempts[1].pages_converted) == ("lease_lost", converted_first)
-    assert (attempts[2].outcome, attempts[2].pages_converted) == ("succeeded", pages - converted_first)
+    assert (attempts[2].outcome, attempts[2].pages_converted) == (
+        "succeeded",
+        pages - converted_first,
+    )
     generations = {n: p.generation for n, p in _checkpoints(job).items()}
-    assert generations == {
-        n: 1 if n <= converted_first else 2 for n in range(1, pages + 1)
-    }
+    assert generations == {n: 1 if n <= converted_first else 2 for n in range(1, pages + 1)}
     job.refresh_from_db()
     body = storage.path_of(job.result_key).read_text()
     assert body.split("\f") == [text_of(n) for n in range(1, pages + 1)]
@@ -121,7 +131,12 @@ def test_execute__resumed_attempt_converts_only_the_remaining_pages(tmp_path, no
 HOSTILE = [
     ("encrypted", lambda p: testdocs.make_encrypted_pdf(p / "x.pdf"), "text", "encrypted_input"),
     ("truncated", lambda p: testdocs.make_truncated_pdf(p / "x.pdf"), "text", "invalid_input"),
-    ("malformed_xref", lambda p: testdocs.make_malformed_xref_pdf(p / "x.pdf"), "text", "invalid_input"),
+    (
+        "malformed_xref",
+        lambda p: testdocs.make_malformed_xref_pdf(p / "x.pdf"),
+        "text",
+        "invalid_input",
+    ),
     ("png_bomb", lambda p: testdocs.make_png_bomb(p / "x.png"), "pdf", "input_too_large"),
     ("huge_page", lambda p: testdocs.make_huge_page_pdf(p / "x.pdf"), "png", "input_too_large"),
 ]
@@ -130,19 +145,27 @@ HOSTILE = [
 @pytest.mark.parametrize(
     ("make", "output", "code"), [h[1:] for h in HOSTILE], ids=[h[0] for h in HOSTILE]
 )
-def test_execute__hostile_input_fails_with_its_code(tmp_path, make, output, code, no_broker_publish):
+def test_execute__hostile_input_fails_with_its_code(
+    tmp_path, make, output, code, no_broker_publish
+):
     job = submit(make(tmp_path), output=output)
 
     assert execute(job) == "failed"
 
     job.refresh_from_db()
     assert (job.state, job.error_code, job.error_retryable, job.result_key) == (
-        "failed", code, False, None)
+        "failed",
+        code,
+        False,
+        None,
+    )
     attempt = ConversionAttempt.objects.get(job=job)
     assert (attempt.outcome, attempt.error_code) == ("terminal_error", code)
     assert work_dir_entries() == []
     # The worker keeps serving the next job.
-    good = submit(testdocs.make_pdf(tmp_path / "ok.pdf", pages=1, text_of=unique_text()), output="text")
+    good = submit(
+        testdocs.make_pdf(tmp_path / "ok.pdf", pages=1, text_of=unique_text()), output="text"
+    )
     assert execute(good) == "succeeded"
 
 

@@ -20,18 +20,26 @@ def _body(response) -> bytes:
 
 def test_result__headers_match_the_artifact(tmp_path, api, no_broker_publish):
     source = testdocs.make_pdf(tmp_path / "doc.pdf", pages=2, text_of=unique_text())
-    text_job, png_job = submit(source, output="text"), submit(source, output="png", options={"dpi": 72})
+    text_job, png_job = (
+        submit(source, output="text"),
+        submit(source, output="png", options={"dpi": 72}),
+    )
     assert execute(text_job) == execute(png_job) == "succeeded"
     client = api()
 
-    for job, media_type, ext in ((text_job, "text/plain; charset=utf-8", "txt"), (png_job, "application/zip", "zip")):
+    for job, media_type, ext in (
+        (text_job, "text/plain; charset=utf-8", "txt"),
+        (png_job, "application/zip", "zip"),
+    ):
         response = client.get(f"/api/v1/jobs/{job.id}/result")
         body = _body(response)
         job.refresh_from_db()
         assert response.status_code == 200
         assert response["Content-Type"] == media_type
         assert response["Content-Disposition"] == f'attachment; filename="{job.id}.{ext}"'
-        assert response["ETag"] == f'"{hashlib.sha256(body).hexdigest()}"' == f'"{job.result_sha256}"'
+        assert (
+            response["ETag"] == f'"{hashlib.sha256(body).hexdigest()}"' == f'"{job.result_sha256}"'
+        )
         assert len(body) == job.result_size
         cached = client.get(f"/api/v1/jobs/{job.id}/result", HTTP_IF_NONE_MATCH=response["ETag"])
         assert (cached.status_code, cached["ETag"]) == (304, response["ETag"])
@@ -49,8 +57,12 @@ def test_result__headers_match_the_artifact(tmp_path, api, no_broker_publish):
 
 
 def test_result__not_ready_before_the_job_is_terminal(tmp_path, api, no_broker_publish):
-    queued = submit(testdocs.make_pdf(tmp_path / "a.pdf", pages=1, text_of=unique_text()), output="text")
-    running = submit(testdocs.make_pdf(tmp_path / "b.pdf", pages=1, text_of=unique_text()), output="text")
+    queued = submit(
+        testdocs.make_pdf(tmp_path / "a.pdf", pages=1, text_of=unique_text()), output="text"
+    )
+    running = submit(
+        testdocs.make_pdf(tmp_path / "b.pdf", pages=1, text_of=unique_text()), output="text"
+    )
     assert execution.conversion_job_claim(job_id=running.id, generation=1, worker="test")
     client = api()
 
@@ -63,7 +75,9 @@ def test_result__not_ready_before_the_job_is_terminal(tmp_path, api, no_broker_p
 
 
 def test_result__other_tenant_is_not_found(tmp_path, api, no_broker_publish):
-    job = submit(testdocs.make_pdf(tmp_path / "a.pdf", pages=1, text_of=unique_text()), output="text")
+    job = submit(
+        testdocs.make_pdf(tmp_path / "a.pdf", pages=1, text_of=unique_text()), output="text"
+    )
     assert execute(job) == "succeeded"
     owner, stranger = api(), api(tenant="tenant-b")
 

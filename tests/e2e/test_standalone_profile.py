@@ -1,0 +1,142 @@
+"""e2e smoke of the standalone profile (no servers): SQLite + kombu filesystem transport, real
+worker / sweeper / beat processes, including recovery of a job whose worker was killed (-9).
+
+Independent of the pytest-django database and of RabbitMQ: it runs in both CI passes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.e2e import harness
+
+pytestmark = pytest.mark.e2e
+
+SUBMIT = """
+import hashlib, shutil, sys
+from conversion_jobs import storage
+from conversion_jobs.services.acceptance import StagedUpload, conversion_job_accept
+src = sys.argv[-1] if False else {src!r}
+fh, staged = storage.staging_file()
+with fh, open(src, "rb") as data:
+    shutil.copyfileobj(data, fh)
+raw = open(src, "rb").read()
+job = conversion_job_accept(
+    tenant="tenant-a", actor="e2e", output="text", raw_options={options!r}, idempotency_key=None,
+    upload=StagedUpload(path=staged, sha256=hashlib.sha256(raw).hexdigest(), size=len(raw)),
+).job
+print("JOB", job.id.hex)
+"""
+
+
+@pytest.fixture
+def standalone(tmp_path: Path):
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("CELERY_", "DATABASE_URL", "QUIRE_", "PYTEST_"))
+    }
+    env.update(harness.TEST_TIMINGS)
+    env.update(
+        PATH=f"{harness.VENV_BIN}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+        PYTHONPATH=str(harness.REPO),
+        PYTHONUNBUFFERED="1",
+        DJANGO_SETTINGS_MODULE="project.settings",
+        QUIRE_VAR_DIR=str(tmp_path / "var"),
+        QUIRE_ENABLE_TEST_FAULTS="1",
+        QUIRE_LOG_FORMAT="text",
+    )
+    manage = [str(harness.VENV_BIN / "python"), str(harness.REPO / "manage.py")]
+
+    def run(*args: str) -> str:
+        proc = subprocess.run(
+            [*manage, *args],
+            env=env,
+            cwd=harness.REPO,
+            capture_output=True,
+            text=True,
+            timeout=180,
+            check=False,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout
+
+    run("migrate", "--noinput")
+    run("install_beat_schedule")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    cluster = harness.Cluster(log_dir=logs, env=env)
+    cluster.run = run  # type: ignore[attr-defined]
+    cluster.db = tmp_path / "var" / "quire.sqlite3"  # type: ignore[attr-defined]
+    yield cluster
+    cluster.stop_all()
+    print(cluster.tails())
+
+
+def _query(db: Path, sql: str, *params: object) -> list[tuple]:
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10)
+    try:
+        return conn.execute(sql, params).fetchall()
+    finally:
+        conn.close()
+
+
+def _submit(cluster, tmp_path: Path, *, pages: int, options: dict) -> str:
+    from conversion_jobs.converters import testdocs
+
+    src = tmp_path / f"doc-{pages}-{len(os.listdir(tmp_path))}.pdf"
+    testdocs.make_pdf(src, pages=pages, text_of=lambda n: f"Page {n} {src.name}")
+    out = cluster.run(
+        "shell", "-c", SUBMIT.format(src=str(src), options=json.loads(json.dumps(options)))
+    )
+    return next(line.split()[1] for line in out.splitlines() if line.startswith("JOB "))
+
+
+def test_standalone__pipeline_runs_end_to_end_and_recovers_a_killed_worker(standalone, tmp_path):
+    db = standalone.db
+    worker = standalone.ready(standalone.worker())
+    standalone.sweeper()
+    standalone.beat()
+
+    def state(job_id: str) -> str:
+        return _query(db, "SELECT state FROM conversion_job WHERE id = ?", job_id)[0][0]
+
+    quick = _submit(standalone, tmp_path, pages=2, options={})
+    harness.wait_until(
+        lambda: state(quick) == "succeeded", timeout=40, what="standalone job succeeded"
+    )
+
+    slow = _submit(
+        standalone, tmp_path, pages=6, options={"_test_fault": {"kind": "slow", "seconds": 0.6}}
+    )
+    harness.wait_until(
+        lambda: (
+            _query(
+                db, "SELECT count(*) FROM page_checkpoint WHERE job_id = ? AND state = 'done'", slow
+            )[0][0]
+            >= 1
+        ),
+        timeout=40,
+        what="a checkpointed page",
+    )
+    worker.kill9()
+    standalone.ready(standalone.worker())
+    harness.wait_until(
+        lambda: state(slow) == "succeeded", timeout=60, what="recovered standalone job"
+    )
+    outcomes = _query(
+        db, "SELECT generation, outcome FROM conversion_attempt WHERE job_id = ? ORDER BY id", slow
+    )
+    assert outcomes == [(1, "lease_lost"), (2, "succeeded")]
+    published = _query(
+        db,
+        "SELECT count(*) FROM execution_audit_event WHERE job_id = ? AND event_type = 'published'",
+        slow,
+    )
+    assert published == [(1,)]
