@@ -45,9 +45,9 @@ class Acceptance:
     replayed: bool
 
 
-def _existing_by_identity(
-    *, tenant: str, sha256: str, output: str, digest: str
-) -> ConversionJob | None:
+def _identity_match(*, tenant: str, sha256: str, output: str, digest: str) -> uuid.UUID | None:
+    """The live or succeeded job with this content identity, if any (at most one: the partial
+    unique constraint)."""
     return (
         ConversionJob.objects.filter(
             tenant=tenant,
@@ -57,18 +57,49 @@ def _existing_by_identity(
             policy_version=settings.QUIRE["POLICY_VERSION"],
             state__in=[*LIVE_STATES, State.SUCCEEDED],
         )
-        .order_by("-created_at")
+        .values_list("id", flat=True)
         .first()
     )
 
 
-def _replay(*, tenant: str, key: str, fingerprint: str) -> ConversionJob | None:
-    record = IdempotencyRecord.objects.select_related("job").filter(tenant=tenant, key=key).first()
+def _replay(*, tenant: str, key: str, fingerprint: str) -> Acceptance | None:
+    """The answer for a key already bound: a replay of its job, or 422 for another payload."""
+    record = (
+        IdempotencyRecord.objects.filter(tenant=tenant, key=key)
+        .values_list("fingerprint", "job_id")
+        .first()
+    )
     if record is None:
         return None
-    if record.fingerprint != fingerprint:
+    if record[0] != fingerprint:
         raise IdempotencyKeyReused()
-    return record.job
+    return Acceptance(job=ConversionJob.objects.get(id=record[1]), created=False, replayed=True)
+
+
+def _bind_key(*, tenant: str, key: str, fingerprint: str, job_id: uuid.UUID) -> Acceptance:
+    """Bind a fresh key to an existing job (a content-identity duplicate). A concurrent binding
+    of the same key that commits first wins and decides the answer."""
+    try:
+        with transaction.atomic():
+            IdempotencyRecord.objects.create(
+                tenant=tenant, key=key, fingerprint=fingerprint, job_id=job_id
+            )
+    except IntegrityError as exc:
+        if violated_constraint(exc) != "idempotency_tenant_key":
+            raise
+        answer = _replay(tenant=tenant, key=key, fingerprint=fingerprint)
+        if answer is None:  # pragma: no cover - the row that conflicted cannot vanish
+            raise
+        return answer
+    return Acceptance(job=ConversionJob.objects.get(id=job_id), created=False, replayed=False)
+
+
+def _existing_answer(
+    *, tenant: str, key: str | None, fingerprint: str, job_id: uuid.UUID
+) -> Acceptance:
+    if key is None:
+        return Acceptance(job=ConversionJob.objects.get(id=job_id), created=False, replayed=False)
+    return _bind_key(tenant=tenant, key=key, fingerprint=fingerprint, job_id=job_id)
 
 
 def conversion_job_accept(
@@ -83,7 +114,10 @@ def conversion_job_accept(
 ) -> Acceptance:
     """(none) -> QUEUED, generation 1, with its outbox row, idempotency record and audit event in
     one transaction. Returns the job and whether it is new; an existing job answers a replay or
-    a content-identity duplicate. Raises a QuireError (nothing written) otherwise."""
+    a content-identity duplicate. Raises a QuireError (nothing written) otherwise.
+
+    Races are settled by the unique constraints, never by the look-ups before the insert: a
+    submit that loses one rolls its whole transaction back and answers from the winner."""
     try:
         media_type = converters.sniff_media_type(upload.path)
         if media_type is None:
@@ -96,49 +130,53 @@ def conversion_job_accept(
             source_sha256=upload.sha256, output=output, options=options
         )
         if idempotency_key is not None:
-            replayed = _replay(tenant=tenant, key=idempotency_key, fingerprint=fingerprint)
-            if replayed is not None:
-                return Acceptance(job=replayed, created=False, replayed=True)
-        duplicate = _existing_by_identity(
+            replay = _replay(tenant=tenant, key=idempotency_key, fingerprint=fingerprint)
+            if replay is not None:
+                return replay
+        duplicate = _identity_match(
             tenant=tenant, sha256=upload.sha256, output=output, digest=digest
         )
         if duplicate is not None:
-            if idempotency_key is not None:
-                try:
-                    with transaction.atomic():
-                        _record_key(
-                            tenant=tenant,
-                            key=idempotency_key,
-                            fingerprint=fingerprint,
-                            job=duplicate,
-                        )
-                except _ExistingJob as existing:
-                    return Acceptance(job=existing.job, created=False, replayed=existing.replayed)
-            return Acceptance(job=duplicate, created=False, replayed=False)
+            return _existing_answer(
+                tenant=tenant, key=idempotency_key, fingerprint=fingerprint, job_id=duplicate
+            )
         admission_check(tenant=tenant)
         source_key = storage.promote_source(upload.path, upload.sha256)
     finally:
         upload.path.unlink(missing_ok=True)
 
-    with transaction.atomic():
-        return _insert_job(
-            tenant=tenant,
-            actor=actor,
-            media_type=media_type,
-            source_key=source_key,
-            upload=upload,
-            output=output,
-            options=options,
-            digest=digest,
-            traceparent=traceparent,
-            idempotency_key=idempotency_key,
-            fingerprint=fingerprint,
+    try:
+        with transaction.atomic():
+            job = _insert_job(
+                tenant=tenant,
+                actor=actor,
+                media_type=media_type,
+                source_key=source_key,
+                upload=upload,
+                output=output,
+                options=options,
+                digest=digest,
+                traceparent=traceparent,
+                idempotency_key=idempotency_key,
+                fingerprint=fingerprint,
+            )
+    except IntegrityError as exc:
+        # Everything this submit wrote is rolled back; answer from whoever won.
+        constraint = violated_constraint(exc)
+        if constraint == "idempotency_tenant_key" and idempotency_key is not None:
+            replay = _replay(tenant=tenant, key=idempotency_key, fingerprint=fingerprint)
+            if replay is None:  # pragma: no cover - the row that conflicted cannot vanish
+                raise
+            return replay
+        if constraint != "job_content_identity_live_or_succeeded":
+            raise
+        winner = _identity_match(tenant=tenant, sha256=upload.sha256, output=output, digest=digest)
+        if winner is None:  # it left the live/succeeded set meanwhile; the client retries
+            raise InvalidRequest("a concurrent identical job changed state; retry") from exc
+        return _existing_answer(
+            tenant=tenant, key=idempotency_key, fingerprint=fingerprint, job_id=winner
         )
-
-
-class _ExistingJob(Exception):
-    def __init__(self, job: ConversionJob, replayed: bool) -> None:
-        self.job, self.replayed = job, replayed
+    return Acceptance(job=job, created=True, replayed=False)
 
 
 def _insert_job(
@@ -154,51 +192,31 @@ def _insert_job(
     traceparent: str,
     idempotency_key: str | None,
     fingerprint: str,
-) -> Acceptance:
-    """Runs inside the acceptance transaction. A content-identity race lost to a concurrent
-    submit answers with the winner's job; the key (if any) is then bound to that job in this
-    same transaction, which must commit, so the answer is returned rather than raised."""
-    job_id = uuid.uuid4()
-    try:
-        with transaction.atomic():
-            job = ConversionJob.objects.create(
-                id=job_id,
-                tenant=tenant,
-                state=State.QUEUED,
-                source_key=source_key,
-                source_sha256=upload.sha256,
-                source_size=upload.size,
-                source_media_type=media_type,
-                output=output,
-                options=options,
-                options_digest=digest,
-                policy_version=settings.QUIRE["POLICY_VERSION"],
-                max_attempts=settings.QUIRE["MAX_ATTEMPTS"],
-                queued_at=timezone.now(),
-                traceparent=traceparent,
-            )
-    except IntegrityError as exc:
-        if violated_constraint(exc) != "job_content_identity_live_or_succeeded":
-            raise
-        # Another submit of the same content committed first: answer with its job.
-        existing = _existing_by_identity(
-            tenant=tenant, sha256=upload.sha256, output=output, digest=digest
-        )
-        if existing is None:  # it left the live/succeeded set meanwhile; the client retries
-            raise InvalidRequest("a concurrent identical job changed state; retry") from exc
-        if idempotency_key is not None:
-            try:
-                _record_key(
-                    tenant=tenant, key=idempotency_key, fingerprint=fingerprint, job=existing
-                )
-            except _ExistingJob as winner:
-                return Acceptance(job=winner.job, created=False, replayed=winner.replayed)
-        return Acceptance(job=existing, created=False, replayed=False)
-
+) -> ConversionJob:
+    """The acceptance transaction's writes. A unique violation propagates: the caller's
+    transaction rolls back whole and the caller answers from the winner."""
+    job = ConversionJob.objects.create(
+        id=uuid.uuid4(),
+        tenant=tenant,
+        state=State.QUEUED,
+        source_key=source_key,
+        source_sha256=upload.sha256,
+        source_size=upload.size,
+        source_media_type=media_type,
+        output=output,
+        options=options,
+        options_digest=digest,
+        policy_version=settings.QUIRE["POLICY_VERSION"],
+        max_attempts=settings.QUIRE["MAX_ATTEMPTS"],
+        queued_at=timezone.now(),
+        traceparent=traceparent,
+    )
     faults.hit("accept.after_job_insert")
     outbox = ConversionOutbox.objects.create(job=job, generation=1, traceparent=traceparent)
     if idempotency_key is not None:
-        _record_key(tenant=tenant, key=idempotency_key, fingerprint=fingerprint, job=job)
+        IdempotencyRecord.objects.create(
+            tenant=tenant, key=idempotency_key, fingerprint=fingerprint, job=job
+        )
     audit_event_append(
         job_id=job.id,
         event_type="accepted",
@@ -206,24 +224,9 @@ def _insert_job(
         actor=actor,
         details={"media_type": media_type, "size": upload.size, "output": output},
         lock_job=False,
+        first=True,
     )
     outbox_publish_after_commit(
         outbox_id=outbox.id, job_id=job.id, generation=1, traceparent=traceparent
     )
-    return Acceptance(job=job, created=True, replayed=False)
-
-
-def _record_key(*, tenant: str, key: str, fingerprint: str, job: ConversionJob) -> None:
-    """Bind the key to ``job``; a concurrent binding of the same key wins and decides."""
-    try:
-        with transaction.atomic():
-            IdempotencyRecord.objects.create(
-                tenant=tenant, key=key, fingerprint=fingerprint, job=job
-            )
-    except IntegrityError as exc:
-        if violated_constraint(exc) != "idempotency_tenant_key":
-            raise
-        winner = IdempotencyRecord.objects.select_related("job").get(tenant=tenant, key=key)
-        if winner.fingerprint != fingerprint:
-            raise IdempotencyKeyReused() from exc
-        raise _ExistingJob(winner.job, replayed=True) from exc
+    return job

@@ -60,18 +60,24 @@ def audit_event_append(
     actor: str = SYSTEM_ACTOR,
     details: dict[str, Any] | None = None,
     lock_job: bool = True,
+    first: bool = False,
 ) -> ExecutionAuditEvent:
     """Append one event to ``job_id``'s chain. Must run inside a transaction.
 
-    ``details`` must be metadata only: codes, counts, page numbers, durations; never content,
-    file names, tokens or clear tenant/subject identifiers.
+    ``first=True`` skips the look-up of the previous event for a job created in this
+    transaction. ``details`` must be metadata only: codes, counts, page numbers, durations;
+    never content, file names, tokens or clear tenant/subject identifiers.
     """
     if not transaction.get_connection().in_atomic_block:
         raise RuntimeError("audit_event_append must run inside transaction.atomic()")
     if lock_job:
         list(ConversionJob.objects.select_for_update().filter(id=job_id).values_list("id"))
+    # ``first``: the caller just created the job, so the chain is empty (the unique
+    # (job_id, seq) constraint would reject a second "first" event anyway).
     last = (
-        ExecutionAuditEvent.objects.filter(job_id=job_id)
+        None
+        if first
+        else ExecutionAuditEvent.objects.filter(job_id=job_id)
         .order_by("-seq")
         .values_list("seq", "hash")
         .first()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -34,23 +36,41 @@ def running_attempt(job_id) -> ConversionAttempt:
     return ConversionAttempt.objects.filter(job_id=job_id, finished_at__isnull=True).get()
 
 
+def _all_pids() -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
 def test_worker_killed__job_completes_elsewhere_without_redoing_checkpointed_pages(
     start, submit, cluster
 ):
-    first = start("worker")
+    workers = [start("worker"), start("worker")]
     start("sweeper")
     start("beat")
     job = submit(pages=8, options={"_test_fault": SLOW})
     harness.wait_until(lambda: pages_done(job.id) >= 2, timeout=30, what="two pages checkpointed")
     attempt = running_attempt(job.id)
+    first = cluster.owner_of(attempt.worker)
+    (second,) = [w for w in workers if w is not first]
     first.kill9()
+    # The converter child dies with its worker (its watchdog sees the parent gone).
+    harness.wait_until(
+        lambda: not any("conversion_jobs.converters.child" in _cmdline(pid) for pid in _all_pids()),
+        timeout=5,
+        what="the killed worker's converter child to exit",
+    )
     killed_at = time.monotonic()
     early = dict(
         PageCheckpoint.objects.filter(job_id=job.id, state="done").values_list(
             "page_number", "generation"
         )
     )
-    second = start("worker")
     harness.wait_until(
         lambda: job_state(job.id) == "succeeded", timeout=40, what="success after kill -9"
     )
