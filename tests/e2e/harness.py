@@ -281,10 +281,15 @@ def procfile_command(kind: str, env: dict[str, str]) -> list[str]:
         raise KeyError(kind)
 
     def expand(match: re.Match[str]) -> str:
-        var, default = match.group(1), match.group(3) or ""
-        return env.get(var, default)
+        # The shell forms the Procfile uses: ${VAR}, ${VAR:-default}, ${VAR:?message}.
+        var, op, arg = match.group(1), match.group(2), match.group(3) or ""
+        if env.get(var):
+            return env[var]
+        if op == ":?":
+            raise KeyError(f"{kind}: {var} is required ({arg})")
+        return arg if op == ":-" else ""
 
-    expanded = re.sub(r"\$\{(\w+)(:-([^}]*))?\}", expand, command.strip())
+    expanded = re.sub(r"\$\{(\w+)(?:(:-|:\?)([^}]*))?\}", expand, command.strip())
     return shlex.split(expanded)
 
 

@@ -6,7 +6,6 @@ Independent of the pytest-django database and of RabbitMQ: it runs in both CI pa
 
 from __future__ import annotations
 
-import json
 import os
 import sqlite3
 import subprocess
@@ -19,10 +18,10 @@ from tests.e2e import harness
 pytestmark = pytest.mark.e2e
 
 SUBMIT = """
-import hashlib, shutil, sys
+import hashlib, shutil
 from conversion_jobs import storage
 from conversion_jobs.services.acceptance import StagedUpload, conversion_job_accept
-src = sys.argv[-1] if False else {src!r}
+src = {src!r}
 fh, staged = storage.staging_file()
 with fh, open(src, "rb") as data:
     shutil.copyfileobj(data, fh)
@@ -93,7 +92,7 @@ def _submit(cluster, tmp_path: Path, *, pages: int, options: dict) -> str:
     src = tmp_path / f"doc-{pages}-{len(os.listdir(tmp_path))}.pdf"
     testdocs.make_pdf(src, pages=pages, text_of=lambda n: f"Page {n} {src.name}")
     out = cluster.run(
-        "shell", "-c", SUBMIT.format(src=str(src), options=json.loads(json.dumps(options)))
+        "shell", "-c", SUBMIT.format(src=str(src), options=options)
     )
     return next(line.split()[1] for line in out.splitlines() if line.startswith("JOB "))
 
