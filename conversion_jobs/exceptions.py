@@ -74,7 +74,7 @@ class TooLate(QuireError):
 
 
 class NotRetryable(QuireError):
-    """Only a failed job can be retried."""
+    """Only a failed or cancelled job can be retried."""
 
     code = "not_retryable"
     status = 409

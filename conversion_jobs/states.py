@@ -41,12 +41,14 @@ TRANSITIONS: dict[tuple[State, State], str] = {
     (State.RETRY_WAIT, State.CANCELLED): "cancel API",
     (State.RUNNING, State.SUCCEEDED): "worker finalize (fenced)",
     (State.RUNNING, State.PARTIAL): "worker finalize (fenced)",
-    (State.RUNNING, State.FAILED): "worker: terminal error / attempts exhausted (fenced)",
-    (State.RUNNING, State.RETRY_WAIT): "worker: retryable error; beat: lease expired",
+    (State.RUNNING, State.FAILED): "worker: terminal error / attempts exhausted (fenced); "
+    "beat: lease expired with attempts exhausted",
+    (State.RUNNING, State.RETRY_WAIT): "worker: retryable error (backoff in next_attempt_at)",
     (State.RUNNING, State.QUEUED): "beat: lease expired, re-dispatch at once (generation + 1)",
     (State.RUNNING, State.CANCELLING): "cancel API",
     (State.CANCELLING, State.CANCELLED): "worker at page boundary / heartbeat; beat: lease expired",
     (State.FAILED, State.QUEUED): "operator retry (generation + 1)",
+    (State.CANCELLED, State.QUEUED): "operator retry (generation + 1)",
 }
 
 

@@ -154,8 +154,10 @@ def _recover_one(*, job_id: uuid.UUID, generation: int, token: uuid.UUID, attemp
 
 
 def conversion_job_retry_failed(*, job_id: uuid.UUID, tenant: str | None, actor: str) -> ConversionJob:
-    """Operator retry: FAILED -> QUEUED, generation + 1, attempts reset, new outbox row.
-    ``tenant`` None means any tenant (Django admin)."""
+    """Operator retry: FAILED | CANCELLED -> QUEUED, generation + 1, attempts reset, new outbox
+    row. The new generation starts clean: the old generation's messages are stale, its attempt
+    directories are gone, and its cancellation requests stay resolved against the old
+    generation. ``tenant`` None means any tenant (Django admin)."""
     jobs = ConversionJob.objects.filter(id=job_id)
     if tenant is not None:
         jobs = jobs.filter(tenant=tenant)
@@ -165,9 +167,9 @@ def conversion_job_retry_failed(*, job_id: uuid.UUID, tenant: str | None, actor:
             if row is None:
                 raise NotFound()
             state, generation, traceparent = row
-            if state != State.FAILED:
+            if state not in (State.FAILED, State.CANCELLED):
                 raise NotRetryable(job_state=state)
-            jobs.filter(state=State.FAILED, generation=generation).update(
+            jobs.filter(state=state, generation=generation).update(
                 state=State.QUEUED,
                 generation=F("generation") + 1,
                 attempts=0,

@@ -127,6 +127,7 @@ def conversion_job_execute(*, job_id: uuid.UUID, generation: int) -> str:
         return _run(lease=lease, heartbeat=heartbeat, workdir=workdir)
     finally:
         heartbeat.finish()
+        converters.release()  # this attempt's converter child and its process group end here
         shutil.rmtree(workdir, ignore_errors=True)
         try:
             workdir.parent.rmdir()
@@ -258,15 +259,19 @@ def _convert(*, lease: Lease, heartbeat: Heartbeat, workdir: Path) -> str:
             key = storage.page_key(job_id=lease.job_id, page=page, ext=f"g{lease.generation}.{ext}")
             sha, size = storage.sha256_file(artifact.path)
             storage.promote(artifact.path, key)
-            checkpoints[page] = _checkpoint(
-                lease,
-                page=page,
-                state=PageState.DONE,
-                artifact_key=key,
-                artifact_sha256=sha,
-                artifact_size=size,
-                media_type=artifact.media_type,
-            )
+            try:
+                checkpoints[page] = _checkpoint(
+                    lease,
+                    page=page,
+                    state=PageState.DONE,
+                    artifact_key=key,
+                    artifact_sha256=sha,
+                    artifact_size=size,
+                    media_type=artifact.media_type,
+                )
+            except LeaseLost:
+                storage.delete(key)  # never checkpointed: leave no orphan behind
+                raise
             break
     return _finalize(lease=lease, job=job, pages=pages, checkpoints=checkpoints, prepared=prepared, workdir=workdir)
 

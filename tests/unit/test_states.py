@@ -45,7 +45,8 @@ def test_transitions__every_edge_names_who_moves_it():
 
 def test_transitions__terminal_states_only_leave_by_operator_retry():
     leaving = {(s, t) for (s, t) in TRANSITIONS if s in TERMINAL_STATES}
-    assert leaving == {(State.FAILED, State.QUEUED)}
+    assert leaving == {(State.FAILED, State.QUEUED), (State.CANCELLED, State.QUEUED)}
+    assert all("operator retry" in TRANSITIONS[edge] for edge in leaving)
 
 
 def test_transitions__every_live_state_can_reach_a_terminal_state():
@@ -70,8 +71,8 @@ def test_transitions__cancelling_only_ends_cancelled():
     [
         (State.QUEUED, State.SUCCEEDED),
         (State.SUCCEEDED, State.QUEUED),
-        (State.CANCELLED, State.QUEUED),
         (State.PARTIAL, State.QUEUED),
+        (State.CANCELLED, State.RUNNING),
         (State.CANCELLING, State.RUNNING),
         (State.RETRY_WAIT, State.RUNNING),
         (State.QUEUED, State.CANCELLING),

@@ -257,17 +257,44 @@ def test_cancel__other_tenant_is_not_found_and_records_nothing(tmp_path, api, no
     assert (job.state, job.state_version) == ("queued", 1)
 
 
-def test_cancel__operator_retry_of_a_cancelled_job_is_refused(tmp_path, api, no_broker_publish):
-    # DESIGN §4/§9: cancelled is terminal; only failed -> queued is an operator retry.
-    job = _pdf_job(tmp_path)
-    assert _cancel(api, job.id).status_code == 200
+def test_cancel__operator_retry_after_cancel_starts_clean(tmp_path, api, no_broker_publish):
+    # Issue 5: an operator retry after a cancel starts a clean generation that no earlier
+    # cancellation touches, and never sees the cancelled attempt's temporary files.
+    source = testdocs.make_pdf(tmp_path / "doc.pdf", pages=4, text_of=unique_text())
+    job = submit(source, output="text", fault={"kind": "slow", "seconds": 0.4})
+    worker = Worker(job.id, 1)
+    worker.start()
+    wait_for(lambda: PageCheckpoint.objects.filter(job=job, state="done").exists(), timeout=30)
+    assert _cancel(api, job.id).status_code == 202
+    assert worker.result() == "cancelled"
+    assert work_dir_entries() == []
+    done_before = set(
+        PageCheckpoint.objects.filter(job=job, state="done").values_list("page_number", flat=True)
+    )
 
     response = api().post(f"/api/v1/jobs/{job.id}/retry")
 
-    assert (response.status_code, response.json()["code"]) == (409, "not_retryable")
+    assert response.status_code == 202
+    assert (response.json()["state"], response.json()["generation"]) == ("queued", 2)
+    assert ConversionOutbox.objects.filter(job=job, generation=2).count() == 1
+    assert execute(job, generation=1) == "duplicate"  # the old generation is stale
+    assert execute(job, generation=2) == "succeeded"
     job.refresh_from_db()
-    assert (job.state, job.generation) == ("cancelled", 1)
-    assert ConversionOutbox.objects.filter(job=job).count() == 1
+    assert job.result_key is not None and job.state == "succeeded"
+    # pages finished before the cancel were kept and not redone; the rest were done by gen 2
+    gens = dict(PageCheckpoint.objects.filter(job=job).values_list("page_number", "generation"))
+    assert {p for p, g in gens.items() if g == 1} == done_before
+    assert {p for p, g in gens.items() if g == 2} == set(range(1, 5)) - done_before
+    # no pending cancellation from generation 1 leaks into generation 2
+    assert not CancellationRequest.objects.filter(job=job, resolved_at__isnull=True).exists()
+    assert work_dir_entries() == []
+
+
+def test_cancel__operator_retry_of_a_succeeded_job_is_refused(tmp_path, api, no_broker_publish):
+    job = _pdf_job(tmp_path)
+    assert execute(job) == "succeeded"
+    response = api().post(f"/api/v1/jobs/{job.id}/retry")
+    assert (response.status_code, response.json()["code"]) == (409, "not_retryable")
 
 
 def test_cancel__resubmission_after_cancel_starts_clean(tmp_path, api, no_broker_publish):
