@@ -429,3 +429,199 @@ def py_spy_record(
         )
         for pid in pids
     ]
+
+
+# -- worker-side benchmarks (issue 3: throughput, latency, recovery) ------------------------------
+# Real Procfile processes (tests/e2e/harness.py's Cluster: worker / sweeper / beat) on a fresh
+# database and a throwaway vhost, each process as its least-privilege broker user, and this
+# process set up as a Django client that accepts jobs through the service layer.
+
+PUBLISHER = (
+    os.environ.get("QUIRE_RMQ_PUBLISHER_USER", "quire_publisher"),
+    os.environ.get("QUIRE_RMQ_PUBLISHER_PASSWORD", "quire-publisher-dev"),
+)
+WORKER = (
+    os.environ.get("QUIRE_RMQ_WORKER_USER", "quire_worker"),
+    os.environ.get("QUIRE_RMQ_WORKER_PASSWORD", "quire-worker-dev"),
+)
+
+
+def load_average() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"{one:.2f} / {five:.2f} / {fifteen:.2f} (1 / 5 / 15 min, {os.cpu_count()} cores)"
+
+
+def vhost_grant_like_quire(vhost: str, user: str) -> None:
+    """Give ``user`` on ``vhost`` exactly the permissions it has on vhost ``quire``."""
+    for line in _rabbitmqctl("list_user_permissions", user).splitlines():
+        cols = line.split("\t")
+        if cols and cols[0] == "quire":
+            _rabbitmqctl("set_permissions", "-p", vhost, "--", user, *cols[1:4])
+            return
+    raise RuntimeError(f"{user} has no permissions on vhost quire: run deploy/rabbitmq/apply.sh")
+
+
+@dataclass
+class Stack:
+    """A database + vhost + storage for Quire processes; ``cluster`` starts Procfile processes
+    (``stack.start("worker")``) with their role's broker user."""
+
+    db_url: str
+    vhost: str
+    storage: Path
+    cluster: object  # tests.e2e.harness.Cluster
+
+    def url(self, user: tuple[str, str]) -> str:
+        return f"amqp://{user[0]}:{user[1]}@127.0.0.1:5672/{self.vhost}"
+
+    def role_env(self, kind: str) -> dict[str, str]:
+        """As tests/e2e/conftest.py: the Procfile maps QUIRE_BROKER_{PUBLISHER,WORKER}_URL onto
+        Celery's read / write URLs per line (the worker consumes as the worker user; the sweeper
+        consumes as the worker and publishes outbox rows as the publisher; beat only publishes)."""
+        return {
+            "CELERY_BROKER_URL": self.url(WORKER if kind in ("worker", "sweeper") else PUBLISHER),
+            "QUIRE_BROKER_PUBLISHER_URL": self.url(PUBLISHER),
+            "QUIRE_BROKER_WORKER_URL": self.url(WORKER),
+        }
+
+    def start(self, kind: str, *, ready: bool = True, **env: str) -> object:
+        proc = self.cluster.start(kind, **{**self.role_env(kind), **env})  # type: ignore[attr-defined]
+        if ready and kind == "worker":
+            self.cluster.ready(proc, timeout=60)  # type: ignore[attr-defined]
+        return proc
+
+
+@contextlib.contextmanager
+def quire_stack(*, db_name: str, keep: bool = False, **quire_env: str) -> Iterator[Stack]:
+    """Fresh database ``db_name`` (migrated, beat schedule installed), a throwaway vhost with the
+    production topology and both Quire users, temporary storage; this process becomes a Django
+    client of it (publishing as ``quire_publisher``). ``quire_env``: extra settings (``QUIRE_*``)
+    for this process and every started process. Everything is removed afterwards."""
+    import shutil
+    import tempfile
+
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from tests.e2e import harness
+
+    db_url = recreate_database(db_name)
+    storage = Path(tempfile.mkdtemp(prefix="quire-bench-"))
+    (storage / "logs").mkdir()
+    cluster = None
+    try:
+        with throwaway_vhost(user=PUBLISHER[0], password=PUBLISHER[1]) as publisher_url:
+            vhost = publisher_url.rsplit("/", 1)[1]
+            vhost_grant_like_quire(vhost, WORKER[0])
+            env = {
+                k: v
+                for k, v in base_env().items()
+                if not k.startswith(("CELERY_", "DATABASE_URL", "QUIRE_", "DJANGO_SETTINGS"))
+            }
+            env.update(
+                PYTHONPATH=str(ROOT),
+                PYTHONUNBUFFERED="1",
+                DJANGO_SETTINGS_MODULE="project.settings",
+                DATABASE_URL=db_url,
+                CELERY_BROKER_URL=publisher_url,
+                QUIRE_STORAGE_DIR=str(storage / "storage"),
+                QUIRE_WORK_DIR=str(storage / "work"),
+                QUIRE_VAR_DIR=str(storage / "var"),
+                QUIRE_TENANT_QUOTA=str(10**9),
+                QUIRE_GLOBAL_CAPACITY=str(10**9),
+                QUIRE_LOG_FORMAT="text",
+                **quire_env,
+            )
+            run([PYTHON, "manage.py", "migrate", "--noinput", "-v", "0"], env=env)
+            run([PYTHON, "manage.py", "install_beat_schedule"], env=env)
+            os.environ.update({k: env[k] for k in env if k.startswith(("QUIRE_", "DJANGO_"))})
+            os.environ.update(DATABASE_URL=db_url, CELERY_BROKER_URL=publisher_url)
+            import django
+
+            django.setup()
+            process_env = {k: v for k, v in env.items() if k != "CELERY_BROKER_URL"}
+            process_env["PROMETHEUS_MULTIPROC_DIR"] = str(storage / "metrics")
+            cluster = harness.Cluster(log_dir=storage / "logs", env=process_env)
+            stack = Stack(db_url=db_url, vhost=vhost, storage=storage, cluster=cluster)
+            try:
+                yield stack
+            finally:
+                cluster.stop_all()
+                from django.db import connections
+
+                connections.close_all()
+    finally:
+        if keep:
+            print(f"kept: database {db_name}, storage and logs under {storage}", file=sys.stderr)
+        else:
+            shutil.rmtree(storage, ignore_errors=True)
+            best_effort(drop_database, db_name)
+
+
+def submit_job(*, tenant: str = "bench", pages: int = 1, options: dict | None = None) -> tuple:
+    """Accept one job through the service layer, as tests/e2e/conftest.py ``submit`` does (a
+    unique generated PDF, staged and hashed, ``conversion_job_accept``, whose on_commit fast
+    path publishes it). Returns ``(job_id, committed_at)``: ``committed_at`` is the wall clock
+    (``time.time()``) right after COMMIT returned, before the fast-path publish (an outer
+    transaction whose first on_commit callback records it; the acceptance's own callbacks run
+    after it, in registration order)."""
+    import hashlib
+
+    from django.db import transaction
+
+    from conversion_jobs import storage
+    from conversion_jobs.converters import testdocs
+    from conversion_jobs.services.acceptance import StagedUpload, conversion_job_accept
+
+    fh, staged = storage.staging_file()
+    fh.close()
+    salt = uuid.uuid4().hex
+    testdocs.make_pdf(staged, pages=pages, text_of=lambda n: f"Page {n} {salt}")
+    raw = staged.read_bytes()
+    upload = StagedUpload(path=staged, sha256=hashlib.sha256(raw).hexdigest(), size=len(raw))
+    stamp: list[float] = []
+    with transaction.atomic():
+        transaction.on_commit(lambda: stamp.append(time.time()))
+        accepted = conversion_job_accept(
+            tenant=tenant,
+            actor="bench",
+            upload=upload,
+            output="text",
+            raw_options=options or {},
+            idempotency_key=None,
+        )
+    if not accepted.created:
+        raise RuntimeError("a benchmark job was not new")
+    return accepted.job.id, stamp[0]
+
+
+def proc_cpu_with_children_s(pid: int) -> float:
+    """utime + stime + cutime + cstime: the process and its reaped children (e.g. converter
+    children a pool process has killed and waited for); 0 if it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return sum(int(f) for f in fields[11:15]) / CLK_TCK
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds of ``pid`` and its live descendants, each with its reaped children (a
+    prefork worker, its pool, the converter children they spawned and reaped)."""
+    from tests.e2e import harness
+
+    return sum(proc_cpu_with_children_s(p) for p in harness.process_tree(pid))
+
+
+def sql_retry(url: str, query: str, *, for_s: float = 120.0) -> object:
+    """``sql_scalar``, retried while Postgres is unreachable (someone on this shared host may be
+    restarting it for an e2e test) for up to ``for_s`` seconds."""
+    import psycopg
+
+    deadline = time.monotonic() + for_s
+    while True:
+        try:
+            return sql_scalar(url, query)
+        except psycopg.OperationalError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)

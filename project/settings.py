@@ -36,6 +36,8 @@ def env_bool(name: str, default: bool) -> bool:
 
 
 VAR_DIR = Path(env_str("QUIRE_VAR_DIR", str(BASE_DIR / "var")))
+if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # aggregated counters across processes (Procfile)
+    Path(os.environ["PROMETHEUS_MULTIPROC_DIR"]).mkdir(parents=True, exist_ok=True)
 STANDALONE = not os.environ.get("DATABASE_URL") and not os.environ.get("CELERY_BROKER_URL")
 DEBUG = env_bool("DJANGO_DEBUG", False)
 

@@ -11,6 +11,7 @@ import logging
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 from django.conf import settings
 from django.db import transaction
@@ -19,7 +20,7 @@ from django.db.models.functions import Now
 from django.utils import timezone
 
 from conversion_jobs.models import ConversionJob, ConversionOutbox
-from conversion_jobs.observability import metrics
+from conversion_jobs.observability import metrics, tracing
 from conversion_jobs.states import State
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,11 @@ def publish_conversion(*, job_id: uuid.UUID, generation: int, traceparent: str) 
     from project.celery import app
 
     headers = {"traceparent": traceparent} if traceparent else {}
+    with tracing.span_from_traceparent("outbox.publish", traceparent, **{"quire.generation": generation}):
+        _send(app, job_id=job_id, generation=generation, headers=headers)
+
+
+def _send(app: Any, *, job_id: uuid.UUID, generation: int, headers: dict[str, str]) -> None:
     app.send_task(
         TASK_NAME,
         args=[str(job_id), generation],

@@ -24,6 +24,7 @@ from django.db import InterfaceError, OperationalError, close_old_connections, c
 from conversion_jobs import converters, storage
 from conversion_jobs.converters import ConversionError, ConversionStopped, Limits
 from conversion_jobs.models import ConversionJob, PageState
+from conversion_jobs.observability import tracing
 from conversion_jobs.services import execution
 from conversion_jobs.services.execution import HeartbeatResult, Lease, LeaseLost
 from conversion_jobs.states import State
@@ -232,15 +233,18 @@ def _convert(*, lease: Lease, heartbeat: Heartbeat, workdir: Path) -> str:
         tries = done.attempts if done is not None else 0
         while True:
             try:
-                artifact = converter.convert_page(
-                    prepared=prepared,
-                    page=page,
-                    output=job.output,
-                    options=options,
-                    dest_dir=workdir,
-                    limits=limits,
-                    should_stop=stop,
-                )
+                with tracing.tracer.start_as_current_span(
+                    "conversion.page", attributes={"quire.page": page}
+                ):
+                    artifact = converter.convert_page(
+                        prepared=prepared,
+                        page=page,
+                        output=job.output,
+                        options=options,
+                        dest_dir=workdir,
+                        limits=limits,
+                        should_stop=stop,
+                    )
             except ConversionStopped:
                 raise
             except ConversionError as exc:
@@ -297,9 +301,10 @@ def _finalize(
         won = _db_retry(lambda: execution.conversion_job_fail(lease=lease, code=code, detail=f"{len(failed)} page(s) failed"), deadline_s=_ttl())
         return "failed" if won else _stopped(lease=lease)
     assembled = workdir / "result.out"
-    media_type = converters.assemble_result(
-        output=job.output, pages=done, dest=assembled, prepared_document=prepared.document
-    )
+    with tracing.tracer.start_as_current_span("conversion.finalize"):
+        media_type = converters.assemble_result(
+            output=job.output, pages=done, dest=assembled, prepared_document=prepared.document
+        )
     ext = {"text": "txt", "png": "zip", "pdf": "pdf"}[job.output]
     key = storage.result_key(job_id=lease.job_id, ext=f"g{lease.generation}.{ext}")
     sha, size = storage.sha256_file(assembled)

@@ -120,18 +120,15 @@ def cluster(
 
 
 def role_env(kind: str) -> dict[str, str]:
-    """Broker credentials per process role: the conversion worker consumes as the worker user;
-    the sweeper consumes quire.sweeps as the worker user and publishes outbox rows as the
-    publisher (a read/write URL split); beat only publishes."""
-    if kind == "worker":
-        return {"CELERY_BROKER_URL": harness.broker_url("worker")}
-    if kind == "sweeper":
-        return {
-            "CELERY_BROKER_URL": harness.broker_url("worker"),
-            "CELERY_BROKER_READ_URL": harness.broker_url("worker"),
-            "CELERY_BROKER_WRITE_URL": harness.broker_url("publisher"),
-        }
-    return {"CELERY_BROKER_URL": harness.broker_url("publisher")}
+    """Broker credentials per process role, passed the way production passes them: the
+    Procfile maps QUIRE_BROKER_{PUBLISHER,WORKER}_URL onto Celery's read/write URLs per line
+    (the conversion worker reads and writes as the worker user; the sweeper consumes as the
+    worker and publishes outbox rows as the publisher; beat only publishes)."""
+    return {
+        "CELERY_BROKER_URL": harness.broker_url("worker" if kind in ("worker", "sweeper") else "publisher"),
+        "QUIRE_BROKER_PUBLISHER_URL": harness.broker_url("publisher"),
+        "QUIRE_BROKER_WORKER_URL": harness.broker_url("worker"),
+    }
 
 
 @pytest.fixture

@@ -70,7 +70,7 @@ def test_flower__sees_worker_and_finished_task_behind_basic_auth(cluster, start,
     def worker_seen() -> bool:
         status, workers = _get(port, "/api/workers?refresh=1")
         return status == 200 and isinstance(workers, dict) and any(
-            name.startswith("worker.") for name in workers
+            "@worker." in name for name in workers
         )
 
     harness.wait_until(worker_seen, timeout=30, what="flower to list the worker")

@@ -1,0 +1,435 @@
+"""Whole-service page throughput, worker memory and DOCX overhead (issue 4, performance).
+
+    .venv/bin/python bench/pages.py [--pages 200] [--split 2] [--rss-pages 300] [--docx-runs 3]
+                                    [--skip throughput,rss,docx]
+
+Everything runs through real processes: a fresh database ``quire_cx_pages``, a throwaway RabbitMQ
+vhost carrying the production topology (publisher and worker users with exactly their ``quire``
+permissions), and the Procfile's ``worker`` command. Jobs are accepted through the service layer
+(``conversion_job_accept``, whose on_commit fast path publishes with confirms) -- the HTTP layer
+is ``bench/accept.py``'s subject, not this one's.
+
+1. **Throughput**: one ``--pages`` text PDF, converted to ``text`` and to ``png`` at 150 dpi.
+   Service: one worker (Procfile, ``--concurrency 2`` = 2 worker processes), warmed by two small
+   jobs; the document is submitted as ``--split`` jobs with ``options.pages`` ranges (2 jobs:
+   "1-100" and "101-200"), so both worker processes are busy; pages/s = pages / (last job's
+   ``finished_at`` - first job's ``created_at``), Postgres timestamps, so it includes dispatch,
+   claim, checkpoints, finalization (text join / PNG ZIP) and publication. Baseline, in the same
+   run: ``bench/pages_converter.py``'s direct loop (2 processes, each pypdfium2 over half the
+   pages, writing files). Ratio = service / direct.
+2. **Peak RSS**: a worker with ``WORKER_CONCURRENCY=1`` converts a ``--rss-pages`` PDF to PNG at
+   150 dpi; every 50 ms the driver samples ``/proc/<pid>/status`` (VmHWM, VmRSS) of the celery
+   main process, its pool process and the pool's converter children.
+3. **DOCX -> PDF overhead**: a ~5-page DOCX. ``soffice --headless --convert-to pdf`` alone with a
+   fresh profile directory (what the service does: a private profile per conversion) and with a
+   reused profile; then the service, accept -> succeeded (Postgres timestamps): the first DOCX
+   job of a freshly started worker (cold) and later jobs (warm). Overhead = service - soffice
+   alone (fresh profile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from _common import (
+    PYTHON,
+    ROOT,
+    _rabbitmqctl,
+    base_env,
+    drop_database,
+    procfile_command,
+    recreate_database,
+    run,
+    throwaway_vhost,
+)
+
+PUBLISHER = (
+    "quire_publisher",
+    os.environ.get("QUIRE_RMQ_PUBLISHER_PASSWORD", "quire-publisher-dev"),
+)
+WORKER = ("quire_worker", os.environ.get("QUIRE_RMQ_WORKER_PASSWORD", "quire-worker-dev"))
+
+
+# -- the service ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Service:
+    env: dict[str, str]
+    worker_broker_url: str
+    scratch: Path
+    procs: list[subprocess.Popen[bytes]]
+
+    def worker(self, *, concurrency: int, **extra: str) -> subprocess.Popen[bytes]:
+        log = self.scratch / f"worker-{len(self.procs)}.log"
+        env = {
+            **self.env,
+            "CELERY_BROKER_URL": self.worker_broker_url,
+            "WORKER_CONCURRENCY": str(concurrency),
+            "PORT": f"bench{uuid.uuid4().hex[:8]}",
+            **extra,
+        }
+        with open(log, "wb") as fh:
+            proc = subprocess.Popen(
+                ["bash", "-c", "exec " + procfile_command("worker")],
+                cwd=ROOT,
+                env=env,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        proc.log = log  # type: ignore[attr-defined]
+        self.procs.append(proc)
+        deadline = time.monotonic() + 60
+        while "ready." not in log.read_text(errors="replace"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"worker did not start; see {log}")
+            time.sleep(0.1)
+        return proc
+
+    def stop(self, proc: subprocess.Popen[bytes]) -> None:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+@contextlib.contextmanager
+def service(db_name: str, *, keep: bool = False, **settings_env: str) -> Iterator[Service]:
+    """Database + throwaway vhost + Django set up in this process (for submitting and reading)."""
+    scratch = Path(tempfile.mkdtemp(prefix=f"{db_name}-"))
+    url = recreate_database(db_name)
+    try:
+        with throwaway_vhost(user=PUBLISHER[0], password=PUBLISHER[1]) as publisher_url:
+            vhost = publisher_url.rsplit("/", 1)[1]
+            for line in _rabbitmqctl("list_user_permissions", WORKER[0]).splitlines():
+                cols = line.split("\t")
+                if cols and cols[0] == "quire":
+                    _rabbitmqctl("set_permissions", "-p", vhost, "--", WORKER[0], *cols[1:4])
+            env = base_env(
+                DATABASE_URL=url,
+                CELERY_BROKER_URL=publisher_url,
+                DJANGO_SETTINGS_MODULE="project.settings",
+                PYTHONPATH=str(ROOT),
+                QUIRE_STORAGE_DIR=str(scratch / "storage"),
+                QUIRE_WORK_DIR=str(scratch / "work"),
+                QUIRE_VAR_DIR=str(scratch / "var"),
+                QUIRE_TENANT_QUOTA="1000000",
+                QUIRE_GLOBAL_CAPACITY="1000000",
+                QUIRE_LOG_FORMAT="text",
+                **settings_env,
+            )
+            run([PYTHON, "manage.py", "migrate", "--noinput"], env=env)
+            os.environ.update(env)
+            import django
+
+            django.setup()
+            svc = Service(
+                env=env,
+                worker_broker_url=f"amqp://{WORKER[0]}:{WORKER[1]}@127.0.0.1:5672/{vhost}",
+                scratch=scratch,
+                procs=[],
+            )
+            try:
+                yield svc
+            finally:
+                for proc in svc.procs:
+                    svc.stop(proc)
+                from django.db import connections
+
+                connections.close_all()
+    finally:
+        if not keep:
+            drop_database(db_name)
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def submit(path: Path, *, output: str, options: dict | None = None, tenant: str = "bench"):
+    from conversion_jobs import storage
+    from conversion_jobs.services.acceptance import StagedUpload, conversion_job_accept
+
+    fh, staged = storage.staging_file()
+    with fh, open(path, "rb") as data:
+        shutil.copyfileobj(data, fh)
+    raw = path.read_bytes()
+    accepted = conversion_job_accept(
+        tenant=tenant,
+        actor="bench",
+        upload=StagedUpload(path=staged, sha256=hashlib.sha256(raw).hexdigest(), size=len(raw)),
+        output=output,
+        raw_options=options or {},
+        idempotency_key=uuid.uuid4().hex,
+    )
+    return accepted.job
+
+
+def wait_terminal(job_ids: list, *, timeout: float = 900) -> list:
+    from conversion_jobs.models import ConversionJob
+
+    deadline = time.monotonic() + timeout
+    while True:
+        jobs = list(ConversionJob.objects.filter(id__in=job_ids))
+        if all(j.finished_at is not None for j in jobs) and len(jobs) == len(job_ids):
+            return jobs
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"jobs not finished: {[(j.id, j.state) for j in jobs]}")
+        time.sleep(0.05)
+
+
+def unique_pdf(path: Path, pages: int) -> Path:
+    from pages_converter import page_text
+
+    from conversion_jobs.converters import testdocs
+
+    salt = uuid.uuid4().hex[:8]
+    text = page_text(40)
+    return testdocs.make_pdf(path, pages=pages, text_of=lambda n: f"{salt} " + text(n))
+
+
+# -- 1. throughput --------------------------------------------------------------------------------
+
+
+def throughput(svc: Service, *, pages: int, split: int, outputs: list[str]) -> list[dict]:
+    import pages_converter
+
+    worker = svc.worker(concurrency=2)
+    warm = [submit(unique_pdf(svc.scratch / f"warm{i}.pdf", 2), output="png") for i in range(2)]
+    wait_terminal([j.id for j in warm])
+    rows = []
+    for output in outputs:
+        source = unique_pdf(svc.scratch / f"doc-{output}.pdf", pages)
+        direct = pages_converter.run_pair(
+            "direct", source=source, output=output, pages=pages, scratch=svc.scratch / "direct"
+        )
+        size = pages // split
+        ranges = [(i * size + 1, pages if i == split - 1 else (i + 1) * size) for i in range(split)]
+        options = {"dpi": 150} if output == "png" else {}
+        jobs = [
+            submit(source, output=output, options={**options, "pages": f"{a}-{b}"})
+            for a, b in ranges
+        ]
+        done = wait_terminal([j.id for j in jobs])
+        if any(j.state != "succeeded" for j in done):
+            raise RuntimeError(f"{output}: {[(j.state, j.error_code) for j in done]}")
+        first, last = min(j.created_at for j in done), max(j.finished_at for j in done)
+        elapsed = (last - first).total_seconds()
+        service_pps = pages / elapsed
+        rows.append(
+            {
+                "output": output,
+                "direct_pages_s": direct["pages_s"],
+                "service_pages_s": service_pps,
+                "ratio": service_pps / direct["pages_s"],
+                "jobs": [f"{a}-{b}" for a, b in ranges],
+            }
+        )
+        print(
+            f"throughput {output}: direct {direct['pages_s']:.1f} pages/s, service "
+            f"{service_pps:.1f} pages/s ({split} jobs {rows[-1]['jobs']}), "
+            f"ratio {rows[-1]['ratio']:.2f}",
+            flush=True,
+        )
+    svc.stop(worker)
+    return rows
+
+
+# -- 2. peak RSS ----------------------------------------------------------------------------------
+
+
+def _status_kb(pid: int, field: str) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    out = []
+    for tid in tasks:
+        with contextlib.suppress(OSError):
+            out += [int(c) for c in Path(f"/proc/{pid}/task/{tid}/children").read_text().split()]
+    return out
+
+
+def peak_rss(svc: Service, *, pages: int) -> dict:
+    main = svc.worker(concurrency=1)
+    source = unique_pdf(svc.scratch / "rss.pdf", pages)
+    hwm: dict[str, dict[int, int]] = {"main": {}, "pool": {}, "converter": {}}
+    peak_sum = [0]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            total = 0
+            hwm["main"][main.pid] = _status_kb(main.pid, "VmHWM")
+            for pool in _children(main.pid):
+                hwm["pool"][pool] = max(hwm["pool"].get(pool, 0), _status_kb(pool, "VmHWM"))
+                total += _status_kb(pool, "VmRSS")
+                for child in _children(pool):
+                    kb = _status_kb(child, "VmHWM")
+                    hwm["converter"][child] = max(hwm["converter"].get(child, 0), kb)
+                    total += _status_kb(child, "VmRSS")
+            peak_sum[0] = max(peak_sum[0], total)
+            time.sleep(0.05)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    job = submit(source, output="png", options={"dpi": 150})
+    (done,) = wait_terminal([job.id])
+    stop.set()
+    sampler.join()
+    if done.state != "succeeded":
+        raise RuntimeError(f"rss job {done.state} {done.error_code}")
+    svc.stop(main)
+    mb = 1024.0
+    pool = max(hwm["pool"].values()) / mb
+    conv = max(hwm["converter"].values()) / mb
+    out = {
+        "main_mb": max(hwm["main"].values()) / mb,
+        "pool_mb": pool,
+        "converter_mb": conv,
+        "pool_plus_converter_mb": pool + conv,
+        "peak_simultaneous_rss_mb": peak_sum[0] / mb,
+        "seconds": (done.finished_at - done.created_at).total_seconds(),
+    }
+    print(
+        f"peak RSS ({pages}-page PDF -> PNG 150 dpi, {out['seconds']:.1f} s): main "
+        f"{out['main_mb']:.0f} MB, pool process {pool:.0f} MB, converter child {conv:.0f} MB, "
+        f"pool + child {pool + conv:.0f} MB (HWM sum), peak simultaneous RSS pool + children "
+        f"{out['peak_simultaneous_rss_mb']:.0f} MB",
+        flush=True,
+    )
+    return out
+
+
+# -- 3. DOCX -> PDF -------------------------------------------------------------------------------
+
+
+def _docx(path: Path) -> Path:
+    from conversion_jobs.converters import testdocs
+
+    salt = uuid.uuid4().hex
+    text = " ".join(["The quick brown fox jumps over the lazy dog."] * 12)
+    return testdocs.make_docx(
+        path,
+        paragraphs=[f"{salt} section {i}. {text}" for i in range(5)],
+        page_break_after_each=True,
+    )
+
+
+def soffice_alone(doc: Path, *, profile: Path, outdir: Path) -> float:
+    outdir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    subprocess.run(
+        [
+            "soffice", "--headless", "--norestore", "--nologo", "--nodefault", "--nolockcheck",
+            f"-env:UserInstallation={profile.resolve().as_uri()}",
+            "--convert-to", "pdf", "--outdir", str(outdir), str(doc),
+        ],
+        env={"PATH": os.environ["PATH"], "HOME": str(profile.parent), "LANG": "C.UTF-8",
+             "SAL_USE_VCLPLUGIN": "svp"},
+        stdin=subprocess.DEVNULL, capture_output=True, check=True,
+    )  # fmt: skip
+    elapsed = time.monotonic() - started
+    if not (outdir / (doc.stem + ".pdf")).is_file():
+        raise RuntimeError("soffice produced no PDF")
+    return elapsed
+
+
+def docx_overhead(svc: Service, *, runs: int) -> dict:
+    base = svc.scratch / "soffice"
+    base.mkdir(parents=True, exist_ok=True)
+    fresh = [
+        soffice_alone(_docx(base / f"f{i}.docx"), profile=base / f"p-fresh-{i}", outdir=base / "o")
+        for i in range(runs)
+    ]
+    reused = [
+        soffice_alone(_docx(base / f"r{i}.docx"), profile=base / "p-reused", outdir=base / "o")
+        for i in range(runs + 1)
+    ][1:]
+    worker = svc.worker(concurrency=1)
+    times = []
+    for i in range(runs + 1):
+        job = submit(_docx(svc.scratch / f"svc{i}.docx"), output="pdf")
+        (done,) = wait_terminal([job.id])
+        if done.state != "succeeded":
+            raise RuntimeError(f"docx job {done.state} {done.error_code}")
+        times.append((done.finished_at - done.created_at).total_seconds())
+    svc.stop(worker)
+    alone_fresh, alone_reused = statistics.median(fresh), statistics.median(reused)
+    out = {
+        "pages": done.source_page_count,
+        "soffice_fresh_profile_s": fresh,
+        "soffice_reused_profile_s": reused,
+        "service_cold_s": times[0],
+        "service_warm_s": times[1:],
+        "overhead_cold_s": times[0] - alone_fresh,
+        "overhead_warm_s": statistics.median(times[1:]) - alone_fresh,
+    }
+    print(
+        f"DOCX -> PDF ({out['pages']} pages): soffice alone fresh profile "
+        f"{', '.join(f'{t:.2f}' for t in fresh)} s (median {alone_fresh:.2f}), reused profile "
+        f"{', '.join(f'{t:.2f}' for t in reused)} s (median {alone_reused:.2f}); service cold "
+        f"{times[0]:.2f} s, warm {', '.join(f'{t:.2f}' for t in times[1:])} s; overhead over "
+        f"soffice alone (fresh profile): cold {out['overhead_cold_s']:+.2f} s, warm "
+        f"{out['overhead_warm_s']:+.2f} s (warm vs reused-profile soffice: "
+        f"{statistics.median(times[1:]) - alone_reused:+.2f} s)",
+        flush=True,
+    )
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pages", type=int, default=200)
+    parser.add_argument("--split", type=int, default=2)
+    parser.add_argument("--rss-pages", type=int, default=300)
+    parser.add_argument("--docx-runs", type=int, default=3)
+    parser.add_argument("--outputs", default="text,png")
+    parser.add_argument("--skip", default="")
+    parser.add_argument("--keep", action="store_true")
+    args = parser.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    print(f"load at start: {os.getloadavg()}", flush=True)
+    with service("quire_cx_pages", keep=args.keep) as svc:
+        if "throughput" not in skip:
+            throughput(svc, pages=args.pages, split=args.split, outputs=args.outputs.split(","))
+        if "rss" not in skip:
+            peak_rss(svc, pages=args.rss_pages)
+        if "docx" not in skip:
+            docx_overhead(svc, runs=args.docx_runs)
+    print(f"load at end: {os.getloadavg()}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
