@@ -51,6 +51,10 @@ class Phase:
     late_submits: int = 0
     commit_ms: list[float] = field(default_factory=list)
     queued_ms: list[float] = field(default_factory=list)
+    #: commit -> outbox row marked published (the fast path's publish + confirm) ...
+    published_ms: list[float] = field(default_factory=list)
+    #: ... and from there to the claim (delivery, prefork hand-off, claim transaction).
+    delivered_ms: list[float] = field(default_factory=list)
     unclaimed: int = 0
 
 
@@ -81,19 +85,25 @@ def _latencies(db_url: str, phase: Phase) -> None:
 
     with psycopg.connect(db_url) as conn:
         rows = conn.execute(
-            "SELECT j.id::text, extract(epoch FROM j.queued_at), extract(epoch FROM a.started_at)"
+            "SELECT j.id::text, extract(epoch FROM j.queued_at), extract(epoch FROM a.started_at),"
+            " extract(epoch FROM o.published_at)"
             " FROM conversion_job j LEFT JOIN conversion_attempt a"
-            " ON a.job_id = j.id AND a.number = 1 WHERE j.id = ANY(%s::uuid[])",
+            " ON a.job_id = j.id AND a.number = 1"
+            " LEFT JOIN conversion_outbox o ON o.job_id = j.id AND o.generation = 1"
+            " WHERE j.id = ANY(%s::uuid[])",
             (list(phase.commits),),
         ).fetchall()
-    for job_id, queued, started in rows:
+    for job_id, queued, started, published in rows:
         if started is None:
             phase.unclaimed += 1
             continue
         phase.commit_ms.append((float(started) - phase.commits[job_id]) * 1000)
         phase.queued_ms.append((float(started) - float(queued)) * 1000)
-    phase.commit_ms.sort()
-    phase.queued_ms.sort()
+        if published is not None:
+            phase.published_ms.append((float(published) - phase.commits[job_id]) * 1000)
+            phase.delivered_ms.append((float(started) - float(published)) * 1000)
+    for values in (phase.commit_ms, phase.queued_ms, phase.published_ms, phase.delivered_ms):
+        values.sort()
 
 
 def run_idle(db_url: str, n: int, name: str = "idle") -> Phase:
@@ -176,6 +186,11 @@ def report(phases: list[Phase], *, load: str, concurrency: str) -> None:
             f"{pct(lat, 90):>8.1f} "
             f"{pct(lat, 99):>8.1f} {(lat[-1] if lat else float('nan')):>8.1f} | "
             f"{pct(p.queued_ms, 50):>21.1f} {pct(p.queued_ms, 99):>8.1f}"
+        )
+        print(
+            f"  {p.name}: commit -> outbox marked published p50 {pct(p.published_ms, 50):.1f} / "
+            f"p99 {pct(p.published_ms, 99):.1f} ms; published -> claim p50 "
+            f"{pct(p.delivered_ms, 50):.1f} / p99 {pct(p.delivered_ms, 99):.1f} ms"
         )
         if p.unclaimed or p.late_submits:
             print(f"  {p.name}: {p.unclaimed} never claimed, {p.late_submits} submits > 50 ms late")

@@ -41,7 +41,9 @@ def _operator(request: HttpRequest) -> str:
 def cancel_jobs(modeladmin: Any, request: HttpRequest, queryset: QuerySet[ConversionJob]) -> None:
     for job in queryset:
         try:
-            result = conversion_job_cancel(job_id=job.id, tenant=job.tenant, actor=_operator(request))
+            result = conversion_job_cancel(
+                job_id=job.id, tenant=job.tenant, actor=_operator(request)
+            )
             modeladmin.message_user(request, f"{job.id}: {result.outcome}")
         except QuireError as exc:
             modeladmin.message_user(request, f"{job.id}: {exc.code}", level=messages.WARNING)
@@ -74,7 +76,16 @@ class ConversionJobAdmin(ReadOnlyAdmin):
 
 @admin.register(ConversionAttempt)
 class ConversionAttemptAdmin(ReadOnlyAdmin):
-    list_display = ("id", "job_id", "generation", "number", "worker", "outcome", "started_at", "finished_at")
+    list_display = (
+        "id",
+        "job_id",
+        "generation",
+        "number",
+        "worker",
+        "outcome",
+        "started_at",
+        "finished_at",
+    )
     list_filter = ("outcome",)
 
 
@@ -86,7 +97,14 @@ class PageCheckpointAdmin(ReadOnlyAdmin):
 
 @admin.register(CancellationRequest)
 class CancellationRequestAdmin(ReadOnlyAdmin):
-    list_display = ("job_id", "outcome", "generation_seen", "state_seen", "requested_at", "resolved_at")
+    list_display = (
+        "job_id",
+        "outcome",
+        "generation_seen",
+        "state_seen",
+        "requested_at",
+        "resolved_at",
+    )
     list_filter = ("outcome",)
 
 

@@ -16,13 +16,17 @@ _PATTERNS = [
     (re.compile(r'(?i)filename\*?=("[^"]*"|[^;\s]+)'), "filename=[redacted]"),
     # Anything that looks like a document file name.
     (
-        re.compile(r"(?i)[^\s\"'/\\]+\.(pdf|docx?|odt|ods|odp|rtf|pptx?|xlsx?|png|jpe?g|tiff?|txt|zip)\b"),
+        re.compile(
+            r"(?i)[^\s\"'/\\]+\.(pdf|docx?|odt|ods|odp|rtf|pptx?|xlsx?|png|jpe?g|tiff?|txt|zip)\b"
+        ),
         "[file redacted]",
     ),
     (re.compile(r"(?i)(password|passwd|secret|token)=([^&\s]+)"), r"\1=[redacted]"),
     (re.compile(r"(amqps?|postgres(?:ql)?)://([^:/@\s]+):([^@\s]+)@"), r"\1://\2:[redacted]@"),
 ]
-_SECRET_ATTRS = re.compile(r"(?i)(token|password|secret|authorization|file|upload|content|text|tenant|subject)")
+_SECRET_ATTRS = re.compile(
+    r"(?i)(token|password|secret|authorization|file|upload|content|text|tenant|subject)"
+)
 _STANDARD = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
 
 

@@ -181,6 +181,9 @@ class ConversionOutbox(models.Model):
             ),
         ]
 
+    def __str__(self) -> str:
+        return f"outbox {self.id} job {self.job_id} g{self.generation}"
+
 
 class AttemptOutcome(models.TextChoices):
     #: The attempt published the result (succeeded or partial).
@@ -212,7 +215,9 @@ class ConversionAttempt(models.Model):
         db_table = "conversion_attempt"
         constraints = [
             # One claim per generation: the claim CAS makes a second one impossible anyway.
-            models.UniqueConstraint(name="attempt_one_per_generation", fields=["job", "generation"]),
+            models.UniqueConstraint(
+                name="attempt_one_per_generation", fields=["job", "generation"]
+            ),
             models.CheckConstraint(
                 name="attempt_outcome_iff_finished",
                 condition=Q(outcome__isnull=True, finished_at__isnull=True)
@@ -224,6 +229,9 @@ class ConversionAttempt(models.Model):
                 name="attempt_open", fields=["job"], condition=Q(finished_at__isnull=True)
             ),
         ]
+
+    def __str__(self) -> str:
+        return f"attempt {self.id} job {self.job_id} g{self.generation}"
 
 
 class WorkerLease(models.Model):
@@ -238,6 +246,9 @@ class WorkerLease(models.Model):
     class Meta:
         db_table = "worker_lease"
         indexes = [models.Index(name="lease_expires", fields=["expires_at"])]
+
+    def __str__(self) -> str:
+        return f"lease job {self.job_id} g{self.generation}"
 
 
 class PageState(models.TextChoices):
@@ -275,6 +286,9 @@ class PageCheckpoint(models.Model):
             models.CheckConstraint(name="page_number_positive", condition=Q(page_number__gte=1)),
         ]
 
+    def __str__(self) -> str:
+        return f"page {self.page_number} of job {self.job_id} ({self.state})"
+
 
 class CancellationOutcome(models.TextChoices):
     #: queued / retry_wait -> cancelled at once.
@@ -308,6 +322,9 @@ class CancellationRequest(models.Model):
             )
         ]
 
+    def __str__(self) -> str:
+        return f"cancel {self.id} job {self.job_id} ({self.outcome})"
+
 
 class IdempotencyRecord(models.Model):
     id = models.BigAutoField(primary_key=True)
@@ -322,6 +339,9 @@ class IdempotencyRecord(models.Model):
         constraints = [
             models.UniqueConstraint(name="idempotency_tenant_key", fields=["tenant", "key"])
         ]
+
+    def __str__(self) -> str:
+        return f"idempotency {self.id} job {self.job_id}"
 
 
 class ExecutionAuditEvent(models.Model):
@@ -346,3 +366,6 @@ class ExecutionAuditEvent(models.Model):
             models.UniqueConstraint(name="audit_seq_per_job", fields=["job_id", "seq"]),
         ]
         indexes = [models.Index(name="audit_created", fields=["created_at"])]
+
+    def __str__(self) -> str:
+        return f"audit {self.job_id}#{self.seq} {self.event_type}"

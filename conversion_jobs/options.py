@@ -68,11 +68,11 @@ def _parse_pages(value: Any) -> list[int]:
         try:
             bounds = [int(p) for p in parts]
         except ValueError as exc:
-            raise InvalidOptions("pages must look like \"3-7\" or \"4\"") from exc
+            raise InvalidOptions('pages must look like "3-7" or "4"') from exc
     elif isinstance(value, list):
         bounds = value
     else:
-        raise InvalidOptions("pages must be a range such as \"3-7\"")
+        raise InvalidOptions('pages must be a range such as "3-7"')
     if len(bounds) == 1:
         bounds = [bounds[0], bounds[0]]
     if (

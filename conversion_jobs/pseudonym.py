@@ -13,7 +13,7 @@ from django.conf import settings
 
 
 def pseudonym(kind: str, value: str) -> str:
-    key = settings.QUIRE["PSEUDONYM_KEY"].encode()
+    key = str(settings.QUIRE["PSEUDONYM_KEY"]).encode()
     digest = hmac.new(key, f"{kind}:{value}".encode(), hashlib.sha256).hexdigest()
     return f"{kind[0]}_{digest[:24]}"
 

@@ -25,7 +25,7 @@ CHUNK = 1024 * 1024
 
 
 def root() -> Path:
-    return Path(settings.QUIRE["STORAGE_DIR"])
+    return Path(str(settings.QUIRE["STORAGE_DIR"]))
 
 
 def path_of(key: str) -> Path:

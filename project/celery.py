@@ -26,7 +26,7 @@ class QuireConsumer(Consumer):
     """The standard consumer without the native delayed delivery bootstep, and with undecodable
     messages dead-lettered (Celery's default acks them, losing the evidence)."""
 
-    class Blueprint(Consumer.Blueprint):
+    class Blueprint(Consumer.Blueprint):  # type: ignore[misc,valid-type,name-defined]
         default_steps = [
             step for step in Consumer.Blueprint.default_steps if step != DELAYED_DELIVERY_STEP
         ]
@@ -40,7 +40,7 @@ class QuireConsumer(Consumer):
 
 app = Celery("quire")
 app.config_from_object("django.conf:settings", namespace="CELERY")
-app.autodiscover_tasks(["tasks.conversion", "tasks.sweeps"], related_name=None)
+app.autodiscover_tasks(["tasks.conversion", "tasks.sweeps"], related_name=None)  # type: ignore[arg-type]
 
 
 @worker_process_init.connect

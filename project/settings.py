@@ -204,7 +204,11 @@ AMQP_BROKER = CELERY_BROKER_URL.startswith(("amqp", "pyamqp"))
 CONVERSION_QUEUE = "conversion.v1"
 CONVERSION_EXCHANGE = "quire.conversion"
 SWEEP_QUEUE = "quire.sweeps"
-_quorum_args = {"x-queue-type": "quorum", "x-delivery-limit": 5, "x-dead-letter-exchange": "quire.dlx"}
+_quorum_args = {
+    "x-queue-type": "quorum",
+    "x-delivery-limit": 5,
+    "x-dead-letter-exchange": "quire.dlx",
+}
 # The publisher only publishes (no configure permission), so queues are never declared by
 # producers; deploy/rabbitmq/ declares them, workers declare passively-compatible copies.
 CELERY_TASK_QUEUES = (

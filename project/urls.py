@@ -1,6 +1,5 @@
 """URL map: the versioned API, its schema and docs, health, metrics and the admin."""
 
-
 from django.contrib import admin
 from django.http import HttpRequest, JsonResponse
 from django.urls import include, path
@@ -27,5 +26,3 @@ def handler404(request: HttpRequest, exception: Exception | None = None) -> Json
 
 def handler500(request: HttpRequest) -> JsonResponse:
     return json_problem(request, QuireError())
-
-

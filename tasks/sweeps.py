@@ -32,7 +32,6 @@ def remove_stale_work_dirs() -> int:
     return recovery.work_dirs_remove_stale()
 
 
-
 @shared_task(name="tasks.sweeps.apply_retention", ignore_result=True)
 def apply_retention() -> int:
     from conversion_jobs.services.retention import retention_apply

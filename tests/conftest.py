@@ -23,7 +23,9 @@ def pytest_configure(config: pytest.Config) -> None:
         try:
             psycopg.connect(url.rsplit("/", 1)[0] + "/postgres", connect_timeout=5).close()
         except Exception as exc:  # fail loudly: a missing service is never a skip
-            raise pytest.UsageError(f"DATABASE_URL is set but Postgres is unreachable: {exc}") from exc
+            raise pytest.UsageError(
+                f"DATABASE_URL is set but Postgres is unreachable: {exc}"
+            ) from exc
 
 
 @pytest.fixture(autouse=True)
@@ -32,7 +34,13 @@ def _isolated_storage(settings: Any, tmp_path_factory: pytest.TempPathFactory) -
     settings.QUIRE = {**settings.QUIRE, "STORAGE_DIR": base / "storage", "WORK_DIR": base / "work"}
 
 
-def token(*, tenant: str = "tenant-a", scopes: tuple[str, ...] = SCOPES, ttl: int = 600, subject: str = "tester") -> str:
+def token(
+    *,
+    tenant: str = "tenant-a",
+    scopes: tuple[str, ...] = SCOPES,
+    ttl: int = 600,
+    subject: str = "tester",
+) -> str:
     return token_mint(tenant=tenant, subject=subject, scopes=list(scopes), ttl_s=ttl)
 
 
@@ -105,7 +113,8 @@ def no_broker_publish(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[st
     from conversion_jobs.services import dispatch
 
     monkeypatch.setattr(
-        dispatch, "publish_conversion",
+        dispatch,
+        "publish_conversion",
         lambda *, job_id, generation, traceparent: sent.append((str(job_id), generation)),
     )
     yield sent

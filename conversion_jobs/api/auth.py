@@ -35,7 +35,7 @@ def token_decode(token: str) -> Principal:
         claims = jwt.decode(
             token,
             settings.QUIRE["JWT_KEY"],
-            algorithms=[settings.QUIRE["JWT_ALGORITHM"]],
+            algorithms=[str(settings.QUIRE["JWT_ALGORITHM"])],
             options={"require": ["sub", "tenant", "scope", "exp"]},
         )
     except jwt.PyJWTError as exc:
@@ -57,7 +57,9 @@ def token_mint(*, tenant: str, subject: str, scopes: list[str], ttl_s: int) -> s
         "iat": now,
         "exp": now + ttl_s,
     }
-    return jwt.encode(claims, settings.QUIRE["JWT_KEY"], algorithm=settings.QUIRE["JWT_ALGORITHM"])
+    return jwt.encode(
+        claims, settings.QUIRE["JWT_KEY"], algorithm=str(settings.QUIRE["JWT_ALGORITHM"])
+    )
 
 
 class BearerJWTAuthentication(BaseAuthentication):

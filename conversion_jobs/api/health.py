@@ -50,7 +50,9 @@ def ready(request: HttpRequest) -> JsonResponse:
     checks["migrations"] = checks["database"] and _migrations_ok()
     checks["broker"] = _broker_ok()
     ok = all(checks.values())
-    return JsonResponse({"status": "ok" if ok else "unavailable", "checks": checks}, status=200 if ok else 503)
+    return JsonResponse(
+        {"status": "ok" if ok else "unavailable", "checks": checks}, status=200 if ok else 503
+    )
 
 
 def metrics_view(request: HttpRequest) -> HttpResponse:

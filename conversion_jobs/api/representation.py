@@ -19,7 +19,11 @@ def job_representation(job: ConversionJob) -> dict[str, Any]:
     base = f"{API}{job.id}"
     error = None
     if job.error_code and job.state in (State.FAILED, State.RETRY_WAIT, State.QUEUED):
-        error = {"code": job.error_code, "retryable": job.error_retryable, "detail": job.error_detail}
+        error = {
+            "code": job.error_code,
+            "retryable": job.error_retryable,
+            "detail": job.error_detail,
+        }
     return {
         "id": str(job.id),
         "state": job.state,
@@ -46,7 +50,11 @@ def job_representation(job: ConversionJob) -> dict[str, Any]:
         "updated_at": _iso(job.updated_at),
         "finished_at": _iso(job.finished_at),
         "result": (
-            {"sha256": job.result_sha256, "size": job.result_size, "media_type": job.result_media_type}
+            {
+                "sha256": job.result_sha256,
+                "size": job.result_size,
+                "media_type": job.result_media_type,
+            }
             if job.result_key and job.state in TERMINAL_STATES
             else None
         ),

@@ -57,7 +57,7 @@ class JobSerializer(serializers.Serializer):
     state_version = serializers.IntegerField()
     output = serializers.ChoiceField(choices=Output.choices)
     options = serializers.JSONField()
-    source = SourceSerializer()
+    source = SourceSerializer()  # type: ignore[assignment]
     attempts = serializers.IntegerField()
     max_attempts = serializers.IntegerField()
     pages = PagesSummarySerializer()

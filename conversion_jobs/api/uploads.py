@@ -40,9 +40,13 @@ class StagingUploadHandler(FileUploadHandler):
         self._size = 0
         self.staged: list[Path] = []
 
-    def handle_raw_input(self, input_data: Any, META: Any, content_length: int, boundary: Any, encoding: Any = None) -> None:
+    def handle_raw_input(
+        self, input_data: Any, META: Any, content_length: int, boundary: Any, encoding: Any = None
+    ) -> None:
         if content_length and content_length > self.max_bytes + ENVELOPE:
-            raise PayloadTooLarge(f"the upload limit is {self.max_bytes} bytes", limit=self.max_bytes)
+            raise PayloadTooLarge(
+                f"the upload limit is {self.max_bytes} bytes", limit=self.max_bytes
+            )
 
     def new_file(self, field_name: str, *args: Any, **kwargs: Any) -> None:
         super().new_file(field_name, *args, **kwargs)
@@ -56,15 +60,20 @@ class StagingUploadHandler(FileUploadHandler):
         self._size += len(raw_data)
         if self._size > self.max_bytes:
             self.cleanup()
-            raise PayloadTooLarge(f"the upload limit is {self.max_bytes} bytes", limit=self.max_bytes)
+            raise PayloadTooLarge(
+                f"the upload limit is {self.max_bytes} bytes", limit=self.max_bytes
+            )
         self._fh.write(raw_data)
         self._digest.update(raw_data)
         return None
 
     def file_complete(self, file_size: int) -> StagedFile:
         self._fh.close()
-        assert self._path is not None
-        return StagedFile(StagedUpload(path=self._path, sha256=self._digest.hexdigest(), size=self._size))
+        if self._path is None:  # Django calls new_file() before file_complete()
+            raise RuntimeError("file_complete without new_file")
+        return StagedFile(
+            StagedUpload(path=self._path, sha256=self._digest.hexdigest(), size=self._size)
+        )
 
     def upload_interrupted(self) -> None:
         self.cleanup()

@@ -9,6 +9,7 @@ from typing import Any
 
 from django.conf import settings
 from django.http import FileResponse, HttpResponse
+from django.http.response import HttpResponseBase
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework.request import Request
@@ -31,7 +32,13 @@ from conversion_jobs.api.serializers import (
     SubmitSerializer,
 )
 from conversion_jobs.api.uploads import StagedFile, StagingUploadHandler
-from conversion_jobs.exceptions import InvalidRequest, NotFound, NotReady, QuireError
+from conversion_jobs.exceptions import (
+    InvalidRequest,
+    NotAuthenticated,
+    NotFound,
+    NotReady,
+    QuireError,
+)
 from conversion_jobs.models import ConversionJob, Output, PageState
 from conversion_jobs.observability import metrics, tracing
 from conversion_jobs.services.acceptance import conversion_job_accept
@@ -50,8 +57,10 @@ class QuireView(APIView):
 
     @property
     def principal(self) -> Principal:
-        assert isinstance(self.request.user, Principal)
-        return self.request.user
+        user = self.request.user
+        if not isinstance(user, Principal):  # HasScope runs first; this is a programming error
+            raise NotAuthenticated()
+        return user
 
     def job(self, job_id: uuid.UUID) -> ConversionJob:
         return selectors.conversion_job_get(job_id=job_id, tenant=self.principal.tenant)
@@ -75,7 +84,9 @@ class JobCollectionView(QuireView):
         summary="Submit a document for conversion",
     )
     def post(self, request: Request) -> Response:
-        handler = StagingUploadHandler(request._request, max_bytes=settings.QUIRE["MAX_UPLOAD_BYTES"])
+        handler = StagingUploadHandler(
+            request._request, max_bytes=settings.QUIRE["MAX_UPLOAD_BYTES"]
+        )
         request._request.upload_handlers = [handler]
         try:
             if not request.content_type.startswith("multipart/form-data"):
@@ -83,7 +94,8 @@ class JobCollectionView(QuireView):
             upload = request.FILES.get("file")
             if not isinstance(upload, StagedFile):
                 raise InvalidRequest("the file part is required")
-            output = request.data.get("output")
+            form: Any = request.data
+            output = form.get("output")
             if output not in Output.values:
                 raise InvalidRequest(f"output must be one of {', '.join(Output.values)}")
             key = request.headers.get("Idempotency-Key")
@@ -94,7 +106,7 @@ class JobCollectionView(QuireView):
                 actor=self.principal.actor,
                 upload=upload.staged,
                 output=output,
-                raw_options=request.data.get("options"),
+                raw_options=form.get("options"),
                 idempotency_key=key,
                 traceparent=tracing.current_traceparent(),
             )
@@ -154,14 +166,18 @@ class JobDetailView(QuireView):
     required_scopes = {"GET": "jobs:read"}
 
     @extend_schema(
-        parameters=[OpenApiParameter("wait", OpenApiTypes.INT, description="long-poll seconds (max 30)")],
+        parameters=[
+            OpenApiParameter("wait", OpenApiTypes.INT, description="long-poll seconds (max 30)")
+        ],
         responses={200: JobSerializer, 304: None, **PROBLEMS},
         summary="Get a job (ETag = state_version; ?wait=N long-polls for a change)",
     )
     def get(self, request: Request, job_id: uuid.UUID) -> Response | HttpResponse:
         tenant = self.principal.tenant
         try:
-            wait = min(float(request.query_params.get("wait", 0)), settings.QUIRE["LONG_POLL_MAX_S"])
+            wait = min(
+                float(request.query_params.get("wait", 0)), settings.QUIRE["LONG_POLL_MAX_S"]
+            )
         except ValueError as exc:
             raise InvalidRequest("wait must be a number of seconds") from exc
         known = _etag_version(request.headers.get("If-None-Match"))
@@ -186,8 +202,11 @@ class JobDetailView(QuireView):
 class JobCancelView(QuireView):
     required_scopes = {"POST": "jobs:cancel"}
 
-    @extend_schema(request=None, responses={200: JobSerializer, 202: JobSerializer, **PROBLEMS},
-                   summary="Cancel a job")
+    @extend_schema(
+        request=None,
+        responses={200: JobSerializer, 202: JobSerializer, **PROBLEMS},
+        summary="Cancel a job",
+    )
     def post(self, request: Request, job_id: uuid.UUID) -> Response:
         result = conversion_job_cancel(
             job_id=job_id, tenant=self.principal.tenant, actor=self.principal.actor
@@ -199,8 +218,11 @@ class JobCancelView(QuireView):
 class JobRetryView(QuireView):
     required_scopes = {"POST": "jobs:admin"}
 
-    @extend_schema(request=None, responses={202: JobSerializer, **PROBLEMS},
-                   summary="Operator retry of a failed job (generation + 1)")
+    @extend_schema(
+        request=None,
+        responses={202: JobSerializer, **PROBLEMS},
+        summary="Operator retry of a failed job (generation + 1)",
+    )
     def post(self, request: Request, job_id: uuid.UUID) -> Response:
         job = conversion_job_retry_failed(
             job_id=job_id, tenant=self.principal.tenant, actor=self.principal.actor
@@ -208,8 +230,11 @@ class JobRetryView(QuireView):
         return _job_response(job, status=202)
 
 
-def _artifact_response(*, key: str, sha256: str, media_type: str, filename: str, request: Request) -> HttpResponse:
+def _artifact_response(
+    *, key: str, sha256: str, media_type: str, filename: str, request: Request
+) -> HttpResponseBase:
     etag = f'"{sha256}"'
+    response: HttpResponseBase
     if request.headers.get("If-None-Match") == etag:
         response = HttpResponse(status=304)
     else:
@@ -225,9 +250,11 @@ def _artifact_response(*, key: str, sha256: str, media_type: str, filename: str,
 class JobResultView(QuireView):
     required_scopes = {"GET": "jobs:read"}
 
-    @extend_schema(responses={(200, "application/octet-stream"): OpenApiTypes.BINARY, **PROBLEMS},
-                   summary="Download the result")
-    def get(self, request: Request, job_id: uuid.UUID) -> HttpResponse:
+    @extend_schema(
+        responses={(200, "application/octet-stream"): OpenApiTypes.BINARY, **PROBLEMS},
+        summary="Download the result",
+    )
+    def get(self, request: Request, job_id: uuid.UUID) -> HttpResponseBase:
         job = self.job(job_id)
         if job.state not in TERMINAL_STATES:
             raise NotReady(job_state=job.state)
@@ -252,7 +279,9 @@ class NoResult(QuireError):
 class JobPagesView(QuireView):
     required_scopes = {"GET": "jobs:read"}
 
-    @extend_schema(responses={200: PageSerializer(many=True), **PROBLEMS}, summary="List page checkpoints")
+    @extend_schema(
+        responses={200: PageSerializer(many=True), **PROBLEMS}, summary="List page checkpoints"
+    )
     def get(self, request: Request, job_id: uuid.UUID) -> Response:
         job = self.job(job_id)
         pages = selectors.page_checkpoint_list(job_id=job.id)
@@ -262,9 +291,11 @@ class JobPagesView(QuireView):
 class JobPageView(QuireView):
     required_scopes = {"GET": "jobs:read"}
 
-    @extend_schema(responses={(200, "application/octet-stream"): OpenApiTypes.BINARY, **PROBLEMS},
-                   summary="Download one page artifact")
-    def get(self, request: Request, job_id: uuid.UUID, page: int) -> HttpResponse:
+    @extend_schema(
+        responses={(200, "application/octet-stream"): OpenApiTypes.BINARY, **PROBLEMS},
+        summary="Download one page artifact",
+    )
+    def get(self, request: Request, job_id: uuid.UUID, page: int) -> HttpResponseBase:
         job = self.job(job_id)
         if job.state not in TERMINAL_STATES:
             raise NotReady(job_state=job.state)
@@ -298,7 +329,9 @@ class JobEventsView(QuireView):
     @extend_schema(responses={200: EventSerializer(many=True), **PROBLEMS}, summary="Audit events")
     def get(self, request: Request, job_id: uuid.UUID) -> Response:
         job = self.job(job_id)
-        return Response({"events": [event_representation(e) for e in selectors.audit_event_list(job_id=job.id)]})
+        return Response(
+            {"events": [event_representation(e) for e in selectors.audit_event_list(job_id=job.id)]}
+        )
 
 
 class CapabilitiesView(APIView):

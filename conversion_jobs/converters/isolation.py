@@ -38,6 +38,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from typing import IO
 
 from .base import EXIT_OUT_OF_MEMORY, Limits
 from .errors import ConversionStopped, ConversionTimeout, ConverterCrashed, error_from_code
@@ -154,18 +155,24 @@ class ChildSession:
             return outcome["result"]
         raise error_from_code(outcome["code"], outcome.get("detail"))
 
+    @staticmethod
+    def _pipe(stream: IO[bytes] | None) -> IO[bytes]:
+        if stream is None:  # Popen was given PIPE for both: only a programming error lands here
+            raise RuntimeError("converter child pipe missing")
+        return stream
+
     def _send(self, data: bytes) -> None:
         view = memoryview(data)
         try:
             while view:
-                view = view[os.write(self.proc.stdin.fileno(), view) :]
+                view = view[os.write(self._pipe(self.proc.stdin).fileno(), view) :]
         except BrokenPipeError:
             self._crashed()
 
     def _receive(self, *, timeout_s: float, should_stop: Callable[[], bool]) -> dict:
         deadline = time.monotonic() + timeout_s
         next_check = time.monotonic() + POLL_MAX_S
-        fd = self.proc.stdout.fileno()
+        fd = self._pipe(self.proc.stdout).fileno()
         poller = select.poll()
         poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
         while (newline := self._buffer.find(b"\n")) < 0:
@@ -219,7 +226,8 @@ class ChildSession:
         self.closed = True
         self._kill()
         for stream in (self.proc.stdin, self.proc.stdout, self._stderr):
-            stream.close()
+            if stream is not None:
+                stream.close()
         if self.private is not None:
             shutil.rmtree(self.private, ignore_errors=True)
 

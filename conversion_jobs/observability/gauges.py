@@ -21,7 +21,9 @@ class DatabaseGauges(Collector):
         now = timezone.now()
         by_state = GaugeMetricFamily("quire_jobs", "Jobs by state", labels=["state"])
         counts = dict(
-            ConversionJob.objects.values_list("state").annotate(n=Count("id")).values_list("state", "n")
+            ConversionJob.objects.values_list("state")
+            .annotate(n=Count("id"))
+            .values_list("state", "n")
         )
         for state in State.values:
             by_state.add_metric([state], counts.get(state, 0))
@@ -29,7 +31,9 @@ class DatabaseGauges(Collector):
 
         queued = ConversionJob.objects.filter(state=State.QUEUED)
         oldest = queued.aggregate(m=Min("queued_at"))["m"]
-        yield GaugeMetricFamily("quire_queue_depth", "Jobs queued", value=counts.get(State.QUEUED, 0))
+        yield GaugeMetricFamily(
+            "quire_queue_depth", "Jobs queued", value=counts.get(State.QUEUED, 0)
+        )
         yield GaugeMetricFamily(
             "quire_queue_oldest_age_seconds",
             "Age of the oldest queued job",
@@ -47,7 +51,10 @@ class DatabaseGauges(Collector):
         leases.add_metric(["active"], WorkerLease.objects.filter(expires_at__gte=now).count())
         leases.add_metric(["expired"], WorkerLease.objects.filter(expires_at__lt=now).count())
         yield leases
-        live = sum(counts.get(s, 0) for s in (State.QUEUED, State.RUNNING, State.RETRY_WAIT, State.CANCELLING))
+        live = sum(
+            counts.get(s, 0)
+            for s in (State.QUEUED, State.RUNNING, State.RETRY_WAIT, State.CANCELLING)
+        )
         yield GaugeMetricFamily(
             "quire_capacity_utilisation_ratio",
             "Live jobs / global capacity",

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Histogram
 
-ADMISSIONS = Counter(
-    "quire_admissions", "Submissions by admission result", ["result", "reason"]
-)
+ADMISSIONS = Counter("quire_admissions", "Submissions by admission result", ["result", "reason"])
 IDEMPOTENT_REPLAYS = Counter("quire_idempotent_replays", "Idempotency-Key replays answered")
 OUTBOX_PUBLISHED = Counter("quire_outbox_published", "Outbox rows published", ["path"])
 OUTBOX_PUBLISH_FAILURES = Counter(

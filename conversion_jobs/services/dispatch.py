@@ -35,7 +35,9 @@ def publish_conversion(*, job_id: uuid.UUID, generation: int, traceparent: str) 
     from project.celery import app
 
     headers = {"traceparent": traceparent} if traceparent else {}
-    with tracing.span_from_traceparent("outbox.publish", traceparent, **{"quire.generation": generation}):
+    with tracing.span_from_traceparent(
+        "outbox.publish", traceparent, **{"quire.generation": generation}
+    ):
         _send(app, job_id=job_id, generation=generation, headers=headers)
 
 
@@ -78,7 +80,9 @@ def outbox_publish_after_commit(
     )
 
 
-def outbox_publish_fast(*, outbox_id: int, job_id: uuid.UUID, generation: int, traceparent: str) -> bool:
+def outbox_publish_fast(
+    *, outbox_id: int, job_id: uuid.UUID, generation: int, traceparent: str
+) -> bool:
     """Publish one freshly committed row. Never raises: a failure leaves the row unpublished
     for the sweeper, so the request that committed it is never failed or delayed past the
     confirm timeout."""

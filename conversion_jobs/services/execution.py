@@ -80,13 +80,18 @@ def conversion_job_claim(*, job_id: uuid.UUID, generation: int, worker: str) -> 
             updated_at=Now(),
         )
         if not won:
-            current = ConversionJob.objects.filter(id=job_id).values_list("generation", flat=True).first()
+            current = (
+                ConversionJob.objects.filter(id=job_id).values_list("generation", flat=True).first()
+            )
             reason = "stale" if current is not None and current > generation else "duplicate"
             metrics.DUPLICATE_DELIVERIES.labels(reason=reason).inc()
             return None
         attempts = ConversionJob.objects.filter(id=job_id).values_list("attempts", flat=True).get()
         attempt = ConversionAttempt.objects.create(
-            job_id=job_id, generation=generation, number=attempts, worker=worker[:128],
+            job_id=job_id,
+            generation=generation,
+            number=attempts,
+            worker=worker[:128],
             heartbeat_at=timezone.now(),
         )
         WorkerLease.objects.filter(job_id=job_id).delete()
@@ -143,7 +148,9 @@ def lease_heartbeat(*, lease: Lease) -> str:
 def job_state_under_lease(*, lease: Lease) -> str | None:
     """The job's state if this lease still holds it, else None."""
     return (
-        ConversionJob.objects.filter(id=lease.job_id, generation=lease.generation, lease_token=lease.token)
+        ConversionJob.objects.filter(
+            id=lease.job_id, generation=lease.generation, lease_token=lease.token
+        )
         .values_list("state", flat=True)
         .first()
     )
@@ -241,7 +248,8 @@ def conversion_job_publish(
 ) -> bool:
     """RUNNING -> SUCCEEDED | PARTIAL, fenced. True: this call published the result.
     False: the lease was lost or the job was cancelled first; nothing is published."""
-    assert state in (State.SUCCEEDED, State.PARTIAL)
+    if state not in (State.SUCCEEDED, State.PARTIAL):
+        raise ValueError(f"cannot publish as {state}")
     with transaction.atomic():
         won = _fenced(lease).update(
             state=state,
@@ -318,12 +326,7 @@ def conversion_job_retry_later(*, lease: Lease, code: str) -> str | None:
     """RUNNING -> RETRY_WAIT (next_attempt_at = backoff, a Postgres timestamp), or -> FAILED
     ``attempts_exhausted`` when the budget is spent. Fenced; returns the new state or None."""
     with transaction.atomic():
-        row = (
-            _fenced(lease)
-            .select_for_update()
-            .values_list("attempts", "max_attempts")
-            .first()
-        )
+        row = _fenced(lease).select_for_update().values_list("attempts", "max_attempts").first()
         if row is None:
             return None
         attempts, max_attempts = row
@@ -407,4 +410,3 @@ def conversion_job_finish_cancel(*, lease: Lease) -> bool:
 def attempt_record_lease_lost(*, lease: Lease) -> None:
     """Bookkeeping on our own attempt row only (the sweep may have closed it already)."""
     _close_attempt(lease=lease, outcome=AttemptOutcome.LEASE_LOST, error_code="lease_lost")
-

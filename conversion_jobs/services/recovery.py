@@ -46,7 +46,9 @@ class ConflictingJob(QuireError):
 
 
 def _redispatch(*, job_id: uuid.UUID, generation: int, traceparent: str) -> None:
-    outbox = ConversionOutbox.objects.create(job_id=job_id, generation=generation, traceparent=traceparent)
+    outbox = ConversionOutbox.objects.create(
+        job_id=job_id, generation=generation, traceparent=traceparent
+    )
     outbox_publish_after_commit(
         outbox_id=outbox.id, job_id=job_id, generation=generation, traceparent=traceparent
     )
@@ -77,7 +79,9 @@ def conversion_jobs_requeue_if_retry_due(*, batch: int | None = None) -> int:
             if won:
                 _redispatch(job_id=job_id, generation=generation + 1, traceparent=traceparent)
                 audit_event_append(
-                    job_id=job_id, event_type="retry_dispatched", generation=generation + 1,
+                    job_id=job_id,
+                    event_type="retry_dispatched",
+                    generation=generation + 1,
                     lock_job=False,
                 )
                 moved += 1
@@ -98,14 +102,20 @@ def conversion_jobs_recover_if_lease_expired(*, batch: int | None = None) -> int
             .values_list("job_id", "generation", "token", "attempt_id")[:batch]
         )
         for job_id, generation, token, attempt_id in expired:
-            if _recover_one(job_id=job_id, generation=generation, token=token, attempt_id=attempt_id):
+            if _recover_one(
+                job_id=job_id, generation=generation, token=token, attempt_id=attempt_id
+            ):
                 recovered += 1
     return recovered
 
 
 def _recover_one(*, job_id: uuid.UUID, generation: int, token: uuid.UUID, attempt_id: int) -> bool:
     fence = ConversionJob.objects.filter(id=job_id, generation=generation, lease_token=token)
-    row = fence.select_for_update().values_list("state", "attempts", "max_attempts", "traceparent").first()
+    row = (
+        fence.select_for_update()
+        .values_list("state", "attempts", "max_attempts", "traceparent")
+        .first()
+    )
     ConversionAttempt.objects.filter(id=attempt_id, finished_at__isnull=True).update(
         outcome=AttemptOutcome.LEASE_LOST, error_code="lease_lost", finished_at=Now()
     )
@@ -153,7 +163,9 @@ def _recover_one(*, job_id: uuid.UUID, generation: int, token: uuid.UUID, attemp
     return True
 
 
-def conversion_job_retry_failed(*, job_id: uuid.UUID, tenant: str | None, actor: str) -> ConversionJob:
+def conversion_job_retry_failed(
+    *, job_id: uuid.UUID, tenant: str | None, actor: str
+) -> ConversionJob:
     """Operator retry: FAILED | CANCELLED -> QUEUED, generation + 1, attempts reset, new outbox
     row. The new generation starts clean: the old generation's messages are stale, its attempt
     directories are gone, and its cancellation requests stay resolved against the old
@@ -188,8 +200,11 @@ def conversion_job_retry_failed(*, job_id: uuid.UUID, tenant: str | None, actor:
             )
             _redispatch(job_id=job_id, generation=generation + 1, traceparent=traceparent)
             audit_event_append(
-                job_id=job_id, event_type="operator_retry", generation=generation + 1,
-                actor=actor, lock_job=False,
+                job_id=job_id,
+                event_type="operator_retry",
+                generation=generation + 1,
+                actor=actor,
+                lock_job=False,
             )
     except IntegrityError as exc:
         if violated_constraint(exc) == "job_content_identity_live_or_succeeded":

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import connection, transaction
@@ -21,7 +21,12 @@ from django.db.models.functions import Now
 from django.utils import timezone
 
 from conversion_jobs import storage
-from conversion_jobs.models import ConversionJob, ConversionOutbox, ExecutionAuditEvent, PageCheckpoint
+from conversion_jobs.models import (
+    ConversionJob,
+    ConversionOutbox,
+    ExecutionAuditEvent,
+    PageCheckpoint,
+)
 from conversion_jobs.services.audit import audit_event_append
 from conversion_jobs.states import TERMINAL_STATES
 
@@ -36,14 +41,16 @@ class RetentionResult:
     audit_events_purged: int = 0
 
 
-def _ago(key: str) -> timezone.datetime:
+def _ago(key: str) -> datetime:
     return timezone.now() - timedelta(seconds=float(settings.QUIRE[key]))
 
 
 def outbox_rows_prune_published(*, batch: int) -> int:
     cutoff = _ago("OUTBOX_RETENTION_S")
     ids = list(
-        ConversionOutbox.objects.filter(published_at__lt=cutoff).values_list("id", flat=True)[:batch]
+        ConversionOutbox.objects.filter(published_at__lt=cutoff).values_list("id", flat=True)[
+            :batch
+        ]
     )
     return ConversionOutbox.objects.filter(id__in=ids).delete()[0] if ids else 0
 
@@ -55,7 +62,9 @@ def conversion_jobs_expire_if_past_retention(*, batch: int) -> int:
     with transaction.atomic():
         due = list(
             ConversionJob.objects.select_for_update(skip_locked=True)
-            .filter(finished_at__lt=cutoff, expired_at__isnull=True, state__in=list(TERMINAL_STATES))
+            .filter(
+                finished_at__lt=cutoff, expired_at__isnull=True, state__in=list(TERMINAL_STATES)
+            )
             .values_list("id", "generation")[:batch]
         )
         for job_id, generation in due:

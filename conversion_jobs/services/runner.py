@@ -109,8 +109,8 @@ def _db_retry(fn: Callable[[], T], *, deadline_s: float) -> T:
 
 
 def conversion_job_execute(*, job_id: uuid.UUID, generation: int) -> str:
-    """Claim and run one delivery. Returns what happened (for logs and tests):
-    ``duplicate``, ``succeeded``, ``partial``, ``failed``, ``retry_wait``, ``cancelled``, ``lost``."""
+    """Claim and run one delivery. Returns what happened (for logs and tests): ``duplicate``,
+    ``succeeded``, ``partial``, ``failed``, ``retry_wait``, ``cancelled`` or ``lost``."""
     close_old_connections()
     lease = _db_retry(
         lambda: execution.conversion_job_claim(
@@ -122,7 +122,9 @@ def conversion_job_execute(*, job_id: uuid.UUID, generation: int) -> str:
         return "duplicate"
     heartbeat = Heartbeat(lease)
     heartbeat.start()
-    workdir = Path(settings.QUIRE["WORK_DIR"]) / str(job_id) / f"{lease.attempt_id}-{lease.token.hex}"
+    workdir = (
+        Path(settings.QUIRE["WORK_DIR"]) / str(job_id) / f"{lease.attempt_id}-{lease.token.hex}"
+    )
     workdir.mkdir(parents=True, mode=0o700)
     try:
         return _run(lease=lease, heartbeat=heartbeat, workdir=workdir)
@@ -149,11 +151,13 @@ def _run(*, lease: Lease, heartbeat: Heartbeat, workdir: Path) -> str:
         code = exc.code
         if exc.retryable:
             state = _db_retry(
-                lambda: execution.conversion_job_retry_later(lease=lease, code=code), deadline_s=_ttl()
+                lambda: execution.conversion_job_retry_later(lease=lease, code=code),
+                deadline_s=_ttl(),
             )
             return str(state) if state else _stopped(lease=lease)
         won = _db_retry(
-            lambda: execution.conversion_job_fail(lease=lease, code=code, detail=code), deadline_s=_ttl()
+            lambda: execution.conversion_job_fail(lease=lease, code=code, detail=code),
+            deadline_s=_ttl(),
         )
         return "failed" if won else _stopped(lease=lease)
     except DB_ERRORS:
@@ -161,7 +165,10 @@ def _run(*, lease: Lease, heartbeat: Heartbeat, workdir: Path) -> str:
         return "lost"
     except OSError:
         log.warning("storage error during conversion", exc_info=False)
-        state = _db_retry(lambda: execution.conversion_job_retry_later(lease=lease, code="storage_error"), deadline_s=_ttl())
+        state = _db_retry(
+            lambda: execution.conversion_job_retry_later(lease=lease, code="storage_error"),
+            deadline_s=_ttl(),
+        )
         return str(state) if state else _stopped(lease=lease)
 
 
@@ -218,11 +225,15 @@ def _convert(*, lease: Lease, heartbeat: Heartbeat, workdir: Path) -> str:
     )
     if job.source_page_count != prepared.page_count:
         _db_retry(
-            lambda: execution.conversion_job_record_page_count(lease=lease, page_count=prepared.page_count),
+            lambda: execution.conversion_job_record_page_count(
+                lease=lease, page_count=prepared.page_count
+            ),
             deadline_s=_ttl(),
         )
     pages = _selected_pages(job.options, prepared.page_count)
-    checkpoints = _db_retry(lambda: execution.page_checkpoints_done(job_id=lease.job_id), deadline_s=_ttl())
+    checkpoints = _db_retry(
+        lambda: execution.page_checkpoints_done(job_id=lease.job_id), deadline_s=_ttl()
+    )
     page_budget = settings.QUIRE["PAGE_MAX_ATTEMPTS"]
     for page in pages:
         done = checkpoints.get(page)
@@ -249,7 +260,10 @@ def _convert(*, lease: Lease, heartbeat: Heartbeat, workdir: Path) -> str:
                 raise
             except ConversionError as exc:
                 tries += 1
-                exhausted = tries >= page_budget or exc.code in ("conversion_timeout", "input_too_large")
+                exhausted = tries >= page_budget or exc.code in (
+                    "conversion_timeout",
+                    "input_too_large",
+                )
                 if exc.retryable and not exhausted:
                     _checkpoint(lease, page=page, state=PageState.PENDING, error_code=exc.code)
                     raise
@@ -277,11 +291,20 @@ def _convert(*, lease: Lease, heartbeat: Heartbeat, workdir: Path) -> str:
                 storage.delete(key)  # never checkpointed: leave no orphan behind
                 raise
             break
-    return _finalize(lease=lease, job=job, pages=pages, checkpoints=checkpoints, prepared=prepared, workdir=workdir)
+    return _finalize(
+        lease=lease,
+        job=job,
+        pages=pages,
+        checkpoints=checkpoints,
+        prepared=prepared,
+        workdir=workdir,
+    )
 
 
 def _checkpoint(lease: Lease, **values: Any) -> Any:
-    return _db_retry(lambda: execution.page_checkpoint_record(lease=lease, **values), deadline_s=_ttl())
+    return _db_retry(
+        lambda: execution.page_checkpoint_record(lease=lease, **values), deadline_s=_ttl()
+    )
 
 
 def _finalize(
@@ -294,11 +317,20 @@ def _finalize(
     workdir: Path,
 ) -> str:
     """Assemble the result from page artifacts and publish it with one fenced CAS."""
-    done = [(p, storage.path_of(checkpoints[p].artifact_key)) for p in pages if checkpoints[p].state == PageState.DONE]
+    done = [
+        (p, storage.path_of(checkpoints[p].artifact_key))
+        for p in pages
+        if checkpoints[p].state == PageState.DONE
+    ]
     failed = [p for p in pages if checkpoints[p].state == PageState.FAILED]
     if failed and (not done or not job.options.get("allow_partial", True)):
         code = checkpoints[failed[0]].error_code or "page_failed"
-        won = _db_retry(lambda: execution.conversion_job_fail(lease=lease, code=code, detail=f"{len(failed)} page(s) failed"), deadline_s=_ttl())
+        won = _db_retry(
+            lambda: execution.conversion_job_fail(
+                lease=lease, code=code, detail=f"{len(failed)} page(s) failed"
+            ),
+            deadline_s=_ttl(),
+        )
         return "failed" if won else _stopped(lease=lease)
     assembled = workdir / "result.out"
     with tracing.tracer.start_as_current_span("conversion.finalize"):

@@ -125,7 +125,9 @@ def role_env(kind: str) -> dict[str, str]:
     (the conversion worker reads and writes as the worker user; the sweeper consumes as the
     worker and publishes outbox rows as the publisher; beat only publishes)."""
     return {
-        "CELERY_BROKER_URL": harness.broker_url("worker" if kind in ("worker", "sweeper") else "publisher"),
+        "CELERY_BROKER_URL": harness.broker_url(
+            "worker" if kind in ("worker", "sweeper") else "publisher"
+        ),
         "QUIRE_BROKER_PUBLISHER_URL": harness.broker_url("publisher"),
         "QUIRE_BROKER_WORKER_URL": harness.broker_url("worker"),
     }

@@ -27,7 +27,7 @@ def _free_port() -> int:
 
 
 def _get(port: int, path: str, auth: tuple[str, str] | None = AUTH) -> tuple[int, object]:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}")  # noqa: S310
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}")
     if auth:
         token = base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
         req.add_header("Authorization", f"Basic {token}")
@@ -69,18 +69,25 @@ def test_flower__sees_worker_and_finished_task_behind_basic_auth(cluster, start,
 
     def worker_seen() -> bool:
         status, workers = _get(port, "/api/workers?refresh=1")
-        return status == 200 and isinstance(workers, dict) and any(
-            "@worker." in name for name in workers
+        return (
+            status == 200
+            and isinstance(workers, dict)
+            and any("@worker." in name for name in workers)
         )
 
     harness.wait_until(worker_seen, timeout=30, what="flower to list the worker")
 
     def task_seen() -> bool:
         status, tasks = _get(port, "/api/tasks")
-        return status == 200 and isinstance(tasks, dict) and any(
-            t.get("name") == "tasks.conversion.run_conversion" and t.get("state") == "SUCCESS"
-            and str(job.id) in str(t.get("args"))
-            for t in tasks.values()
+        return (
+            status == 200
+            and isinstance(tasks, dict)
+            and any(
+                t.get("name") == "tasks.conversion.run_conversion"
+                and t.get("state") == "SUCCESS"
+                and str(job.id) in str(t.get("args"))
+                for t in tasks.values()
+            )
         )
 
     harness.wait_until(task_seen, timeout=30, what="flower to show the finished task")

@@ -91,9 +91,7 @@ def _submit(cluster, tmp_path: Path, *, pages: int, options: dict) -> str:
 
     src = tmp_path / f"doc-{pages}-{len(os.listdir(tmp_path))}.pdf"
     testdocs.make_pdf(src, pages=pages, text_of=lambda n: f"Page {n} {src.name}")
-    out = cluster.run(
-        "shell", "-c", SUBMIT.format(src=str(src), options=options)
-    )
+    out = cluster.run("shell", "-c", SUBMIT.format(src=str(src), options=options))
     return next(line.split()[1] for line in out.splitlines() if line.startswith("JOB "))
 
 

@@ -15,7 +15,9 @@ class Command(BaseCommand):
     def add_arguments(self, parser: Any) -> None:
         parser.add_argument("--tenant", required=True)
         parser.add_argument("--subject", default="dev")
-        parser.add_argument("--scope", nargs="+", default=["jobs:submit", "jobs:read", "jobs:cancel"])
+        parser.add_argument(
+            "--scope", nargs="+", default=["jobs:submit", "jobs:read", "jobs:cancel"]
+        )
         parser.add_argument("--ttl", type=int, default=3600, help="seconds")
 
     def handle(self, *args: Any, **options: Any) -> None:
@@ -24,5 +26,10 @@ class Command(BaseCommand):
         if unknown:
             raise CommandError(f"unknown scope(s): {', '.join(sorted(unknown))}")
         self.stdout.write(
-            token_mint(tenant=options["tenant"], subject=options["subject"], scopes=scopes, ttl_s=options["ttl"])
+            token_mint(
+                tenant=options["tenant"],
+                subject=options["subject"],
+                scopes=scopes,
+                ttl_s=options["ttl"],
+            )
         )

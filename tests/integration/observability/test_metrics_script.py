@@ -17,7 +17,7 @@ from conversion_jobs.services import recovery
 from conversion_jobs.services.execution import conversion_job_claim
 from conversion_jobs.services.runner import conversion_job_execute
 from tests.conftest import token
-from tests.integration.execution.jobkit import fast_quire, submit  # noqa: F401  (fixture)
+from tests.integration.execution.jobkit import submit
 
 SAMPLE = re.compile(r"^(?P<name>[a-z_]+)(?:\{(?P<labels>[^}]*)\})? (?P<value>\S+)$")
 
@@ -31,7 +31,8 @@ def scrape(client: APIClient) -> dict[tuple[str, frozenset[tuple[str, str]]], fl
         if not match or line.startswith("#"):
             continue
         labels = frozenset(
-            tuple(part.split("=", 1)) for part in re.findall(r'(\w+="[^"]*")', match["labels"] or "")
+            tuple(part.split("=", 1))
+            for part in re.findall(r'(\w+="[^"]*")', match["labels"] or "")
         )
         labels = frozenset((k, v.strip('"')) for k, v in labels)
         values[(match["name"], labels)] = float(match["value"])
@@ -43,8 +44,15 @@ def metric(values: dict, name: str, **labels: str) -> float:
 
 
 @pytest.mark.django_db(transaction=True)
-def test_metrics__one_scrape_tells_the_scripted_story(fast_quire, settings, tmp_path: Path, no_broker_publish):  # noqa: F811
-    settings.QUIRE = {**settings.QUIRE, "TENANT_QUOTA": 3, "BACKOFF_BASE_S": 0.01, "BACKOFF_CAP_S": 0.01}
+def test_metrics__one_scrape_tells_the_scripted_story(
+    fast_quire, settings, tmp_path: Path, no_broker_publish
+):
+    settings.QUIRE = {
+        **settings.QUIRE,
+        "TENANT_QUOTA": 3,
+        "BACKOFF_BASE_S": 0.01,
+        "BACKOFF_CAP_S": 0.01,
+    }
     client = APIClient()
     client.credentials(HTTP_AUTHORIZATION=f"Bearer {token(tenant='tenant-metrics')}")
     before = scrape(client)
@@ -59,37 +67,65 @@ def test_metrics__one_scrape_tells_the_scripted_story(fast_quire, settings, tmp_
     for n in range(3):
         with open(pdf(f"a{n}.pdf"), "rb") as fh:
             headers = {"HTTP_IDEMPOTENCY_KEY": "key-0"} if n == 0 else {}
-            response = client.post("/api/v1/jobs", {"file": fh, "output": "text"}, format="multipart", **headers)
+            response = client.post(
+                "/api/v1/jobs", {"file": fh, "output": "text"}, format="multipart", **headers
+            )
         assert response.status_code == 202
         ids.append(response.json()["id"])
     with open(tmp_path / "a0.pdf", "rb") as fh:
-        replay = client.post("/api/v1/jobs", {"file": fh, "output": "text"}, format="multipart", HTTP_IDEMPOTENCY_KEY="key-0")
+        replay = client.post(
+            "/api/v1/jobs",
+            {"file": fh, "output": "text"},
+            format="multipart",
+            HTTP_IDEMPOTENCY_KEY="key-0",
+        )
     assert replay.status_code == 200
     zip_path = tmp_path / "z.pdf"
     testdocs.make_zip_as_pdf(zip_path)
     with open(zip_path, "rb") as fh:
-        assert client.post("/api/v1/jobs", {"file": fh, "output": "text"}, format="multipart").status_code == 415
+        assert (
+            client.post(
+                "/api/v1/jobs", {"file": fh, "output": "text"}, format="multipart"
+            ).status_code
+            == 415
+        )
     with open(pdf("over.pdf"), "rb") as fh:
-        assert client.post("/api/v1/jobs", {"file": fh, "output": "text"}, format="multipart").status_code == 429
+        assert (
+            client.post(
+                "/api/v1/jobs", {"file": fh, "output": "text"}, format="multipart"
+            ).status_code
+            == 429
+        )
 
     succeeded, to_cancel, to_fail = ids
     assert conversion_job_execute(job_id=succeeded, generation=1) == "succeeded"
     assert conversion_job_execute(job_id=succeeded, generation=1) == "duplicate"
     assert client.post(f"/api/v1/jobs/{to_cancel}/cancel").status_code == 200
-    ConversionJob.objects.filter(id=to_fail).update(options={"dpi": None, "pages": None, "allow_partial": True, "_test_fault": {"kind": "fail"}})
+    ConversionJob.objects.filter(id=to_fail).update(
+        options={"dpi": None, "pages": None, "allow_partial": True, "_test_fault": {"kind": "fail"}}
+    )
     assert conversion_job_execute(job_id=to_fail, generation=1) == "failed"
 
     # retried: a crash on the first attempt, then success after the due-timer sweep
-    retried = submit(pdf("r.pdf"), output="text", tenant="tenant-metrics", fault={"kind": "segv", "until_attempt": 1})
+    retried = submit(
+        pdf("r.pdf"),
+        output="text",
+        tenant="tenant-metrics",
+        fault={"kind": "segv", "until_attempt": 1},
+    )
     assert conversion_job_execute(job_id=retried.id, generation=1) == "retry_wait"
-    ConversionJob.objects.filter(id=retried.id).update(next_attempt_at=timezone.now() - timedelta(seconds=1))
+    ConversionJob.objects.filter(id=retried.id).update(
+        next_attempt_at=timezone.now() - timedelta(seconds=1)
+    )
     assert recovery.conversion_jobs_requeue_if_retry_due() == 1
     assert conversion_job_execute(job_id=retried.id, generation=2) == "succeeded"
 
     # recovered: a claim whose worker vanished; the lease sweep re-dispatches it
     lost = submit(pdf("l.pdf"), output="text", tenant="tenant-metrics")
     assert conversion_job_claim(job_id=lost.id, generation=1, worker="gone:1") is not None
-    WorkerLease.objects.filter(job_id=lost.id).update(expires_at=timezone.now() - timedelta(seconds=1))
+    WorkerLease.objects.filter(job_id=lost.id).update(
+        expires_at=timezone.now() - timedelta(seconds=1)
+    )
     assert recovery.conversion_jobs_recover_if_lease_expired() == 1
     # left queued (generation 2) on purpose: it shows in the queue gauges
 
@@ -126,6 +162,8 @@ def test_metrics__one_scrape_tells_the_scripted_story(fast_quire, settings, tmp_
     assert metric(after, "quire_outbox_backlog") == 0
     assert metric(after, "quire_leases", status="active") == 0
     assert metric(after, "quire_leases", status="expired") == 0
-    assert metric(after, "quire_capacity_utilisation_ratio") == pytest.approx(1 / settings.QUIRE["GLOBAL_CAPACITY"])
+    assert metric(after, "quire_capacity_utilisation_ratio") == pytest.approx(
+        1 / settings.QUIRE["GLOBAL_CAPACITY"]
+    )
     text = APIClient().get("/metrics").content.decode()
     assert "tenant-metrics" not in text and "a0.pdf" not in text

@@ -40,7 +40,9 @@ def test_trace__one_trace_from_post_to_terminal_state(spans, pdf_file, monkeypat
     sent: list[dict[str, str]] = []
     # The broker leg is replaced by capturing the headers the message would carry; the task
     # below is then invoked with exactly those headers.
-    monkeypatch.setattr(dispatch, "_send", lambda app, *, job_id, generation, headers: sent.append(headers))
+    monkeypatch.setattr(
+        dispatch, "_send", lambda app, *, job_id, generation, headers: sent.append(headers)
+    )
     client = APIClient()
     client.credentials(HTTP_AUTHORIZATION=f"Bearer {token()}")
     with open(pdf_file(pages=3), "rb") as fh:

@@ -9,9 +9,14 @@ import pytest
 from django.utils import timezone
 
 from conversion_jobs import storage
-from conversion_jobs.models import ConversionJob, ConversionOutbox, ExecutionAuditEvent, PageCheckpoint
+from conversion_jobs.models import (
+    ConversionJob,
+    ConversionOutbox,
+    ExecutionAuditEvent,
+    PageCheckpoint,
+)
 from conversion_jobs.services import retention
-from conversion_jobs.services.audit import audit_event_append, audit_chain_verify
+from conversion_jobs.services.audit import audit_chain_verify, audit_event_append
 
 
 def _with_files(make_job, *, finished_ago: timedelta, sha: str):
@@ -22,8 +27,12 @@ def _with_files(make_job, *, finished_ago: timedelta, sha: str):
         path.write_text("x")
     ConversionJob.objects.filter(id=job.id).update(result_key=f"results/{job.id}/result.g1.txt")
     PageCheckpoint.objects.create(
-        job=job, page_number=1, state="done", artifact_key=f"pages/{job.id}/00001.g1.txt",
-        artifact_sha256="0" * 64, generation=1,
+        job=job,
+        page_number=1,
+        state="done",
+        artifact_key=f"pages/{job.id}/00001.g1.txt",
+        artifact_sha256="0" * 64,
+        generation=1,
     )
     return job
 
@@ -48,7 +57,9 @@ def test_retention__expires_old_and_keeps_young(make_job, settings):
     assert PageCheckpoint.objects.filter(job=young).count() == 1
     assert storage.path_of(young.source_key).exists()
     assert storage.path_of(f"results/{young.id}/result.g1.txt").exists()
-    assert list(ExecutionAuditEvent.objects.filter(job_id=old.id).values_list("event_type", flat=True)) == ["expired"]
+    assert list(
+        ExecutionAuditEvent.objects.filter(job_id=old.id).values_list("event_type", flat=True)
+    ) == ["expired"]
     assert audit_chain_verify()[1] == []
 
 
@@ -87,7 +98,9 @@ def test_retention__prunes_published_outbox_rows_only(make_job, settings):
     settings.QUIRE = {**settings.QUIRE, "OUTBOX_RETENTION_S": 60}
     job = make_job()
     published = ConversionOutbox.objects.create(job=job, generation=1)
-    ConversionOutbox.objects.filter(id=published.id).update(published_at=timezone.now() - timedelta(hours=1))
+    ConversionOutbox.objects.filter(id=published.id).update(
+        published_at=timezone.now() - timedelta(hours=1)
+    )
     fresh = ConversionOutbox.objects.create(job=job, generation=1)
     ConversionOutbox.objects.filter(id=fresh.id).update(published_at=timezone.now())
     unpublished = ConversionOutbox.objects.create(job=job, generation=1)
