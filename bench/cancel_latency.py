@@ -10,6 +10,12 @@ checkpointed, wait a random 0-2 s (so requests land at every phase of the heartb
 cancel (``conversion_job_cancel``, the service behind ``POST /api/v1/jobs/{id}/cancel``), wait
 for ``cancelled``. Latency = ``cancellation_request.resolved_at - requested_at`` (Postgres
 timestamps: request committed -> the worker's fenced ``cancelled`` transition committed).
+
+The worker notices a cancel at whichever comes first: its next page checkpoint (the fenced write
+matches no row once the job is ``cancelling``) or its next heartbeat. Real pages at 150 dpi take
+a fraction of a second, so the page boundary usually wins; ``--slow-page 3`` (a test fault:
+every page sleeps 3 s in the converter child) makes pages longer than the heartbeat and measures
+the heartbeat path and the kill of a busy converter child.
 """
 
 from __future__ import annotations
@@ -32,11 +38,23 @@ def main() -> None:
     parser.add_argument("--cancels", type=int, default=50)
     parser.add_argument("--pages", type=int, default=60)
     parser.add_argument("--concurrency", type=int, default=2)
+    parser.add_argument(
+        "--slow-page",
+        type=float,
+        default=0.0,
+        help="seconds every page sleeps in the converter child (test fault, enabled for this "
+        "run only): pages longer than the heartbeat, so the heartbeat, not the page boundary, "
+        "is what notices the cancel",
+    )
     parser.add_argument("--keep", action="store_true")
     args = parser.parse_args()
     print(f"load at start: {os.getloadavg()}", flush=True)
     started = time.monotonic()
-    with service("quire_cx_cancel", keep=args.keep) as svc:
+    extra = {"QUIRE_ENABLE_TEST_FAULTS": "1"} if args.slow_page else {}
+    options: dict = {"dpi": 150}
+    if args.slow_page:
+        options["_test_fault"] = {"kind": "slow", "seconds": args.slow_page}
+    with service("quire_cx_cancel", keep=args.keep, **extra) as svc:
         from conversion_jobs.models import CancellationRequest, ConversionJob, PageCheckpoint
         from conversion_jobs.services.cancellation import conversion_job_cancel
 
@@ -52,7 +70,7 @@ def main() -> None:
                 submit(
                     unique_pdf(svc.scratch / f"c{n + i}.pdf", args.pages),
                     output="png",
-                    options={"dpi": 150},
+                    options=options,
                 )
                 for i in range(min(args.concurrency, args.cancels - len(latencies)))
             ]
@@ -81,6 +99,7 @@ def main() -> None:
         lat = sorted(latencies)
         print(
             f"{len(lat)} cancels of running {args.pages}-page PDF -> PNG jobs "
+            f"{f'(slow-page fault {args.slow_page:g} s/page) ' if args.slow_page else ''}"
             f"({args.concurrency} worker processes, heartbeat {heartbeat:g} s; request outcomes "
             f"{outcomes}): p50 {percentile(lat, 50):.3f} s, p90 {percentile(lat, 90):.3f} s, "
             f"p99 {percentile(lat, 99):.3f} s, max {lat[-1]:.3f} s, min {lat[0]:.3f} s "

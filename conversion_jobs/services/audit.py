@@ -83,29 +83,18 @@ def audit_event_append(
         .first()
     )
     seq, prev = (last[0] + 1, last[1]) if last else (1, GENESIS)
-    details = details or {}
-    created_at = timezone.now()
+    fields: dict[str, Any] = {
+        "job_id": job_id,
+        "seq": seq,
+        "event_type": event_type,
+        "generation": generation,
+        "attempt_id": attempt_id,
+        "actor": actor,
+        "details": details or {},
+        "created_at": timezone.now(),
+    }
     return ExecutionAuditEvent.objects.create(
-        job_id=job_id,
-        seq=seq,
-        event_type=event_type,
-        generation=generation,
-        attempt_id=attempt_id,
-        actor=actor,
-        details=details,
-        created_at=created_at,
-        prev_hash=prev,
-        hash=_event_hash(
-            prev_hash=prev,
-            job_id=job_id,
-            seq=seq,
-            event_type=event_type,
-            generation=generation,
-            attempt_id=attempt_id,
-            actor=actor,
-            details=details,
-            created_at=created_at,
-        ),
+        **fields, prev_hash=prev, hash=_event_hash(prev_hash=prev, **fields)
     )
 
 

@@ -235,6 +235,47 @@ def _end_lease(lease: Lease) -> None:
     WorkerLease.objects.filter(job_id=lease.job_id, token=lease.token).delete()
 
 
+def _finish(
+    lease: Lease,
+    *,
+    guard_state: State,
+    values: dict[str, Any],
+    outcome: AttemptOutcome,
+    error_code: str | None,
+    event_type: str,
+    details: dict[str, Any],
+) -> bool:
+    """One fenced terminal transition with its bookkeeping, in one transaction: the guarded
+    UPDATE (its row count is the answer), the lease ended, the attempt closed, pending
+    cancellations resolved, the audit event appended. False: lost, nothing written."""
+    from conversion_jobs.services.cancellation import resolve_cancellations_cancelled
+
+    with transaction.atomic():
+        won = _fenced(lease, guard_state).update(
+            **values,
+            lease_token=None,
+            state_version=F("state_version") + 1,
+            updated_at=Now(),
+        )
+        if not won:
+            return False
+        _end_lease(lease)
+        _close_attempt(lease=lease, outcome=outcome, error_code=error_code)
+        if outcome == AttemptOutcome.CANCELLED:
+            resolve_cancellations_cancelled(job_id=lease.job_id)
+        elif values.get("state") != State.RETRY_WAIT:
+            _resolve_cancellations_lost(lease.job_id)
+        audit_event_append(
+            job_id=lease.job_id,
+            event_type=event_type,
+            generation=lease.generation,
+            attempt_id=lease.attempt_id,
+            details=details,
+            lock_job=False,
+        )
+    return True
+
+
 def conversion_job_publish(
     *,
     lease: Lease,
@@ -250,37 +291,30 @@ def conversion_job_publish(
     False: the lease was lost or the job was cancelled first; nothing is published."""
     if state not in (State.SUCCEEDED, State.PARTIAL):
         raise ValueError(f"cannot publish as {state}")
-    with transaction.atomic():
-        won = _fenced(lease).update(
-            state=state,
-            result_key=result_key,
-            result_sha256=result_sha256,
-            result_size=result_size,
-            result_media_type=result_media_type,
-            lease_token=None,
-            finished_at=Now(),
-            state_version=F("state_version") + 1,
-            updated_at=Now(),
-        )
-        if not won:
-            return False
-        _end_lease(lease)
-        _close_attempt(lease=lease, outcome=AttemptOutcome.SUCCEEDED, error_code=None)
-        _resolve_cancellations_lost(lease.job_id)
-        audit_event_append(
-            job_id=lease.job_id,
-            event_type="published",
-            generation=lease.generation,
-            attempt_id=lease.attempt_id,
-            details={
-                "state": state.value,
-                "pages_done": pages_done,
-                "pages_failed": pages_failed,
-                "result_sha256": result_sha256,
-                "result_size": result_size,
-            },
-            lock_job=False,
-        )
+    won = _finish(
+        lease,
+        guard_state=State.RUNNING,
+        values={
+            "state": state,
+            "result_key": result_key,
+            "result_sha256": result_sha256,
+            "result_size": result_size,
+            "result_media_type": result_media_type,
+            "finished_at": Now(),
+        },
+        outcome=AttemptOutcome.SUCCEEDED,
+        error_code=None,
+        event_type="published",
+        details={
+            "state": state.value,
+            "pages_done": pages_done,
+            "pages_failed": pages_failed,
+            "result_sha256": result_sha256,
+            "result_size": result_size,
+        },
+    )
+    if not won:
+        return False
     metrics.TERMINAL.labels(state=state.value).inc()
     return True
 
@@ -294,30 +328,23 @@ def _resolve_cancellations_lost(job_id: uuid.UUID) -> None:
 
 def conversion_job_fail(*, lease: Lease, code: str, detail: str = "") -> bool:
     """RUNNING -> FAILED with a terminal code, fenced. False: lost (nothing written)."""
-    with transaction.atomic():
-        won = _fenced(lease).update(
-            state=State.FAILED,
-            error_code=code,
-            error_retryable=False,
-            error_detail=detail[:256],
-            lease_token=None,
-            finished_at=Now(),
-            state_version=F("state_version") + 1,
-            updated_at=Now(),
-        )
-        if not won:
-            return False
-        _end_lease(lease)
-        _close_attempt(lease=lease, outcome=AttemptOutcome.TERMINAL_ERROR, error_code=code)
-        _resolve_cancellations_lost(lease.job_id)
-        audit_event_append(
-            job_id=lease.job_id,
-            event_type="failed",
-            generation=lease.generation,
-            attempt_id=lease.attempt_id,
-            details={"code": code},
-            lock_job=False,
-        )
+    won = _finish(
+        lease,
+        guard_state=State.RUNNING,
+        values={
+            "state": State.FAILED,
+            "error_code": code,
+            "error_retryable": False,
+            "error_detail": detail[:256],
+            "finished_at": Now(),
+        },
+        outcome=AttemptOutcome.TERMINAL_ERROR,
+        error_code=code,
+        event_type="failed",
+        details={"code": code},
+    )
+    if not won:
+        return False
     metrics.TERMINAL.labels(state="failed").inc()
     return True
 
@@ -330,79 +357,67 @@ def conversion_job_retry_later(*, lease: Lease, code: str) -> str | None:
         if row is None:
             return None
         attempts, max_attempts = row
+        details = {"code": code, "attempt": attempts}
         if attempts >= max_attempts:
-            won = _fenced(lease).update(
-                state=State.FAILED,
-                error_code="attempts_exhausted",
-                error_retryable=True,
-                error_detail=f"last error: {code}",
-                lease_token=None,
-                finished_at=Now(),
-                state_version=F("state_version") + 1,
-                updated_at=Now(),
+            new_state, delay = State.FAILED, None
+            won = _finish(
+                lease,
+                guard_state=State.RUNNING,
+                values={
+                    "state": State.FAILED,
+                    "error_code": "attempts_exhausted",
+                    "error_retryable": True,
+                    "error_detail": f"last error: {code}",
+                    "finished_at": Now(),
+                },
+                outcome=AttemptOutcome.RETRYABLE_ERROR,
+                error_code=code,
+                event_type="attempts_exhausted",
+                details=details,
             )
-            new_state = State.FAILED
         else:
+            new_state = State.RETRY_WAIT
             delay = backoff_delay(
                 attempt=attempts,
                 base_s=settings.QUIRE["BACKOFF_BASE_S"],
                 cap_s=settings.QUIRE["BACKOFF_CAP_S"],
             )
-            won = _fenced(lease).update(
-                state=State.RETRY_WAIT,
-                next_attempt_at=Now() + delay,
+            won = _finish(
+                lease,
+                guard_state=State.RUNNING,
+                values={
+                    "state": State.RETRY_WAIT,
+                    "next_attempt_at": Now() + delay,
+                    "error_code": code,
+                    "error_retryable": True,
+                },
+                outcome=AttemptOutcome.RETRYABLE_ERROR,
                 error_code=code,
-                error_retryable=True,
-                lease_token=None,
-                state_version=F("state_version") + 1,
-                updated_at=Now(),
+                event_type="retry_scheduled",
+                details=details,
             )
-            new_state = State.RETRY_WAIT
-            metrics.RETRY_DELAY.observe(delay.total_seconds())
-        if not won:
-            return None
-        _end_lease(lease)
-        _close_attempt(lease=lease, outcome=AttemptOutcome.RETRYABLE_ERROR, error_code=code)
-        if new_state == State.FAILED:
-            _resolve_cancellations_lost(lease.job_id)
-        audit_event_append(
-            job_id=lease.job_id,
-            event_type="attempts_exhausted" if new_state == State.FAILED else "retry_scheduled",
-            generation=lease.generation,
-            attempt_id=lease.attempt_id,
-            details={"code": code, "attempt": attempts},
-            lock_job=False,
-        )
-    if new_state == State.FAILED:
+    if not won:
+        return None
+    if delay is None:
         metrics.TERMINAL.labels(state="failed").inc()
+    else:
+        metrics.RETRY_DELAY.observe(delay.total_seconds())
     return new_state
 
 
 def conversion_job_finish_cancel(*, lease: Lease) -> bool:
     """CANCELLING -> CANCELLED by the worker that held the lease. False: lost."""
-    from conversion_jobs.services.cancellation import resolve_cancellations_cancelled
-
-    with transaction.atomic():
-        won = _fenced(lease, State.CANCELLING).update(
-            state=State.CANCELLED,
-            lease_token=None,
-            finished_at=Now(),
-            state_version=F("state_version") + 1,
-            updated_at=Now(),
-        )
-        if not won:
-            return False
-        _end_lease(lease)
-        _close_attempt(lease=lease, outcome=AttemptOutcome.CANCELLED, error_code=None)
-        resolve_cancellations_cancelled(job_id=lease.job_id)
-        audit_event_append(
-            job_id=lease.job_id,
-            event_type="cancelled",
-            generation=lease.generation,
-            attempt_id=lease.attempt_id,
-            details={"by": "worker"},
-            lock_job=False,
-        )
+    won = _finish(
+        lease,
+        guard_state=State.CANCELLING,
+        values={"state": State.CANCELLED, "finished_at": Now()},
+        outcome=AttemptOutcome.CANCELLED,
+        error_code=None,
+        event_type="cancelled",
+        details={"by": "worker"},
+    )
+    if not won:
+        return False
     metrics.TERMINAL.labels(state="cancelled").inc()
     return True
 
