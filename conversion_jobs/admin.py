@@ -49,7 +49,7 @@ def cancel_jobs(modeladmin: Any, request: HttpRequest, queryset: QuerySet[Conver
             modeladmin.message_user(request, f"{job.id}: {exc.code}", level=messages.WARNING)
 
 
-@admin.action(description="Retry selected failed jobs")
+@admin.action(description="Retry selected failed or cancelled jobs")
 def retry_jobs(modeladmin: Any, request: HttpRequest, queryset: QuerySet[ConversionJob]) -> None:
     for job in queryset:
         try:

@@ -124,7 +124,10 @@ class ConversionJob(models.Model):
             models.UniqueConstraint(
                 name="job_content_identity_live_or_succeeded",
                 fields=["tenant", "source_sha256", "output", "options_digest", "policy_version"],
-                condition=Q(state__in=[*_in(LIVE_STATES), State.SUCCEEDED.value]),
+                # Expired jobs leave the identity: their result is gone, a resubmit is new work.
+                condition=Q(
+                    state__in=[*_in(LIVE_STATES), State.SUCCEEDED.value], expired_at__isnull=True
+                ),
             ),
         ]
         indexes = [

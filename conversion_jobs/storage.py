@@ -4,8 +4,9 @@ place, so a reader never sees half a file and a crash never leaves one under a r
 
 Keys:
 * ``sources/ab/<sha256>`` — content-addressed uploads (a retried upload reuses its key);
-* ``pages/<job>/<page>.<ext>`` — page artifacts, derived from the job, so a re-run overwrites;
-* ``results/<job>/result.<ext>`` — the published result, derived from the job.
+* ``pages/<job>/<page>.g<generation>.<ext>`` — page artifacts, derived from the job and the
+  generation, so a stale worker can never overwrite what a later generation checkpointed;
+* ``results/<job>/result.g<generation>.<ext>`` — the published result, likewise.
 """
 
 from __future__ import annotations

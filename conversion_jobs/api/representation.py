@@ -55,7 +55,7 @@ def job_representation(job: ConversionJob) -> dict[str, Any]:
                 "size": job.result_size,
                 "media_type": job.result_media_type,
             }
-            if job.result_key and job.state in TERMINAL_STATES
+            if job.result_key and job.state in TERMINAL_STATES and job.expired_at is None
             else None
         ),
         "links": {

@@ -221,7 +221,7 @@ class JobRetryView(QuireView):
     @extend_schema(
         request=None,
         responses={202: JobSerializer, **PROBLEMS},
-        summary="Operator retry of a failed job (generation + 1)",
+        summary="Operator retry of a failed or cancelled job (generation + 1)",
     )
     def post(self, request: Request, job_id: uuid.UUID) -> Response:
         job = conversion_job_retry_failed(

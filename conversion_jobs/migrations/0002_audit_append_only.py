@@ -1,7 +1,8 @@
 """execution_audit_event is append-only: the database rejects UPDATE and DELETE.
 
-The one exception is the retention purge, which sets the transaction-local setting
-``quire.audit_purge = 'on'`` (Postgres) and records the purge as an event of its own.
+The one exception is the retention purge of whole chains past their retention
+(conversion_jobs/services/retention.py), which sets the transaction-local setting
+``quire.audit_purge = 'on'`` (Postgres) and logs the purge (chains and events counted).
 SQLite gets the same triggers so the standalone profile keeps the guarantee for UPDATE.
 """
 

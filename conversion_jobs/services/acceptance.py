@@ -56,6 +56,7 @@ def _identity_match(*, tenant: str, sha256: str, output: str, digest: str) -> uu
             options_digest=digest,
             policy_version=settings.QUIRE["POLICY_VERSION"],
             state__in=[*LIVE_STATES, State.SUCCEEDED],
+            expired_at__isnull=True,
         )
         .values_list("id", flat=True)
         .first()

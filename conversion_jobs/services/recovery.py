@@ -175,12 +175,18 @@ def conversion_job_retry_failed(
         jobs = jobs.filter(tenant=tenant)
     try:
         with transaction.atomic():
-            row = jobs.select_for_update().values_list("state", "generation", "traceparent").first()
+            row = (
+                jobs.select_for_update()
+                .values_list("state", "generation", "traceparent", "expired_at")
+                .first()
+            )
             if row is None:
                 raise NotFound()
-            state, generation, traceparent = row
+            state, generation, traceparent, expired_at = row
             if state not in (State.FAILED, State.CANCELLED):
                 raise NotRetryable(job_state=state)
+            if expired_at is not None:  # its source is gone: only a new submission can help
+                raise NotRetryable("the job expired under retention; submit it again")
             jobs.filter(state=state, generation=generation).update(
                 state=State.QUEUED,
                 generation=F("generation") + 1,

@@ -119,3 +119,41 @@ def test_retention__purges_whole_old_audit_chains_through_the_trigger(make_job, 
         audit_event_append(job_id=job.id, event_type="accepted", generation=1)
     assert retention.audit_chains_purge_if_past_retention(batch=10) == 1
     assert not ExecutionAuditEvent.objects.filter(job_id=job.id).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_retention__expired_job_leaves_the_content_identity(
+    settings, api, pdf_file, no_broker_publish
+):
+    """A resubmission of an expired succeeded job's document is new work, not a duplicate of a
+    job whose result is gone; an operator retry of an expired failed job is refused."""
+    settings.QUIRE = {**settings.QUIRE, "RESULT_RETENTION_S": 60}
+    client = api()
+    done_doc, failed_doc = pdf_file(salt="done"), pdf_file(salt="failed")
+    ids = []
+    for path in (done_doc, failed_doc):
+        with open(path, "rb") as fh:
+            ids.append(
+                client.post(
+                    "/api/v1/jobs", {"file": fh, "output": "text"}, format="multipart"
+                ).json()["id"]
+            )
+    long_ago = timezone.now() - timedelta(hours=1)
+    ConversionJob.objects.filter(id=ids[0]).update(
+        state="succeeded", result_key="results/x", result_sha256="0" * 64, finished_at=long_ago
+    )
+    ConversionJob.objects.filter(id=ids[1]).update(
+        state="failed", error_code="invalid_input", finished_at=long_ago
+    )
+    with open(done_doc, "rb") as fh:  # before expiry: the succeeded job answers (duplicate)
+        duplicate = client.post("/api/v1/jobs", {"file": fh, "output": "text"}, format="multipart")
+    assert (duplicate.status_code, duplicate.json()["id"]) == (200, ids[0])
+
+    assert retention.retention_apply().jobs_expired == 2
+
+    with open(done_doc, "rb") as fh:
+        again = client.post("/api/v1/jobs", {"file": fh, "output": "text"}, format="multipart")
+    assert again.status_code == 202 and again.json()["id"] not in ids
+    assert client.get(f"/api/v1/jobs/{ids[0]}").json()["result"] is None
+    retry = client.post(f"/api/v1/jobs/{ids[1]}/retry")
+    assert (retry.status_code, retry.json()["code"]) == (409, "not_retryable")
