@@ -83,6 +83,7 @@ class Service:
         env = {
             **self.env,
             "CELERY_BROKER_URL": self.worker_broker_url,
+            "QUIRE_BROKER_WORKER_URL": self.worker_broker_url,
             "WORKER_CONCURRENCY": str(concurrency),
             "PORT": f"bench{uuid.uuid4().hex[:8]}",
             **extra,
@@ -121,6 +122,7 @@ class Service:
 def service(db_name: str, *, keep: bool = False, **settings_env: str) -> Iterator[Service]:
     """Database + throwaway vhost + Django set up in this process (for submitting and reading)."""
     scratch = Path(tempfile.mkdtemp(prefix=f"{db_name}-"))
+    (scratch / "metrics").mkdir()
     url = recreate_database(db_name)
     try:
         with throwaway_vhost(user=PUBLISHER[0], password=PUBLISHER[1]) as publisher_url:
@@ -140,6 +142,8 @@ def service(db_name: str, *, keep: bool = False, **settings_env: str) -> Iterato
                 QUIRE_TENANT_QUOTA="1000000",
                 QUIRE_GLOBAL_CAPACITY="1000000",
                 QUIRE_LOG_FORMAT="text",
+                # the Procfile's default var/metrics is shared with everything else on the host
+                PROMETHEUS_MULTIPROC_DIR=str(scratch / "metrics"),
                 **settings_env,
             )
             run([PYTHON, "manage.py", "migrate", "--noinput"], env=env)
