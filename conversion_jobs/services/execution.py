@@ -15,8 +15,8 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import F
-from django.db.models.functions import Now
+from django.db.models import Count, F, Subquery
+from django.db.models.functions import Coalesce, Now
 from django.utils import timezone
 
 from conversion_jobs.models import (
@@ -171,14 +171,28 @@ def page_checkpoint_record(
     lease: Lease,
     page: int,
     state: PageState,
+    attempts: int,
     artifact_key: str | None = None,
     artifact_sha256: str | None = None,
     artifact_size: int | None = None,
     media_type: str | None = None,
     error_code: str | None = None,
 ) -> PageCheckpoint:
-    """Fenced upsert of one page's checkpoint. The guarded UPDATE on the job row takes the row
-    lock first, so a recovery or a cancel that commits before us makes this match zero rows."""
+    """Fenced upsert of one page's checkpoint (``attempts``: tries spent on this page so far).
+    The guarded UPDATE on the job row takes the row lock first, so a recovery or a cancel that
+    commits before us makes this match zero rows. Three round trips: UPDATE, upsert, COMMIT."""
+    checkpoint = PageCheckpoint(
+        job_id=lease.job_id,
+        page_number=page,
+        state=state,
+        attempts=attempts,
+        artifact_key=artifact_key,
+        artifact_sha256=artifact_sha256,
+        artifact_size=artifact_size,
+        media_type=media_type,
+        error_code=error_code,
+        generation=lease.generation,
+    )
     with transaction.atomic():
         counters: dict[str, Any] = {}
         if state == PageState.DONE:
@@ -187,27 +201,12 @@ def page_checkpoint_record(
             counters["pages_failed"] = F("pages_failed") + 1
         if not _fenced(lease).update(updated_at=Now(), **counters):
             raise LeaseLost()
-        values = {
-            "state": state,
-            "artifact_key": artifact_key,
-            "artifact_sha256": artifact_sha256,
-            "artifact_size": artifact_size,
-            "media_type": media_type,
-            "error_code": error_code,
-            "generation": lease.generation,
-        }
-        checkpoint, created = PageCheckpoint.objects.get_or_create(
-            job_id=lease.job_id, page_number=page, defaults={**values, "attempts": 1}
+        PageCheckpoint.objects.bulk_create(
+            [checkpoint],
+            update_conflicts=True,
+            unique_fields=["job", "page_number"],
+            update_fields=[*CHECKPOINT_FIELDS, "updated_at"],
         )
-        if not created:
-            PageCheckpoint.objects.filter(id=checkpoint.id).update(
-                **values, attempts=F("attempts") + 1
-            )
-            checkpoint.refresh_from_db()
-        if state == PageState.DONE:
-            ConversionAttempt.objects.filter(id=lease.attempt_id).update(
-                pages_converted=F("pages_converted") + 1
-            )
         if state == PageState.FAILED:
             audit_event_append(
                 job_id=lease.job_id,
@@ -221,10 +220,41 @@ def page_checkpoint_record(
     return checkpoint
 
 
+CHECKPOINT_FIELDS = [
+    "state",
+    "attempts",
+    "artifact_key",
+    "artifact_sha256",
+    "artifact_size",
+    "media_type",
+    "error_code",
+    "generation",
+]
+
+
+def pages_converted_by(*, job_id: Any, generation: Any) -> Subquery:
+    """Pages an attempt checkpointed as done (one attempt per generation, so the generation
+    stamped on the checkpoint names the attempt): computed when the attempt closes rather than
+    counted with an extra UPDATE per page."""
+    return Subquery(
+        PageCheckpoint.objects.filter(job_id=job_id, generation=generation, state=PageState.DONE)
+        .values("job_id")
+        .annotate(n=Count("id"))
+        .values("n")[:1]
+    )
+
+
 def _close_attempt(*, lease: Lease, outcome: AttemptOutcome, error_code: str | None) -> None:
     attempt = ConversionAttempt.objects.filter(id=lease.attempt_id, finished_at__isnull=True)
     started = attempt.values_list("started_at", flat=True).first()
-    attempt.update(outcome=outcome, error_code=error_code, finished_at=Now())
+    attempt.update(
+        outcome=outcome,
+        error_code=error_code,
+        finished_at=Now(),
+        pages_converted=Coalesce(
+            pages_converted_by(job_id=lease.job_id, generation=lease.generation), 0
+        ),
+    )
     if started is not None:
         metrics.ATTEMPT_DURATION.labels(outcome=outcome).observe(
             (timezone.now() - started).total_seconds()

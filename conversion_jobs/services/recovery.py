@@ -15,7 +15,7 @@ from pathlib import Path
 from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.db.models import F
-from django.db.models.functions import Now
+from django.db.models.functions import Coalesce, Now
 from django.utils import timezone
 
 from conversion_jobs.db import violated_constraint
@@ -33,6 +33,7 @@ from conversion_jobs.observability import metrics
 from conversion_jobs.services.audit import audit_event_append
 from conversion_jobs.services.cancellation import resolve_cancellations_cancelled
 from conversion_jobs.services.dispatch import outbox_publish_after_commit
+from conversion_jobs.services.execution import pages_converted_by
 from conversion_jobs.states import State
 
 log = logging.getLogger(__name__)
@@ -117,7 +118,10 @@ def _recover_one(*, job_id: uuid.UUID, generation: int, token: uuid.UUID, attemp
         .first()
     )
     ConversionAttempt.objects.filter(id=attempt_id, finished_at__isnull=True).update(
-        outcome=AttemptOutcome.LEASE_LOST, error_code="lease_lost", finished_at=Now()
+        outcome=AttemptOutcome.LEASE_LOST,
+        error_code="lease_lost",
+        finished_at=Now(),
+        pages_converted=Coalesce(pages_converted_by(job_id=job_id, generation=generation), 0),
     )
     WorkerLease.objects.filter(job_id=job_id, token=token).delete()
     if row is None:

@@ -265,12 +265,18 @@ def _convert(*, lease: Lease, heartbeat: Heartbeat, workdir: Path) -> str:
                     "input_too_large",
                 )
                 if exc.retryable and not exhausted:
-                    _checkpoint(lease, page=page, state=PageState.PENDING, error_code=exc.code)
+                    _checkpoint(
+                        lease,
+                        page=page,
+                        state=PageState.PENDING,
+                        attempts=tries,
+                        error_code=exc.code,
+                    )
                     raise
                 if not exhausted:
                     continue
                 checkpoints[page] = _checkpoint(
-                    lease, page=page, state=PageState.FAILED, error_code=exc.code
+                    lease, page=page, state=PageState.FAILED, attempts=tries, error_code=exc.code
                 )
                 break
             ext = "txt" if job.output == "text" else job.output
@@ -282,6 +288,7 @@ def _convert(*, lease: Lease, heartbeat: Heartbeat, workdir: Path) -> str:
                     lease,
                     page=page,
                     state=PageState.DONE,
+                    attempts=tries + 1,
                     artifact_key=key,
                     artifact_sha256=sha,
                     artifact_size=size,
