@@ -178,9 +178,7 @@ def page_checkpoint_record(
     media_type: str | None = None,
     error_code: str | None = None,
 ) -> PageCheckpoint:
-    """Fenced upsert of one page's checkpoint (``attempts``: tries spent on this page so far).
-    The guarded UPDATE on the job row takes the row lock first, so a recovery or a cancel that
-    commits before us makes this match zero rows. Three round trips: UPDATE, upsert, COMMIT."""
+    """Fenced upsert of one page's checkpoint (``attempts``: tries spent on this page so far)."""
     checkpoint = PageCheckpoint(
         job_id=lease.job_id,
         page_number=page,
@@ -193,31 +191,41 @@ def page_checkpoint_record(
         error_code=error_code,
         generation=lease.generation,
     )
+    page_checkpoints_record(lease=lease, checkpoints=[checkpoint])
+    return checkpoint
+
+
+def page_checkpoints_record(*, lease: Lease, checkpoints: list[PageCheckpoint]) -> None:
+    """Fenced upsert of a batch of page checkpoints, in three round trips: the guarded UPDATE
+    on the job row (it takes the row lock first, so a recovery or a cancel that commits before
+    us makes it match zero rows: LeaseLost, nothing written), one upsert, COMMIT."""
+    done = sum(1 for c in checkpoints if c.state == PageState.DONE)
+    failed = [c for c in checkpoints if c.state == PageState.FAILED]
     with transaction.atomic():
         counters: dict[str, Any] = {}
-        if state == PageState.DONE:
-            counters["pages_done"] = F("pages_done") + 1
-        elif state == PageState.FAILED:
-            counters["pages_failed"] = F("pages_failed") + 1
+        if done:
+            counters["pages_done"] = F("pages_done") + done
+        if failed:
+            counters["pages_failed"] = F("pages_failed") + len(failed)
         if not _fenced(lease).update(updated_at=Now(), **counters):
             raise LeaseLost()
         PageCheckpoint.objects.bulk_create(
-            [checkpoint],
+            checkpoints,
             update_conflicts=True,
             unique_fields=["job", "page_number"],
             update_fields=[*CHECKPOINT_FIELDS, "updated_at"],
         )
-        if state == PageState.FAILED:
+        for checkpoint in failed:
             audit_event_append(
                 job_id=lease.job_id,
                 event_type="page_failed",
                 generation=lease.generation,
                 attempt_id=lease.attempt_id,
-                details={"page": page, "code": error_code},
+                details={"page": checkpoint.page_number, "code": checkpoint.error_code},
                 lock_job=False,
             )
-    metrics.PAGES.labels(outcome=state).inc()
-    return checkpoint
+    for checkpoint in checkpoints:
+        metrics.PAGES.labels(outcome=checkpoint.state).inc()
 
 
 CHECKPOINT_FIELDS = [
