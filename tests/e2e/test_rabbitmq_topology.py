@@ -411,9 +411,19 @@ def test_message_redelivered_past_the_delivery_limit_is_dead_lettered(publisher,
     assert deliveries == 6, deliveries
 
 
+@pytest.fixture(autouse=True)
+def _own_broker_urls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Celery lets CELERY_BROKER_*URL in the environment override an app's broker_url; the test
+    run's own (the quire vhost's publisher) must not redirect these apps away from VHOST."""
+    for name in ("CELERY_BROKER_URL", "CELERY_BROKER_READ_URL", "CELERY_BROKER_WRITE_URL"):
+        monkeypatch.delenv(name, raising=False)
+
+
 # --------------------------------------------------------------------------- real celery worker
 def start_worker(tmp_path: Path, nodename: str, *, stock_consumer: bool = False):
-    env = dict(os.environ)
+    # Celery lets CELERY_BROKER_*URL from the environment override the app's broker: the test
+    # run's own (the publisher's) must not leak into this worker.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CELERY_BROKER")}
     env.update(
         PYTHONPATH=str(HERE) + os.pathsep + env.get("PYTHONPATH", ""),
         QUIRE_TOPOLOGY_BROKER_URL=url("worker"),
