@@ -51,7 +51,11 @@ def _send(app: Any, *, job_id: uuid.UUID, generation: int, headers: dict[str, st
         exchange=settings.CONVERSION_EXCHANGE,
         routing_key=settings.CONVERSION_QUEUE,
         headers=headers,
-        retry=False,
+        # One immediate retry on a fresh connection: a pooled connection that died with a broker
+        # restart must not push every first publish afterwards onto the sweeper. Anything more
+        # is the sweeper's job, so a request is never held up for long.
+        retry=True,
+        retry_policy={"max_retries": 1, "interval_start": 0, "interval_step": 0, "interval_max": 0},
         confirm_timeout=settings.QUIRE["PUBLISH_CONFIRM_TIMEOUT_S"],
         ignore_result=True,
     )
