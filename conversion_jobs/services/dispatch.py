@@ -94,7 +94,10 @@ def outbox_publish_fast(
         publish_conversion(job_id=job_id, generation=generation, traceparent=traceparent)
     except Exception as exc:
         code = _error_code(exc)
-        log.warning("outbox fast path publish failed; the sweeper will retry", extra={"code": code})
+        log.warning(
+            "outbox fast path publish failed; the sweeper will retry",
+            extra={"code": code, "error": type(exc).__name__},
+        )
         metrics.OUTBOX_PUBLISH_FAILURES.labels(path="fast", code=code).inc()
         try:
             ConversionOutbox.objects.filter(id=outbox_id, published_at__isnull=True).update(

@@ -499,9 +499,16 @@ class broker_unreachable:
 
 
 def _reset_producer_pools() -> None:
+    """Drop every pooled broker connection of this process so the next publish reconnects to
+    whatever the environment now says. kombu caches producer pools globally per connection
+    URL: closing only the app's pool would leave a cached producer pool bound to a closed
+    connection pool ("Acquire on closed pool") for the rest of the run."""
+    from kombu import pools
+
     from project.celery import app
 
     if app._pool is not None:
         app._pool.force_close_all()
     app._pool = None
     app.amqp._producer_pool = None
+    pools.reset()
