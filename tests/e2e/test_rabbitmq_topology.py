@@ -24,6 +24,8 @@ import pytest
 import requests
 from amqp.exceptions import AccessRefused
 
+from tests.polling import wait_for
+
 pytestmark = pytest.mark.e2e
 
 HERE = Path(__file__).resolve().parent
@@ -113,17 +115,6 @@ def queue_depths() -> dict[str, int]:
         if len(parts) == 2 and parts[1].isdigit():
             depths[parts[0]] = int(parts[1])
     return depths
-
-
-def wait_for(predicate, timeout: float, interval: float = 0.2, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 def mgmt_get(path: str, auth=ADMIN):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import shutil
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +20,7 @@ from conversion_jobs.converters import TEST_FAULTS_ENV
 from conversion_jobs.models import ConversionJob
 from conversion_jobs.services.acceptance import StagedUpload, conversion_job_accept
 from conversion_jobs.services.runner import conversion_job_execute
+from tests.polling import wait_for  # noqa: F401  (re-exported for the tests here)
 
 CHILD_MODULE = "conversion_jobs.converters.child"
 
@@ -94,17 +94,6 @@ class Worker(threading.Thread):
         if self.error is not None:
             raise self.error
         return self.outcome
-
-
-def wait_for(predicate: Callable[[], Any], *, timeout: float = 20, interval: float = 0.02) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s")
-        time.sleep(interval)
 
 
 def work_dir_entries() -> list[Path]:
