@@ -144,9 +144,9 @@ def topology_ensure() -> str:
     return output
 
 
-def queue_depths() -> dict[str, int]:
+def queue_depths(vhost: str = VHOST) -> dict[str, int]:
     """Ready + unacknowledged messages per queue of the vhost."""
-    out = rabbitmqctl("list_queues", "-p", VHOST, "--no-table-headers", "name", "messages")
+    out = rabbitmqctl("list_queues", "-p", vhost, "--no-table-headers", "name", "messages")
     depths = {}
     for line in out.splitlines():
         parts = line.split()
@@ -269,6 +269,27 @@ def database_url_for(name: str, base: str) -> str:
 
 
 # --- processes ----------------------------------------------------------------------------------
+
+
+def process_env(**extra: str) -> dict[str, str]:
+    """The environment of a Quire process started by a test: this one's, minus its own
+    service and Quire settings, plus short timings and test faults; ``extra`` on top."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("CELERY_", "DATABASE_URL", "QUIRE_", "PYTEST_"))
+    }
+    env.update(TEST_TIMINGS)
+    env.update(
+        PATH=f"{VENV_BIN}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+        PYTHONPATH=str(REPO),
+        PYTHONUNBUFFERED="1",
+        DJANGO_SETTINGS_MODULE="project.settings",
+        QUIRE_ENABLE_TEST_FAULTS="1",
+        QUIRE_LOG_FORMAT="text",
+    )
+    env.update(extra)
+    return env
 
 
 def procfile_command(kind: str, env: dict[str, str]) -> list[str]:

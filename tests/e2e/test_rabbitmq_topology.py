@@ -24,6 +24,7 @@ import pytest
 import requests
 from amqp.exceptions import AccessRefused
 
+from tests.e2e import harness
 from tests.polling import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -98,23 +99,9 @@ def connect(role: str) -> amqp.Connection:
     return conn
 
 
-def rabbitmqctl(*args: str, timeout: float = 60) -> str:
-    proc = subprocess.run(
-        ["rabbitmqctl", "--quiet", *args], capture_output=True, text=True, timeout=timeout
-    )
-    assert proc.returncode == 0, f"rabbitmqctl {args} failed: {proc.stderr}"
-    return proc.stdout
-
-
 def queue_depths() -> dict[str, int]:
     """Live message counts (ready + unacked), straight from the node."""
-    out = rabbitmqctl("list_queues", "-p", VHOST, "--no-table-headers", "name", "messages")
-    depths = {}
-    for line in out.splitlines():
-        parts = line.split()
-        if len(parts) == 2 and parts[1].isdigit():
-            depths[parts[0]] = int(parts[1])
-    return depths
+    return harness.queue_depths(VHOST)
 
 
 def mgmt_get(path: str, auth=ADMIN):
@@ -190,7 +177,9 @@ def applied() -> str:
 
 def purge_business_queues() -> None:
     with ThreadPoolExecutor(len(BUSINESS_QUEUES)) as pool:
-        list(pool.map(lambda q: rabbitmqctl("purge_queue", "-p", VHOST, q), BUSINESS_QUEUES))
+        list(
+            pool.map(lambda q: harness.rabbitmqctl("purge_queue", "-p", VHOST, q), BUSINESS_QUEUES)
+        )
 
 
 @pytest.fixture(scope="session")

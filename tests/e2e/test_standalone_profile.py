@@ -36,21 +36,7 @@ print("JOB", job.id.hex)
 
 @pytest.fixture
 def standalone(tmp_path: Path):
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("CELERY_", "DATABASE_URL", "QUIRE_", "PYTEST_"))
-    }
-    env.update(harness.TEST_TIMINGS)
-    env.update(
-        PATH=f"{harness.VENV_BIN}:{os.environ.get('PATH', '/usr/bin:/bin')}",
-        PYTHONPATH=str(harness.REPO),
-        PYTHONUNBUFFERED="1",
-        DJANGO_SETTINGS_MODULE="project.settings",
-        QUIRE_VAR_DIR=str(tmp_path / "var"),
-        QUIRE_ENABLE_TEST_FAULTS="1",
-        QUIRE_LOG_FORMAT="text",
-    )
+    env = harness.process_env(QUIRE_VAR_DIR=str(tmp_path / "var"))
     manage = [str(harness.VENV_BIN / "python"), str(harness.REPO / "manage.py")]
 
     def run(*args: str) -> str:

@@ -13,7 +13,6 @@ from pypdf import PdfReader
 
 from conversion_jobs import storage
 from conversion_jobs.converters import testdocs
-from conversion_jobs.converters.registry import soffice_available
 from conversion_jobs.models import ConversionAttempt, ConversionJob, PageCheckpoint
 from tests.integration.execution.jobkit import execute, submit, unique_text, work_dir_entries
 
@@ -81,7 +80,6 @@ def test_execute__image_to_pdf_keeps_page_count_and_pixels(tmp_path, api, no_bro
     assert [page.images[0].image.size for page in reader.pages] == sizes
 
 
-@pytest.mark.skipif(not soffice_available(), reason="LibreOffice is not installed")
 def test_execute__docx_to_pdf_to_text_contains_source_text(tmp_path, api, no_broker_publish):
     salt = unique_text("Docx")(0)
     paragraphs = [f"First paragraph {salt}", f"Second paragraph {salt}", f"Third one {salt}"]
