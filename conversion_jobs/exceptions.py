@@ -128,10 +128,3 @@ class CapacityExceeded(Rejected):
 
     code = "capacity_exceeded"
     status = 503
-
-
-class ServiceUnavailable(QuireError):
-    """A dependency is unavailable; nothing was written."""
-
-    code = "service_unavailable"
-    status = 503

@@ -20,7 +20,3 @@ def pseudonym(kind: str, value: str) -> str:
 
 def actor_pseudonym(*, tenant: str, subject: str) -> str:
     return pseudonym("actor", f"{tenant}/{subject}")
-
-
-def tenant_pseudonym(tenant: str) -> str:
-    return pseudonym("tenant", tenant)

@@ -16,7 +16,6 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -89,12 +88,6 @@ def sha256_file(path: Path) -> tuple[str, int]:
             digest.update(chunk)
             size += len(chunk)
     return digest.hexdigest(), size
-
-
-def open_chunks(key: str) -> Iterator[bytes]:
-    with open(path_of(key), "rb") as fh:
-        while chunk := fh.read(CHUNK):
-            yield chunk
 
 
 def delete(key: str) -> None:
