@@ -19,7 +19,7 @@ is ``bench/accept.py``'s subject, not this one's.
    pages, writing files). Ratio = service / direct.
 2. **Peak RSS**: a worker with ``WORKER_CONCURRENCY=1`` converts a ``--rss-pages`` PDF to PNG at
    150 dpi; every 50 ms the driver samples ``/proc/<pid>/status`` (VmHWM, VmRSS) of the celery
-   main process, its pool process and the pool's converter children.
+   main process, its pool process, the pool's converter fork server (zygote) and its children.
 3. **DOCX -> PDF overhead**: a ~5-page DOCX. ``soffice --headless --convert-to pdf`` alone with a
    fresh profile directory (what the service does: a private profile per conversion) and with a
    reused profile; then the service, accept -> succeeded (Postgres timestamps): the first DOCX
@@ -285,10 +285,17 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _descendants(pid: int) -> list[int]:
+    out = []
+    for child in _children(pid):
+        out += [child, *_descendants(child)]
+    return out
+
+
 def peak_rss(svc: Service, *, pages: int) -> dict:
     main = svc.worker(concurrency=1)
     source = unique_pdf(svc.scratch / "rss.pdf", pages)
-    hwm: dict[str, dict[int, int]] = {"main": {}, "pool": {}, "converter": {}}
+    hwm: dict[str, dict[int, int]] = {"main": {}, "pool": {}, "zygote": {}, "converter": {}}
     peak_sum = [0]
     stop = threading.Event()
 
@@ -299,10 +306,14 @@ def peak_rss(svc: Service, *, pages: int) -> dict:
             for pool in _children(main.pid):
                 hwm["pool"][pool] = max(hwm["pool"].get(pool, 0), _status_kb(pool, "VmHWM"))
                 total += _status_kb(pool, "VmRSS")
-                for child in _children(pool):
-                    kb = _status_kb(child, "VmHWM")
-                    hwm["converter"][child] = max(hwm["converter"].get(child, 0), kb)
-                    total += _status_kb(child, "VmRSS")
+                for zygote in _children(pool):  # the fork server, then the children it forked
+                    kb = _status_kb(zygote, "VmHWM")
+                    hwm["zygote"][zygote] = max(hwm["zygote"].get(zygote, 0), kb)
+                    total += _status_kb(zygote, "VmRSS")
+                    for child in _descendants(zygote):
+                        kb = _status_kb(child, "VmHWM")
+                        hwm["converter"][child] = max(hwm["converter"].get(child, 0), kb)
+                        total += _status_kb(child, "VmRSS")
             peak_sum[0] = max(peak_sum[0], total)
             time.sleep(0.05)
 
@@ -317,19 +328,22 @@ def peak_rss(svc: Service, *, pages: int) -> dict:
     svc.stop(main)
     mb = 1024.0
     pool = max(hwm["pool"].values()) / mb
+    zyg = max(hwm["zygote"].values()) / mb
     conv = max(hwm["converter"].values()) / mb
     out = {
         "main_mb": max(hwm["main"].values()) / mb,
         "pool_mb": pool,
+        "zygote_mb": zyg,
         "converter_mb": conv,
-        "pool_plus_converter_mb": pool + conv,
+        "pool_plus_converter_mb": pool + zyg + conv,
         "peak_simultaneous_rss_mb": peak_sum[0] / mb,
         "seconds": (done.finished_at - done.created_at).total_seconds(),
     }
     print(
         f"peak RSS ({pages}-page PDF -> PNG 150 dpi, {out['seconds']:.1f} s): main "
-        f"{out['main_mb']:.0f} MB, pool process {pool:.0f} MB, converter child {conv:.0f} MB, "
-        f"pool + child {pool + conv:.0f} MB (HWM sum), peak simultaneous RSS pool + children "
+        f"{out['main_mb']:.0f} MB, pool process {pool:.0f} MB, zygote {zyg:.0f} MB, converter "
+        f"child {conv:.0f} MB, pool + zygote + child {pool + zyg + conv:.0f} MB (HWM sum, shared "
+        f"copy-on-write pages counted twice), peak simultaneous RSS pool + zygote + children "
         f"{out['peak_simultaneous_rss_mb']:.0f} MB",
         flush=True,
     )

@@ -6,7 +6,8 @@ Configuration lives in ``project/settings.py`` (``CELERY_*``). Two things are co
   a ``celery_delayed_*`` topology whenever it sees a quorum queue, for ETA tasks; Quire has no
   ETA or countdown anywhere (retry timers are Postgres rows), and the least-privilege worker user
   may not declare those objects (docs/adr/0003-no-native-delayed-delivery.md).
-* worker process hooks: OpenTelemetry instrumentation after fork.
+* worker process hooks: OpenTelemetry instrumentation after fork; the converter fork server
+  (``conversion_jobs/converters/zygote.py``) and a spare child started before the first job.
 """
 
 from __future__ import annotations
@@ -48,3 +49,13 @@ def _instrument_worker_process(**_: object) -> None:
     from conversion_jobs.observability import tracing
 
     tracing.instrument_worker()
+
+
+@worker_process_init.connect
+def _start_converter_fork_server(**_: object) -> None:
+    import threading
+
+    from conversion_jobs import converters
+
+    # In the background: this hook runs under the pool's start-up timeout.
+    threading.Thread(target=converters.warm, name="quire-warm", daemon=True).start()

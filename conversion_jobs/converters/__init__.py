@@ -1,7 +1,8 @@
 """Document converters (DESIGN §10), isolated in child processes (DESIGN §7.7).
 
-``prepare`` starts one child per document and attempt; the document's pages are converted in
-that child (see ``sessions``). Call ``release(prepared)`` (or ``release()`` for all of the calling
+``prepare`` starts one child per document and attempt — a fresh fork of the worker process's
+fork server (``zygote``) — and the document's pages are converted in that child (see
+``sessions``). Call ``release(prepared)`` (or ``release()`` for all of the calling
 thread's sessions) when the attempt ends.
 
 Importing this package is cheap and Django-free; pypdfium2, Pillow, img2pdf, tesseract and
@@ -22,7 +23,7 @@ from .errors import (
 )
 from .isolation import TEST_FAULTS_ENV, kill_process_group, process_group_members, run_isolated
 from .registry import capabilities, converter_for
-from .sessions import release
+from .sessions import release, warm
 from .sniff import sniff_media_type
 
 __all__ = [
@@ -49,4 +50,5 @@ __all__ = [
     "release",
     "run_isolated",
     "sniff_media_type",
+    "warm",
 ]

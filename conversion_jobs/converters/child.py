@@ -122,10 +122,13 @@ def _setup(*, directory: str, limits: dict) -> Limits:
     return parsed
 
 
-def _preload() -> None:
-    """Import pypdfium2 while the child waits as a spare, not while a page waits. (Pillow comes
-    with the first PNG or image page: a text-only PDF never needs it.)"""
-    from . import pdfops  # noqa: F401
+def preload() -> None:
+    """Import what pages need before any document arrives: the fork server (``zygote``) does
+    this once, so every child it forks starts with pypdfium2 and Pillow loaded."""
+    import PIL.Image
+    import PIL.PngImagePlugin  # noqa: F401
+
+    from . import imageops, pdfops  # noqa: F401
 
 
 def _inject_fault(fault: dict, *, op: str, args: dict) -> None:
@@ -175,10 +178,10 @@ def _answer(request: dict, limits: Limits | None) -> tuple[dict, Limits | None]:
 def main() -> int:
     protocol = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)
-    requests = sys.stdin.buffer
+    requests = open(0, "rb", closefd=False)
     watch = _Watch()
     _start_watchdog(watch, parent_pid=os.getppid())
-    _preload()
+    preload()
     limits: Limits | None = None
     while True:
         line = requests.readline()
@@ -192,12 +195,17 @@ def main() -> int:
         protocol.write(json.dumps(outcome).encode() + b"\n")
 
 
-if __name__ == "__main__":
+def serve() -> int:
+    """Run the session; the exit status to end the process with."""
     try:
-        sys.exit(main())
+        return main()
     except MemoryError:
-        os._exit(EXIT_OUT_OF_MEMORY)
+        return EXIT_OUT_OF_MEMORY
     except Exception as exc:  # a bug or an unexpected library failure: report as a crash
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
         sys.stderr.flush()
-        os._exit(EXIT_UNEXPECTED)
+        return EXIT_UNEXPECTED
+
+
+if __name__ == "__main__":
+    os._exit(serve())

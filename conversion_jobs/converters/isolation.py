@@ -1,6 +1,7 @@
 """Converter child processes in their own process group (DESIGN §7.7).
 
-A ``ChildSession`` is one long-lived child (``conversion_jobs.converters.child``) that answers
+A ``ChildSession`` is one long-lived child (``conversion_jobs.converters.child``, forked by the
+process's fork server, ``zygote``) that answers
 requests (JSON lines over a pipe): set up, prepare a document, convert its pages one by one while
 keeping the document open. For every request the parent waits at most ``timeout_s`` and polls
 every 100 ms at most: an answer -> the result or the child's structured ConversionError; the
@@ -30,9 +31,8 @@ import os
 import select
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -42,6 +42,7 @@ from typing import IO
 
 from .base import EXIT_OUT_OF_MEMORY, Limits
 from .errors import ConversionStopped, ConversionTimeout, ConverterCrashed, error_from_code
+from .zygote import ZygoteClient, ZygoteGone
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,6 @@ logger = logging.getLogger(__name__)
 TEST_FAULTS_ENV = "QUIRE_ENABLE_TEST_FAULTS"
 POLL_MAX_S = 0.1
 GROUP_EXIT_WAIT_S = 5.0
-CHILD_MODULE = "conversion_jobs.converters.child"
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -74,26 +74,106 @@ def _child_env() -> dict[str, str]:
     }
 
 
+class ForkedProcess:
+    """A converter child forked by the zygote: the parts of ``Popen`` that ChildSession uses.
+    The zygote is its parent, so waiting for it goes through the zygote (``reap``)."""
+
+    def __init__(self, *, pid: int, zygote: ZygoteClient, stdin: IO[bytes], stdout: IO[bytes]):
+        self.pid, self._zygote = pid, zygote
+        self.stdin: IO[bytes] | None = stdin
+        self.stdout: IO[bytes] | None = stdout
+        self.returncode: int | None = None
+
+    def exited(self) -> bool:
+        """True once the process has ended (a zombie or gone), without reaping it."""
+        if self.returncode is not None:
+            return True
+        try:
+            with open(f"/proc/{self.pid}/stat", "rb") as fh:
+                stat = fh.read()
+        except OSError:
+            return True
+        return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] in (b"Z", b"X")
+
+    def wait(self) -> int:
+        """Wait for the process to end and reap it (call after it was killed)."""
+        if self.returncode is None:
+            try:
+                returncode = self._zygote.reap(self.pid)
+            except ZygoteGone:
+                returncode = None  # its children were re-parented; they kill their own groups
+            if returncode is None:
+                while not self.exited():
+                    time.sleep(0.01)
+                returncode = -signal.SIGKILL
+            self.returncode = returncode
+        return self.returncode
+
+
+_zygote_lock = threading.Lock()
+_zygote: ZygoteClient | None = None
+_zygote_pid = 0
+
+
+def zygote() -> ZygoteClient:
+    """This process's fork server, started on first use and again if it died."""
+    global _zygote, _zygote_pid
+    with _zygote_lock:
+        if _zygote is None or _zygote_pid != os.getpid() or not _zygote.alive():
+            if _zygote is not None and _zygote_pid == os.getpid():
+                _zygote.close()
+            _zygote, _zygote_pid = ZygoteClient(env=_child_env()), os.getpid()
+        return _zygote
+
+
+def stop_zygote() -> None:
+    """End this process's fork server (at exit)."""
+    global _zygote
+    with _zygote_lock:
+        if _zygote is not None and _zygote_pid == os.getpid():
+            _zygote.close()
+        _zygote = None
+
+
+def _spawn(*, stderr: int) -> ForkedProcess:
+    """Fork a fresh converter child from the zygote, with new pipes for its stdin and stdout."""
+    child_in, parent_out = os.pipe()
+    parent_in, child_out = os.pipe()
+    try:
+        for tries_left in (1, 0):
+            server = zygote()
+            try:
+                pid = server.spawn(stdin=child_in, stdout=child_out, stderr=stderr)
+                break
+            except ZygoteGone:
+                if not tries_left:
+                    raise ConverterCrashed("the converter fork server is not available") from None
+    except BaseException:
+        os.close(parent_out)
+        os.close(parent_in)
+        raise
+    finally:
+        os.close(child_in)
+        os.close(child_out)
+    return ForkedProcess(
+        pid=pid,
+        zygote=server,
+        stdin=os.fdopen(parent_out, "wb", buffering=0),
+        stdout=os.fdopen(parent_in, "rb", buffering=0),
+    )
+
+
 class ChildSession:
     """One isolated child process and its private directory. Not thread-safe: one user at a time.
 
-    Spawning does not wait for the child; ``setup`` (the first request) gives it its private
+    The child is a fresh fork of this worker process's fork server (``zygote``: a clean,
+    pre-imported interpreter, see zygote.py); ``setup`` (the first request) gives it its private
     directory ``scratch_dir/.isolated-<hex>`` and its limits.
     """
 
     def __init__(self) -> None:
         self._stderr = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(  # noqa: S603
-            [sys.executable, "-m", CHILD_MODULE],
-            env=_child_env(),
-            cwd="/",
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._stderr,
-            start_new_session=True,
-            close_fds=True,
-            bufsize=0,
-        )
+        self.proc = _spawn(stderr=self._stderr.fileno())
         self.pgid = self.proc.pid
         self.spawned_at = self.last_used = time.monotonic()
         self.limits: Limits | None = None
@@ -110,13 +190,9 @@ class ChildSession:
         )
 
     def _leader_exited(self) -> bool:
-        # WNOWAIT: an exited leader stays a zombie until close(), so its pid (= our pgid) cannot
+        # An exited leader stays a zombie until close() reaps it, so its pid (= our pgid) cannot
         # be reused before the group is killed.
-        try:
-            flags = os.WEXITED | os.WNOHANG | os.WNOWAIT
-            return os.waitid(os.P_PID, self.proc.pid, flags) is not None
-        except ChildProcessError:
-            return True
+        return self.proc.exited()
 
     def setup(self, *, limits: Limits, scratch_dir: Path, should_stop: Callable[[], bool]) -> None:
         private = Path(scratch_dir) / f".isolated-{uuid.uuid4().hex}"
@@ -201,7 +277,7 @@ class ChildSession:
     def _crashed(self) -> None:
         """The child ended (or closed its pipe) without answering: kill, reap, raise."""
         self._kill()
-        returncode = self.proc.returncode
+        returncode = self.proc.wait()  # reaped by _kill: its status
         if returncode < 0:
             number = -returncode
             name = signal.Signals(number).name if number in signal.valid_signals() else ""
@@ -261,7 +337,7 @@ def run_isolated(
         return session.call(op, args, timeout_s=timeout_s, should_stop=should_stop, fault=fault)
 
 
-def kill_process_group(pgid: int, *, leader: subprocess.Popen | None = None) -> None:
+def kill_process_group(pgid: int, *, leader: ForkedProcess | None = None) -> None:
     """SIGKILL every process in the group, reap the leader, wait until no member is left."""
     try:
         os.killpg(pgid, signal.SIGKILL)

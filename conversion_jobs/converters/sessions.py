@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .base import CHILD_IDLE_EXIT_S, Limits
-from .isolation import ChildSession
+from .isolation import ChildSession, stop_zygote
 
 MAX_IDLE_S = CHILD_IDLE_EXIT_S / 2
 
@@ -155,6 +155,7 @@ def release_all() -> None:
             _spare = None
     for session in taken:
         session.close()
+    stop_zygote()
 
 
 atexit.register(release_all)

@@ -24,6 +24,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import amqp
 
+from conversion_jobs.converters import zygote
+
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 PROCFILE = REPO / "Procfile"
@@ -328,6 +330,15 @@ def _children() -> dict[int, list[int]]:
             continue
         tree.setdefault(int(fields[1]), []).append(int(entry.name))
     return tree
+
+
+def is_converter_child(pid: int) -> bool:
+    """A converter child (forked by a worker's zygote, so named by ``/proc/<pid>/comm``: its
+    command line is the zygote's)."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip() == zygote.CHILD_NAME
+    except OSError:
+        return False
 
 
 def process_tree(pid: int) -> list[int]:

@@ -118,7 +118,7 @@ def pgid_of(pid: int) -> int | None:
 
 
 def converter_children(worker: harness.Proc) -> list[int]:
-    return [p for p in worker.tree() if "conversion_jobs.converters.child" in cmdline(p)]
+    return [p for p in worker.tree() if harness.is_converter_child(p)]
 
 
 def work_dirs(job_id) -> list[str]:

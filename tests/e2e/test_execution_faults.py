@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import time
-from pathlib import Path
 
 import pytest
 
@@ -36,17 +34,6 @@ def running_attempt(job_id) -> ConversionAttempt:
     return ConversionAttempt.objects.filter(job_id=job_id, finished_at__isnull=True).get()
 
 
-def _all_pids() -> list[int]:
-    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
-
 def test_worker_killed__job_completes_elsewhere_without_redoing_checkpointed_pages(
     start, submit, cluster
 ):
@@ -58,12 +45,14 @@ def test_worker_killed__job_completes_elsewhere_without_redoing_checkpointed_pag
     attempt = running_attempt(job.id)
     first = cluster.owner_of(attempt.worker)
     (second,) = [w for w in workers if w is not first]
+    doomed = [pid for pid in first.tree() if harness.is_converter_child(pid)]
+    assert doomed, "the worker holding the lease has a converter child"
     first.kill9()
-    # The converter child dies with its worker (its watchdog sees the parent gone).
+    # The converter children die with their worker (other workers keep their spare children).
     harness.wait_until(
-        lambda: not any("conversion_jobs.converters.child" in _cmdline(pid) for pid in _all_pids()),
+        lambda: not any(harness.is_converter_child(pid) for pid in doomed),
         timeout=5,
-        what="the killed worker's converter child to exit",
+        what="the killed worker's converter children to exit",
     )
     killed_at = time.monotonic()
     early = dict(

@@ -141,7 +141,8 @@ def test_fault_oom__rlimit_as_gives_converter_crashed(tmp_path, pdf_job, faults_
 
 
 def test_worker_killed__child_group_dies_with_it(tmp_path, faults_enabled):
-    """A worker killed by SIGKILL leaves no converter behind (the child's watchdog)."""
+    """A worker killed by SIGKILL leaves no converter behind: its fork server sees the socket
+    close and exits, the child's watchdog sees its parent gone and kills its group."""
     source = testdocs.make_pdf(tmp_path / "doc.pdf", pages=2)
     script = f"""
 from pathlib import Path
@@ -160,12 +161,18 @@ converter.convert_page(prepared=prepared, page=1, output="text",
     while not record_path.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     record = json.loads(record_path.read_text())
+    child_stat = Path(f"/proc/{record['pids'][0]}/stat").read_bytes()
+    zygote = int(child_stat[child_stat.rfind(b")") + 2 :].split()[1])  # the child's parent
+    assert Path(f"/proc/{zygote}/comm").read_text().strip() == "quire-zygote"
     worker.send_signal(signal.SIGKILL)
     worker.wait()
     deadline = time.monotonic() + 3
-    while process_group_members(record["pgid"]) and time.monotonic() < deadline:
+    while (
+        process_group_members(record["pgid"]) or process_group_members(zygote)
+    ) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert process_group_members(record["pgid"]) == []
+    assert process_group_members(zygote) == []  # the fork server ends with its worker
 
 
 def test_libreoffice__stop_kills_soffice_and_its_forks(tmp_path):

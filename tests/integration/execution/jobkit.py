@@ -16,13 +16,13 @@ from django.conf import settings
 from django.db import connection
 
 from conversion_jobs import storage
-from conversion_jobs.converters import TEST_FAULTS_ENV
+from conversion_jobs.converters import TEST_FAULTS_ENV, zygote
 from conversion_jobs.models import ConversionJob
 from conversion_jobs.services.acceptance import StagedUpload, conversion_job_accept
 from conversion_jobs.services.runner import conversion_job_execute
 from tests.polling import wait_for  # noqa: F401  (re-exported for the tests here)
 
-CHILD_MODULE = "conversion_jobs.converters.child"
+CHILD_NAME = zygote.CHILD_NAME  # forked by the zygote: its cmdline is the zygote's
 
 
 @pytest.fixture
@@ -114,9 +114,9 @@ def converter_children(job_id: uuid.UUID) -> list[int]:
         if not entry.name.isdigit():
             continue
         try:
-            with open(f"/proc/{entry.name}/cmdline", "rb") as fh:
-                cmdline = fh.read()
-            if CHILD_MODULE.encode() not in cmdline:
+            with open(f"/proc/{entry.name}/comm", "rb") as fh:
+                name = fh.read().strip()
+            if name != CHILD_NAME.encode():
                 continue
             if os.readlink(f"/proc/{entry.name}/cwd").startswith(job_dir):
                 found.append(int(entry.name))

@@ -1,0 +1,185 @@
+"""The converter fork server (DESIGN §7.7; docs/adr/0011-converter-fork-server.md).
+
+Starting a converter child as a new interpreter costs ~90 ms of CPU (interpreter start-up, then
+pypdfium2), which made a one-page job cost more than all of Quire's durable bookkeeping. The
+*zygote* pays that once: a clean process (``python -c … conversion_jobs.converters.zygote``,
+named ``quire-zygote``) started with the same scrubbed environment as a child, which imports the
+converter code, pypdfium2 and Pillow and then only forks. Every converter child is a fresh
+``fork()`` of it, so:
+
+* each attempt still gets a process of its own that has never seen another document: the
+  zygote itself never opens input, never runs converter code and holds no secrets (it never
+  imports Django and gets neither the database URL nor the broker credentials);
+* the child (named ``quire-convert``) calls ``setsid()`` — its own session and process group, as
+  before — and sets its own limits at ``setup``; its pipes are created by the worker and passed
+  to the zygote over a Unix socket (SCM_RIGHTS), so nothing else of the zygote's is inherited.
+
+Protocol (one ``SOCK_SEQPACKET`` message per request and per answer, JSON):
+
+* ``{"op": "spawn"}`` with three file descriptors (the child's stdin, stdout, stderr) ->
+  ``{"pid": N}``;
+* ``{"op": "reap", "pid": N}`` -> ``{"returncode": R}`` after waiting for that child (negative R:
+  killed by signal -R). Until reaped an exited child stays a zombie, so its pid (= its process
+  group id) cannot be reused while the worker may still signal the group.
+
+The zygote is single-threaded and ends when its socket reaches end of file (the worker exited or
+was killed); its children then see their parent change and kill their own group (the child's
+watchdog). One zygote serves one worker process (``ZygoteClient``); a dead zygote is replaced on
+the next spawn.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+
+_MAX_MESSAGE = 4096
+#: How the zygote starts (``-m`` would import this module twice: the package imports it too).
+_ENTRY = "import sys; from conversion_jobs.converters.zygote import main; sys.exit(main(sys.argv))"
+
+
+#: Process names (``/proc/<pid>/comm``, what ``ps -o comm`` and ``top`` show).
+ZYGOTE_NAME = "quire-zygote"
+CHILD_NAME = "quire-convert"
+
+
+def set_process_name(name: str) -> None:
+    """Set this process's name (``prctl(PR_SET_NAME)``); its command line stays the zygote's."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
+def _serve_child(fds: list[int], sock: socket.socket) -> None:
+    """In the forked child: become an isolated converter session; never returns."""
+    code = 70
+    try:
+        sock.close()
+        os.setsid()
+        set_process_name(CHILD_NAME)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+        for fd in fds:
+            if fd > 2:
+                os.close(fd)
+        from . import child
+
+        code = child.serve()
+    finally:
+        os._exit(code)
+
+
+def _answer(sock: socket.socket, payload: dict) -> None:
+    sock.send(json.dumps(payload).encode())
+
+
+def serve(sock: socket.socket) -> int:
+    """The zygote's loop: fork on ``spawn``, wait on ``reap``; ends at end of file."""
+    from . import child
+
+    set_process_name(ZYGOTE_NAME)
+    child.preload()
+    while True:
+        try:
+            data, fds, _flags, _addr = socket.recv_fds(sock, _MAX_MESSAGE, 3)
+        except ConnectionResetError:
+            return 0
+        if not data:
+            return 0
+        request = json.loads(data)
+        if request["op"] == "spawn":
+            if len(fds) != 3:
+                for fd in fds:
+                    os.close(fd)
+                _answer(sock, {"error": "spawn needs three file descriptors"})
+                continue
+            pid = os.fork()
+            if pid == 0:
+                _serve_child(fds, sock)
+            for fd in fds:
+                os.close(fd)
+            _answer(sock, {"pid": pid})
+        elif request["op"] == "reap":
+            try:
+                _pid, status = os.waitpid(int(request["pid"]), 0)
+                _answer(sock, {"returncode": os.waitstatus_to_exitcode(status)})
+            except ChildProcessError:
+                _answer(sock, {"returncode": None})
+        else:
+            _answer(sock, {"error": f"unknown op {request['op']!r}"})
+
+
+class ZygoteGone(Exception):
+    """The zygote died (killed, out of memory); the client starts a new one."""
+
+
+class ZygoteClient:
+    """The worker's side: one zygote process, shared by the worker's threads (one request at a
+    time under a lock)."""
+
+    def __init__(self, *, env: dict[str, str]) -> None:
+        parent_end, zygote_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self.proc = subprocess.Popen(  # noqa: S603
+                [sys.executable, "-c", _ENTRY, str(zygote_end.fileno())],
+                env=env,
+                cwd="/",
+                stdin=subprocess.DEVNULL,
+                pass_fds=(zygote_end.fileno(),),
+                start_new_session=True,
+                close_fds=True,
+            )
+        finally:
+            zygote_end.close()
+        self._sock = parent_end
+        self._lock = threading.Lock()
+
+    def _call(self, request: dict, fds: tuple[int, ...] = ()) -> dict:
+        with self._lock:
+            try:
+                if fds:
+                    socket.send_fds(self._sock, [json.dumps(request).encode()], list(fds))
+                else:
+                    self._sock.send(json.dumps(request).encode())
+                data = self._sock.recv(_MAX_MESSAGE)
+            except OSError as exc:
+                raise ZygoteGone(str(exc)) from exc
+        if not data:
+            raise ZygoteGone("the zygote closed its socket")
+        answer = json.loads(data)
+        if "error" in answer:
+            raise RuntimeError(answer["error"])
+        return answer
+
+    def spawn(self, *, stdin: int, stdout: int, stderr: int) -> int:
+        return int(self._call({"op": "spawn"}, (stdin, stdout, stderr))["pid"])
+
+    def reap(self, pid: int) -> int | None:
+        return self._call({"op": "reap", "pid": pid})["returncode"]
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self) -> None:
+        """End the zygote (its children see it go and kill their own groups)."""
+        self._sock.close()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def main(argv: list[str]) -> int:
+    sock = socket.socket(fileno=int(argv[1]))
+    return serve(sock)
+
