@@ -182,4 +182,3 @@ class ZygoteClient:
 def main(argv: list[str]) -> int:
     sock = socket.socket(fileno=int(argv[1]))
     return serve(sock)
-

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import uuid
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
@@ -46,6 +46,20 @@ class Lease:
     token: uuid.UUID
     attempt_id: int
     attempt_number: int
+    started_at: datetime | None = None
+
+    @property
+    def first_run(self) -> bool:
+        """The job's very first attempt: no page can have a checkpoint yet."""
+        return self.generation == 1 and self.attempt_number == 1
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A won claim: the lease and the job row as the claim left it."""
+
+    lease: Lease
+    job: ConversionJob
 
 
 class LeaseLost(Exception):
@@ -65,9 +79,13 @@ def _fenced(lease: Lease, *states: State) -> Any:
     )
 
 
-def conversion_job_claim(*, job_id: uuid.UUID, generation: int, worker: str) -> Lease | None:
+def conversion_job_claim(*, job_id: uuid.UUID, generation: int, worker: str) -> Claim | None:
     """QUEUED -> RUNNING for this generation, creating the attempt and the lease.
-    None: a duplicate or stale delivery (counted; the caller acks it)."""
+    None: a duplicate or stale delivery (counted; the caller acks it).
+
+    One transaction, six statements: the guarded UPDATE (the CAS), the job row read back (the
+    runner needs it anyway), the attempt INSERT, the lease upsert (a lease row left by a
+    recovered generation is replaced), the audit chain head and the audit INSERT."""
     token = uuid.uuid4()
     with transaction.atomic():
         won = ConversionJob.objects.filter(
@@ -86,32 +104,40 @@ def conversion_job_claim(*, job_id: uuid.UUID, generation: int, worker: str) -> 
             reason = "stale" if current is not None and current > generation else "duplicate"
             metrics.DUPLICATE_DELIVERIES.labels(reason=reason).inc()
             return None
-        attempts = ConversionJob.objects.filter(id=job_id).values_list("attempts", flat=True).get()
+        job = ConversionJob.objects.get(id=job_id)
+        now = timezone.now()
         attempt = ConversionAttempt.objects.create(
             job_id=job_id,
             generation=generation,
-            number=attempts,
+            number=job.attempts,
             worker=worker[:128],
-            heartbeat_at=timezone.now(),
+            heartbeat_at=now,
         )
-        WorkerLease.objects.filter(job_id=job_id).delete()
-        WorkerLease.objects.create(
-            job_id=job_id,
-            generation=generation,
-            attempt=attempt,
-            token=token,
-            expires_at=timezone.now() + _lease_ttl(),
+        WorkerLease.objects.bulk_create(
+            [
+                WorkerLease(
+                    job_id=job_id,
+                    generation=generation,
+                    attempt=attempt,
+                    token=token,
+                    expires_at=now + _lease_ttl(),
+                )
+            ],
+            update_conflicts=True,
+            unique_fields=["job"],
+            update_fields=["generation", "attempt", "token", "expires_at"],
         )
         audit_event_append(
             job_id=job_id,
             event_type="claimed",
             generation=generation,
             attempt_id=attempt.id,
-            details={"attempt": attempts},
+            details={"attempt": job.attempts},
             lock_job=False,
         )
     metrics.CLAIMS.inc()
-    return Lease(job_id, generation, token, attempt.id, attempts)
+    lease = Lease(job_id, generation, token, attempt.id, job.attempts, attempt.started_at)
+    return Claim(lease, job)
 
 
 class HeartbeatResult:
@@ -199,23 +225,36 @@ def page_checkpoints_record(*, lease: Lease, checkpoints: list[PageCheckpoint]) 
     """Fenced upsert of a batch of page checkpoints, in three round trips: the guarded UPDATE
     on the job row (it takes the row lock first, so a recovery or a cancel that commits before
     us makes it match zero rows: LeaseLost, nothing written), one upsert, COMMIT."""
-    done = sum(1 for c in checkpoints if c.state == PageState.DONE)
-    failed = [c for c in checkpoints if c.state == PageState.FAILED]
     with transaction.atomic():
-        counters: dict[str, Any] = {}
-        if done:
-            counters["pages_done"] = F("pages_done") + done
-        if failed:
-            counters["pages_failed"] = F("pages_failed") + len(failed)
-        if not _fenced(lease).update(updated_at=Now(), **counters):
+        if not _fenced(lease).update(updated_at=Now(), **_page_counters(checkpoints)):
             raise LeaseLost()
-        PageCheckpoint.objects.bulk_create(
-            checkpoints,
-            update_conflicts=True,
-            unique_fields=["job", "page_number"],
-            update_fields=[*CHECKPOINT_FIELDS, "updated_at"],
-        )
-        for checkpoint in failed:
+        _checkpoints_upsert(lease, checkpoints)
+    for checkpoint in checkpoints:
+        metrics.PAGES.labels(outcome=checkpoint.state).inc()
+
+
+def _page_counters(checkpoints: list[PageCheckpoint]) -> dict[str, Any]:
+    """The job row's page counters moved by ``checkpoints`` (for its guarded UPDATE)."""
+    done = sum(1 for c in checkpoints if c.state == PageState.DONE)
+    failed = sum(1 for c in checkpoints if c.state == PageState.FAILED)
+    counters: dict[str, Any] = {}
+    if done:
+        counters["pages_done"] = F("pages_done") + done
+    if failed:
+        counters["pages_failed"] = F("pages_failed") + failed
+    return counters
+
+
+def _checkpoints_upsert(lease: Lease, checkpoints: list[PageCheckpoint]) -> None:
+    """The upsert and the audit events of failed pages; the caller holds the fenced row."""
+    PageCheckpoint.objects.bulk_create(
+        checkpoints,
+        update_conflicts=True,
+        unique_fields=["job", "page_number"],
+        update_fields=[*CHECKPOINT_FIELDS, "updated_at"],
+    )
+    for checkpoint in checkpoints:
+        if checkpoint.state == PageState.FAILED:
             audit_event_append(
                 job_id=lease.job_id,
                 event_type="page_failed",
@@ -224,8 +263,6 @@ def page_checkpoints_record(*, lease: Lease, checkpoints: list[PageCheckpoint]) 
                 details={"page": checkpoint.page_number, "code": checkpoint.error_code},
                 lock_job=False,
             )
-    for checkpoint in checkpoints:
-        metrics.PAGES.labels(outcome=checkpoint.state).inc()
 
 
 CHECKPOINT_FIELDS = [
@@ -254,8 +291,10 @@ def pages_converted_by(*, job_id: Any, generation: Any) -> Subquery:
 
 def _close_attempt(*, lease: Lease, outcome: AttemptOutcome, error_code: str | None) -> None:
     attempt = ConversionAttempt.objects.filter(id=lease.attempt_id, finished_at__isnull=True)
-    started = attempt.values_list("started_at", flat=True).first()
-    attempt.update(
+    started = lease.started_at
+    if started is None:
+        started = attempt.values_list("started_at", flat=True).first()
+    closed = attempt.update(
         outcome=outcome,
         error_code=error_code,
         finished_at=Now(),
@@ -263,7 +302,7 @@ def _close_attempt(*, lease: Lease, outcome: AttemptOutcome, error_code: str | N
             pages_converted_by(job_id=lease.job_id, generation=lease.generation), 0
         ),
     )
-    if started is not None:
+    if closed and started is not None:
         metrics.ATTEMPT_DURATION.labels(outcome=outcome).observe(
             (timezone.now() - started).total_seconds()
         )
@@ -282,26 +321,33 @@ def _finish(
     error_code: str | None,
     event_type: str,
     details: dict[str, Any],
+    checkpoints: list[PageCheckpoint] | None = None,
 ) -> bool:
     """One fenced terminal transition with its bookkeeping, in one transaction: the guarded
-    UPDATE (its row count is the answer), the lease ended, the attempt closed, pending
-    cancellations resolved, the audit event appended. False: lost, nothing written."""
+    UPDATE (its row count is the answer), the attempt's last page checkpoints (``checkpoints``:
+    written here rather than in a transaction of their own), the lease ended, the attempt closed,
+    pending cancellations resolved, the audit event appended. False: lost, nothing written."""
     from conversion_jobs.services.cancellation import resolve_cancellations_cancelled
 
     with transaction.atomic():
         won = _fenced(lease, guard_state).update(
             **values,
+            **_page_counters(checkpoints or []),
             lease_token=None,
             state_version=F("state_version") + 1,
             updated_at=Now(),
         )
         if not won:
             return False
+        if checkpoints:
+            _checkpoints_upsert(lease, checkpoints)
         _end_lease(lease)
         _close_attempt(lease=lease, outcome=outcome, error_code=error_code)
         if outcome == AttemptOutcome.CANCELLED:
             resolve_cancellations_cancelled(job_id=lease.job_id)
-        elif values.get("state") != State.RETRY_WAIT:
+        elif guard_state != State.RUNNING and values.get("state") != State.RETRY_WAIT:
+            # Under a RUNNING guard no request can be pending: a cancel of a RUNNING job makes
+            # it CANCELLING in the request's own transaction, and nothing leads back to RUNNING.
             _resolve_cancellations_lost(lease.job_id)
         audit_event_append(
             job_id=lease.job_id,
@@ -311,6 +357,8 @@ def _finish(
             details=details,
             lock_job=False,
         )
+    for checkpoint in checkpoints or []:
+        metrics.PAGES.labels(outcome=checkpoint.state).inc()
     return True
 
 
@@ -324,9 +372,11 @@ def conversion_job_publish(
     result_media_type: str,
     pages_done: int,
     pages_failed: int,
+    checkpoints: list[PageCheckpoint] | None = None,
 ) -> bool:
-    """RUNNING -> SUCCEEDED | PARTIAL, fenced. True: this call published the result.
-    False: the lease was lost or the job was cancelled first; nothing is published."""
+    """RUNNING -> SUCCEEDED | PARTIAL, fenced, with the attempt's last page ``checkpoints``.
+    True: this call published the result. False: the lease was lost or the job was cancelled
+    first; nothing is published and those checkpoints are not written."""
     if state not in (State.SUCCEEDED, State.PARTIAL):
         raise ValueError(f"cannot publish as {state}")
     won = _finish(
@@ -350,6 +400,7 @@ def conversion_job_publish(
             "result_sha256": result_sha256,
             "result_size": result_size,
         },
+        checkpoints=checkpoints,
     )
     if not won:
         return False

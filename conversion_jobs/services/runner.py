@@ -112,14 +112,15 @@ def conversion_job_execute(*, job_id: uuid.UUID, generation: int) -> str:
     """Claim and run one delivery. Returns what happened (for logs and tests): ``duplicate``,
     ``succeeded``, ``partial``, ``failed``, ``retry_wait``, ``cancelled`` or ``lost``."""
     close_old_connections()
-    lease = _db_retry(
+    claim = _db_retry(
         lambda: execution.conversion_job_claim(
             job_id=job_id, generation=generation, worker=worker_identity()
         ),
         deadline_s=60,
     )
-    if lease is None:
+    if claim is None:
         return "duplicate"
+    lease = claim.lease
     heartbeat = Heartbeat(lease)
     heartbeat.start()
     workdir = (
@@ -127,7 +128,7 @@ def conversion_job_execute(*, job_id: uuid.UUID, generation: int) -> str:
     )
     workdir.mkdir(parents=True, mode=0o700)
     try:
-        return _run(lease=lease, heartbeat=heartbeat, workdir=workdir)
+        return _run(lease=lease, job=claim.job, heartbeat=heartbeat, workdir=workdir)
     finally:
         heartbeat.finish()
         converters.release()  # this attempt's converter child and its process group end here
@@ -142,9 +143,9 @@ def _ttl() -> float:
     return float(settings.QUIRE["LEASE_S"])
 
 
-def _run(*, lease: Lease, heartbeat: Heartbeat, workdir: Path) -> str:
+def _run(*, lease: Lease, job: ConversionJob, heartbeat: Heartbeat, workdir: Path) -> str:
     try:
-        return _convert(lease=lease, heartbeat=heartbeat, workdir=workdir)
+        return _convert(lease=lease, job=job, heartbeat=heartbeat, workdir=workdir)
     except (LeaseLost, ConversionStopped):
         return _stopped(lease=lease)
     except ConversionError as exc:
@@ -253,13 +254,17 @@ class CheckpointBatch:
             lambda: execution.page_checkpoints_record(lease=self.lease, checkpoints=batch),
             deadline_s=_ttl(),
         )
-        self.pending = []
-        for checkpoint in batch:
+        self.written()
+
+    def written(self) -> None:
+        """The pending checkpoints committed (here or in the publishing transaction)."""
+        for checkpoint in self.pending:
             self.checkpoints[checkpoint.page_number] = checkpoint
+        self.pending = []
 
 
-def _convert(*, lease: Lease, heartbeat: Heartbeat, workdir: Path) -> str:
-    job = _db_retry(lambda: ConversionJob.objects.get(id=lease.job_id), deadline_s=_ttl())
+def _convert(*, lease: Lease, job: ConversionJob, heartbeat: Heartbeat, workdir: Path) -> str:
+    """``job``: the row as the claim read it back (options, source, output never change)."""
     options = _options_for_attempt(job.options, lease)
     limits = limits_from_settings()
     converter = converters.converter_for(job.source_media_type, job.output)
@@ -279,8 +284,12 @@ def _convert(*, lease: Lease, heartbeat: Heartbeat, workdir: Path) -> str:
             deadline_s=_ttl(),
         )
     pages = _selected_pages(job.options, prepared.page_count)
-    checkpoints = _db_retry(
-        lambda: execution.page_checkpoints_done(job_id=lease.job_id), deadline_s=_ttl()
+    checkpoints = (
+        {}
+        if lease.first_run
+        else _db_retry(
+            lambda: execution.page_checkpoints_done(job_id=lease.job_id), deadline_s=_ttl()
+        )
     )
     page_budget = settings.QUIRE["PAGE_MAX_ATTEMPTS"]
     with CheckpointBatch(lease, checkpoints) as batch:
@@ -380,12 +389,12 @@ def _convert_pages(
                 )
             )
             break
-    batch.flush()
     return _finalize(
         lease=lease,
         job=job,
         pages=pages,
         checkpoints=checkpoints,
+        batch=batch,
         prepared=prepared,
         workdir=workdir,
     )
@@ -403,17 +412,22 @@ def _finalize(
     job: ConversionJob,
     pages: list[int],
     checkpoints: dict[int, Any],
+    batch: CheckpointBatch,
     prepared: Any,
     workdir: Path,
 ) -> str:
-    """Assemble the result from page artifacts and publish it with one fenced CAS."""
+    """Assemble the result from page artifacts and publish it with one fenced CAS; the pages
+    still waiting in ``batch`` are checkpointed in that same transaction."""
+    pending = {c.page_number: c for c in batch.pending}
+    outcome = {**checkpoints, **pending}
     done = [
-        (p, storage.path_of(checkpoints[p].artifact_key))
+        (p, storage.path_of(outcome[p].artifact_key))
         for p in pages
-        if checkpoints[p].state == PageState.DONE
+        if outcome[p].state == PageState.DONE
     ]
-    failed = [p for p in pages if checkpoints[p].state == PageState.FAILED]
+    failed = [p for p in pages if outcome[p].state == PageState.FAILED]
     if failed and (not done or not job.options.get("allow_partial", True)):
+        batch.flush()
         code = checkpoints[failed[0]].error_code or "page_failed"
         won = _db_retry(
             lambda: execution.conversion_job_fail(
@@ -442,10 +456,13 @@ def _finalize(
             result_media_type=media_type,
             pages_done=len(done),
             pages_failed=len(failed),
+            checkpoints=list(pending.values()),
         ),
         deadline_s=_ttl(),
     )
-    if not won:
+    if won:
+        batch.written()
+    else:
         # A cancelled or recovered job never shows this attempt's result; a finalizer that ran
         # twice finds its own result already published under the same key and keeps it.
         if not ConversionJob.objects.filter(id=lease.job_id, result_key=key).exists():

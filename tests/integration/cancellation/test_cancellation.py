@@ -65,9 +65,9 @@ def _requests(job: ConversionJob) -> list[tuple[str, str, bool]]:
 
 
 def _claim(job: ConversionJob) -> execution.Lease:
-    lease = execution.conversion_job_claim(job_id=job.id, generation=job.generation, worker="test")
-    assert lease is not None
-    return lease
+    claim = execution.conversion_job_claim(job_id=job.id, generation=job.generation, worker="test")
+    assert claim is not None
+    return claim.lease
 
 
 def test_cancel__queued_is_cancelled_at_once_and_its_delivery_is_stale(
