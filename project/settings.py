@@ -252,6 +252,11 @@ CELERY_WORKER_SEND_TASK_EVENTS = env_bool("QUIRE_TASK_EVENTS", True)
 CELERY_WORKER_ENABLE_SOFT_SHUTDOWN_ON_IDLE = True
 CELERY_WORKER_SOFT_SHUTDOWN_TIMEOUT = env_float("QUIRE_SOFT_SHUTDOWN_S", 10.0)
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+# Celery's Django fix-up closes every database connection after every task unless this is set:
+# a new Postgres backend per job (fork + authentication) cost more Postgres CPU than the job's
+# queries. With it Celery closes them every 2 x N tasks; CONN_MAX_AGE and the health check still
+# apply, because the runner calls close_old_connections() before each claim.
+CELERY_DB_REUSE_MAX = env_int("QUIRE_WORKER_DB_REUSE_MAX", 500)
 CELERY_WORKER_CONSUMER = "project.celery:QuireConsumer"
 # RabbitMQ 4 removes transient non-exclusive queues: make control / event queues exclusive.
 CELERY_CONTROL_QUEUE_EXCLUSIVE = True
