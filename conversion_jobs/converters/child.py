@@ -122,13 +122,22 @@ def _setup(*, directory: str, limits: dict) -> Limits:
     return parsed
 
 
+_preloaded = False
+
+
 def preload() -> None:
     """Import what pages need before any document arrives: the fork server (``zygote``) does
-    this once, so every child it forks starts with pypdfium2 and Pillow loaded."""
+    this once, so every child it forks starts with pypdfium2 and Pillow loaded. Idempotent."""
+    global _preloaded
+    if _preloaded:
+        return
+    _preloaded = True
     import PIL.Image
     import PIL.PngImagePlugin  # noqa: F401
 
     from . import imageops, pdfops  # noqa: F401
+
+    pdfops.warm_up()
 
 
 def _inject_fault(fault: dict, *, op: str, args: dict) -> None:

@@ -31,6 +31,7 @@ the next spawn.
 from __future__ import annotations
 
 import ctypes
+import gc
 import json
 import os
 import signal
@@ -88,6 +89,10 @@ def serve(sock: socket.socket) -> int:
 
     set_process_name(ZYGOTE_NAME)
     child.preload()
+    # Everything imported so far is shared copy-on-write with every child; frozen, the cyclic
+    # garbage collector never walks (and so never writes to, and copies) those objects.
+    gc.collect()
+    gc.freeze()
     while True:
         try:
             data, fds, _flags, _addr = socket.recv_fds(sock, _MAX_MESSAGE, 3)
