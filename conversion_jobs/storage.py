@@ -11,6 +11,7 @@ Keys:
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import shutil
@@ -55,18 +56,23 @@ def result_key(*, job_id: uuid.UUID, ext: str) -> str:
 
 
 def promote(src: Path, key: str) -> Path:
-    """Move ``src`` under ``key`` atomically (copy first when it is on another filesystem)."""
+    """Move ``src`` under ``key`` atomically, its bytes on disk before its name appears (copy
+    through a temporary name when it is on another filesystem)."""
     dest = path_of(key)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        os.replace(src, tmp)
-    except OSError:
-        shutil.copyfile(src, tmp)
-        src.unlink(missing_ok=True)
-    with open(tmp, "rb+") as fh:
+    with open(src, "rb") as fh:
         os.fsync(fh.fileno())
-    os.replace(tmp, dest)
+    try:
+        os.replace(src, dest)
+    except OSError as exc:
+        if exc.errno != errno.EXDEV:
+            raise
+        tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.tmp")
+        shutil.copyfile(src, tmp)
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, dest)
+        src.unlink(missing_ok=True)
     return dest
 
 

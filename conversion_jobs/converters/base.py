@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
@@ -98,4 +98,8 @@ class Converter(Protocol):
         dest_dir: Path,
         limits: Limits,
         should_stop: Callable[[], bool],
-    ) -> PageArtifact: ...
+        lookahead: Sequence[int] = (),
+    ) -> PageArtifact:
+        """Convert one page into ``dest_dir``. ``lookahead``: the pages the caller will ask for
+        next, in order (a converter may start on them early)."""
+        ...

@@ -21,6 +21,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from .base import CHILD_IDLE_EXIT_S, EXIT_OUT_OF_MEMORY, EXIT_UNEXPECTED, Limits
@@ -83,6 +84,8 @@ OPS = {
     "probe": _op_probe,
 }
 PAGE_OPS = frozenset({"pdf_page", "image_page"})
+#: ``pages``: one request, one answer line per page, in order (read-ahead, see isolation.py).
+STREAM_OPS = frozenset({"pages"})
 
 
 class _Watch:
@@ -184,6 +187,27 @@ def _answer(request: dict, limits: Limits | None) -> tuple[dict, Limits | None]:
         return {"ok": False, "code": exc.code, "detail": exc.detail}, limits
 
 
+def _stream(request: dict, limits: Limits, watch: _Watch) -> Iterator[dict]:
+    """``pages``: args ``page_op`` (a PAGE_OPS name), ``items`` ([page, dest] pairs) and the
+    page op's other arguments. Yields one outcome per page, each carrying its ``page``; a
+    structured error answers that page and the next page goes on. The watchdog's deadline is
+    renewed for every page."""
+    args = dict(request["args"])
+    op, items = args.pop("page_op"), args.pop("items")
+    if op not in PAGE_OPS:
+        raise RuntimeError(f"not a page operation: {op}")
+    for page, dest in items:
+        watch.busy_until = time.monotonic() + float(request["timeout_s"]) + WATCHDOG_GRACE_S
+        page_args = {**args, "page": page, "dest": dest}
+        try:
+            if request.get("fault"):
+                _inject_fault(request["fault"], op=op, args=page_args)
+            outcome = {"ok": True, "result": OPS[op](**page_args, limits=limits)}
+        except ConversionError as exc:
+            outcome = {"ok": False, "code": exc.code, "detail": exc.detail}
+        yield {**outcome, "page": page}
+
+
 def main() -> int:
     protocol = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)
@@ -198,10 +222,14 @@ def main() -> int:
             return 0  # the parent closed the session
         request = json.loads(line)
         watch.busy_until = time.monotonic() + float(request["timeout_s"]) + WATCHDOG_GRACE_S
-        outcome, limits = _answer(request, limits)
+        if request["op"] in STREAM_OPS and limits is not None:
+            for outcome in _stream(request, limits, watch):
+                protocol.write(json.dumps(outcome).encode() + b"\n")
+        else:
+            outcome, limits = _answer(request, limits)
+            protocol.write(json.dumps(outcome).encode() + b"\n")
         watch.idle_since = time.monotonic()
         watch.busy_until = None
-        protocol.write(json.dumps(outcome).encode() + b"\n")
 
 
 def serve() -> int:

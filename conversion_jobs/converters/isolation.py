@@ -180,6 +180,9 @@ class ChildSession:
         self.private: Path | None = None
         self.closed = False
         self._buffer = b""
+        #: pages asked for by read_ahead whose answers are still to be read, in order
+        self.ahead: list[int] = []
+        self._ahead_since = 0.0
 
     def usable(self, *, max_idle_s: float) -> bool:
         return (
@@ -217,6 +220,9 @@ class ChildSession:
         """Send one request and wait for its answer; see the module docstring for failures."""
         if self.closed:
             raise ConverterCrashed("the converter session is closed")
+        if self.ahead:
+            self.close()  # answers of a read-ahead are still due: never mix them with this one
+            raise ConverterCrashed("the converter session had unread pages")
         try:
             if should_stop():
                 raise ConversionStopped()
@@ -227,6 +233,59 @@ class ChildSession:
             self.close()
             raise
         self.last_used = time.monotonic()
+        if outcome["ok"]:
+            return outcome["result"]
+        raise error_from_code(outcome["code"], outcome.get("detail"))
+
+    def read_ahead(
+        self,
+        page_op: str,
+        items: list[tuple[int, str]],
+        args: dict,
+        *,
+        timeout_s: float,
+        should_stop: Callable[[], bool],
+        fault: dict | None = None,
+    ) -> None:
+        """Ask for several pages at once (``items``: (page, dest) in order); the child converts
+        them one after the other and answers each as it is done, so it works on the next pages
+        while the worker checkpoints this one. Collect them in order with ``next_page``."""
+        if self.closed or self.ahead:
+            raise RuntimeError("read_ahead needs an open session with nothing pending")
+        try:
+            if should_stop():
+                raise ConversionStopped()
+            request = {
+                "op": "pages",
+                "args": {**args, "page_op": page_op, "items": [list(i) for i in items]},
+                "timeout_s": timeout_s,
+                "fault": fault,
+            }
+            self._send(json.dumps(request).encode() + b"\n")
+        except BaseException:
+            self.close()
+            raise
+        self.ahead = [page for page, _dest in items]
+        self._ahead_since = time.monotonic()
+
+    def next_page(self, page: int, *, timeout_s: float, should_stop: Callable[[], bool]) -> dict:
+        """The answer for ``page``, which must be the next one due from ``read_ahead``. The
+        deadline runs from when the previous answer was read (or the request was sent): each page
+        gets ``timeout_s``, and a crash or timeout is charged to the page being converted."""
+        if not self.ahead or self.ahead[0] != page:
+            raise RuntimeError(f"page {page} is not the next page due")
+        try:
+            remaining = self._ahead_since + timeout_s - time.monotonic()
+            outcome = self._receive(
+                timeout_s=max(remaining, 0.0), should_stop=should_stop, limit_s=timeout_s
+            )
+            if outcome.get("page") != page:
+                raise ConverterCrashed("the converter answered for another page")
+        except BaseException:
+            self.close()
+            raise
+        self.ahead.pop(0)
+        self._ahead_since = self.last_used = time.monotonic()
         if outcome["ok"]:
             return outcome["result"]
         raise error_from_code(outcome["code"], outcome.get("detail"))
@@ -245,7 +304,11 @@ class ChildSession:
         except BrokenPipeError:
             self._crashed()
 
-    def _receive(self, *, timeout_s: float, should_stop: Callable[[], bool]) -> dict:
+    def _receive(
+        self, *, timeout_s: float, should_stop: Callable[[], bool], limit_s: float | None = None
+    ) -> dict:
+        """The next answer line. ``timeout_s``: how long to wait from now; ``limit_s``: the limit
+        to name in the timeout error (default ``timeout_s``)."""
         deadline = time.monotonic() + timeout_s
         next_check = time.monotonic() + POLL_MAX_S
         fd = self._pipe(self.proc.stdout).fileno()
@@ -257,14 +320,15 @@ class ChildSession:
                 if should_stop():
                     raise ConversionStopped()
                 next_check = now + POLL_MAX_S
-            if now >= deadline:
-                raise ConversionTimeout(f"the converter did not finish within {timeout_s:g} s")
             wait_s = max(0.0, min(next_check, deadline) - now)
             if poller.poll(wait_s * 1000 + 1):
                 chunk = os.read(fd, 1 << 16)
                 if not chunk:
                     self._crashed()
                 self._buffer += chunk
+            elif time.monotonic() >= deadline:  # an answer already in the pipe still counts
+                limit = timeout_s if limit_s is None else limit_s
+                raise ConversionTimeout(f"the converter did not finish within {limit:g} s")
         line, self._buffer = self._buffer[:newline], self._buffer[newline + 1 :]
         try:
             outcome = json.loads(line)

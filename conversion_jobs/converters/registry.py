@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .base import (
@@ -50,6 +50,10 @@ def _prepare_in_session(
         raise
 
 
+#: Pages asked of the child in one read-ahead request (it answers each as it is done).
+READ_AHEAD_PAGES = 16
+
+
 def _page_call(
     *,
     op: str,
@@ -60,12 +64,23 @@ def _page_call(
     dest_dir: Path,
     limits: Limits,
     should_stop: Callable[[], bool],
+    lookahead: Sequence[int] = (),
 ) -> PageArtifact:
+    """Convert ``page`` in the document's session. ``lookahead``: the pages the caller will ask
+    for next, in order; they are requested with this one (up to READ_AHEAD_PAGES) and the child
+    converts them while the caller checkpoints. Asking for a page out of that order ends the
+    session (its child is killed and a fresh one serves the page)."""
     if not 1 <= page <= prepared.page_count:
         raise InvalidInput(f"page {page} does not exist (the document has {prepared.page_count})")
     dest_dir.mkdir(parents=True, exist_ok=True)
-    dest = dest_dir / f"page-{page:04d}{_SUFFIX[output]}"
+    dest = _page_dest(dest_dir, page, output)
     dpi = int((options or {}).get("dpi") or DEFAULT_DPI)
+    args = {
+        "path": str(prepared.document),
+        "output": output,
+        "dpi": max(1, min(dpi, limits.max_dpi)),
+    }
+    fault = test_fault_from(options)
     try:
         # The session of this document (the child keeps it open); a fresh child if an earlier
         # page's failure killed it.
@@ -75,24 +90,44 @@ def _page_call(
             limits=limits,
             should_stop=should_stop,
         )
-        result = session.call(
-            op,
-            {
-                "path": str(prepared.document),
-                "page": page,
-                "output": output,
-                "dpi": max(1, min(dpi, limits.max_dpi)),
-                "dest": str(dest),
-            },
-            timeout_s=limits.page_timeout_s,
-            should_stop=should_stop,
-            fault=test_fault_from(options),
-        )
+        if session.ahead and session.ahead[0] != page:
+            forget(session)  # the caller changed its plan: drop the pages still coming
+            session = session_for(
+                document=prepared.document,
+                scratch_dir=dest_dir,
+                limits=limits,
+                should_stop=should_stop,
+            )
+        if not session.ahead:
+            upcoming = [p for p in lookahead if p != page and 1 <= p <= prepared.page_count]
+            pages = [page, *upcoming[: READ_AHEAD_PAGES - 1]]
+            if len(pages) == 1:
+                result = session.call(
+                    op,
+                    {**args, "page": page, "dest": str(dest)},
+                    timeout_s=limits.page_timeout_s,
+                    should_stop=should_stop,
+                    fault=fault,
+                )
+                return PageArtifact(path=dest, media_type=result["media_type"])
+            session.read_ahead(
+                op,
+                [(p, str(_page_dest(dest_dir, p, output))) for p in pages],
+                args,
+                timeout_s=limits.page_timeout_s,
+                should_stop=should_stop,
+                fault=fault,
+            )
+        result = session.next_page(page, timeout_s=limits.page_timeout_s, should_stop=should_stop)
     except BaseException:
         # A killed or failed child may have left half an artifact; it must never be promoted.
         dest.unlink(missing_ok=True)
         raise
     return PageArtifact(path=dest, media_type=result["media_type"])
+
+
+def _page_dest(dest_dir: Path, page: int, output: str) -> Path:
+    return dest_dir / f"page-{page:04d}{_SUFFIX[output]}"
 
 
 class PdfConverter:
@@ -113,7 +148,7 @@ class PdfConverter:
         return Prepared(document=Path(source), media_type=PDF, page_count=result["page_count"])
 
     def convert_page(
-        self, *, prepared, page, output, options, dest_dir, limits, should_stop
+        self, *, prepared, page, output, options, dest_dir, limits, should_stop, lookahead=()
     ) -> PageArtifact:
         if output not in self.outputs:
             raise UnsupportedConversion(f"{prepared.media_type} -> {output}")
@@ -126,6 +161,7 @@ class PdfConverter:
             dest_dir=dest_dir,
             limits=limits,
             should_stop=should_stop,
+            lookahead=lookahead,
         )
 
 
@@ -153,7 +189,7 @@ class ImageConverter:
         )
 
     def convert_page(
-        self, *, prepared, page, output, options, dest_dir, limits, should_stop
+        self, *, prepared, page, output, options, dest_dir, limits, should_stop, lookahead=()
     ) -> PageArtifact:
         if output not in self.outputs:
             raise UnsupportedConversion(f"{prepared.media_type} -> {output}")
@@ -168,6 +204,7 @@ class ImageConverter:
             dest_dir=dest_dir,
             limits=limits,
             should_stop=should_stop,
+            lookahead=lookahead,
         )
 
 
@@ -208,7 +245,7 @@ class OfficeConverter:
         )
 
     def convert_page(
-        self, *, prepared, page, output, options, dest_dir, limits, should_stop
+        self, *, prepared, page, output, options, dest_dir, limits, should_stop, lookahead=()
     ) -> PageArtifact:
         if output not in self.outputs:
             raise UnsupportedConversion(f"{prepared.media_type} -> {output}")
@@ -221,6 +258,7 @@ class OfficeConverter:
             dest_dir=dest_dir,
             limits=limits,
             should_stop=should_stop,
+            lookahead=lookahead,
         )
 
 

@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DB_ERRORS = (OperationalError, InterfaceError)
+#: How many of the next pages the converter is told about (it may convert some of them early).
+LOOKAHEAD_PAGES = 64
 
 
 def worker_identity() -> str:
@@ -325,10 +327,15 @@ def _convert_pages(
     batch: CheckpointBatch,
 ) -> str:
     stop = heartbeat.stop.is_set
-    for page in pages:
+    # A resumed job never redoes a finished page.
+    todo = [
+        page
+        for page in pages
+        if checkpoints.get(page) is None
+        or checkpoints[page].state not in (PageState.DONE, PageState.FAILED)
+    ]
+    for index, page in enumerate(todo):
         done = checkpoints.get(page)
-        if done is not None and done.state in (PageState.DONE, PageState.FAILED):
-            continue  # a resumed job never redoes a finished page
         if heartbeat.stop.is_set():
             raise ConversionStopped()
         batch.flush_if_due()
@@ -346,6 +353,7 @@ def _convert_pages(
                         dest_dir=workdir,
                         limits=limits,
                         should_stop=stop,
+                        lookahead=todo[index + 1 : index + LOOKAHEAD_PAGES],
                     )
             except ConversionStopped:
                 raise

@@ -1,0 +1,136 @@
+"""Read-ahead: one request for several pages, answered page by page, charged page by page."""
+
+import time
+
+import pytest
+from convhelpers import alive, never, prepare
+
+from conversion_jobs.converters import (
+    TEST_FAULTS_ENV,
+    ConversionTimeout,
+    ConverterCrashed,
+    InvalidInput,
+    Limits,
+    process_group_members,
+    sessions,
+    testdocs,
+)
+from conversion_jobs.converters.registry import READ_AHEAD_PAGES
+
+LIMITS = Limits(page_timeout_s=3, prepare_timeout_s=20)
+
+
+@pytest.fixture(autouse=True)
+def _no_children_left_behind():
+    yield
+    sessions.release_all()
+
+
+@pytest.fixture
+def faults_enabled(monkeypatch):
+    monkeypatch.setenv(TEST_FAULTS_ENV, "1")
+
+
+@pytest.fixture
+def doc(tmp_path):
+    source = testdocs.make_pdf(tmp_path / "doc.pdf", pages=40)
+    return prepare(source, tmp_path / "attempt", output="text", limits=LIMITS)
+
+
+def _page(doc, tmp_path, page, lookahead=(), *, fault=None, output="text"):
+    converter, prepared = doc
+    options = {"dpi": 72, **({"_test_fault": fault} if fault else {})}
+    return converter.convert_page(
+        prepared=prepared,
+        page=page,
+        output=output,
+        options=options,
+        dest_dir=tmp_path / "attempt",
+        limits=LIMITS,
+        should_stop=never,
+        lookahead=lookahead,
+    )
+
+
+def _session(doc, tmp_path):
+    _converter, prepared = doc
+    return sessions.session_for(
+        document=prepared.document,
+        scratch_dir=tmp_path / "attempt",
+        limits=LIMITS,
+        should_stop=never,
+    )
+
+
+def test_read_ahead__the_child_converts_the_next_pages_before_they_are_asked_for(doc, tmp_path):
+    plan = list(range(1, 11))
+    first = _page(doc, tmp_path, 1, plan[1:])
+    assert first.path.read_text() == "Page 1 of the Quire test document"
+    session = _session(doc, tmp_path)
+    assert session.ahead == plan[1:]
+    later = tmp_path / "attempt" / "page-0010.txt"
+    deadline = time.monotonic() + 5
+    while not later.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert later.exists()  # written by the child while page 1 was being handled here
+    for index, page in enumerate(plan[1:], start=1):
+        artifact = _page(doc, tmp_path, page, plan[index + 1 :])
+        assert artifact.path.read_text() == f"Page {page} of the Quire test document"
+    assert session.ahead == []
+    assert _session(doc, tmp_path) is session  # one child served all ten pages
+
+
+def test_read_ahead__asks_for_at_most_the_configured_number_of_pages(doc, tmp_path):
+    _page(doc, tmp_path, 1, list(range(2, 41)))
+    assert _session(doc, tmp_path).ahead == list(range(2, READ_AHEAD_PAGES + 1))
+
+
+def test_read_ahead__out_of_order_request_gets_a_fresh_child_and_the_right_page(doc, tmp_path):
+    _page(doc, tmp_path, 1, [2, 3, 4])
+    first = _session(doc, tmp_path)
+    artifact = _page(doc, tmp_path, 7)
+    assert artifact.path.read_text() == "Page 7 of the Quire test document"
+    assert first.closed and process_group_members(first.pgid) == []
+    second = _session(doc, tmp_path)
+    assert second is not first and alive(second.proc.pid)
+
+
+def test_read_ahead__a_failing_page_fails_alone(doc, tmp_path, faults_enabled):
+    fault = {"kind": "fail", "page": 3}
+    _page(doc, tmp_path, 1, [2, 3, 4, 5], fault=fault)
+    assert _page(doc, tmp_path, 2, [3, 4, 5], fault=fault).path.exists()
+    with pytest.raises(InvalidInput):
+        _page(doc, tmp_path, 3, [4, 5], fault=fault)
+    assert not (tmp_path / "attempt" / "page-0003.txt").exists()
+    session = _session(doc, tmp_path)
+    assert session.ahead == [4, 5]  # a structured error keeps the child and its read-ahead
+    assert _page(doc, tmp_path, 4, [5], fault=fault).path.read_text().startswith("Page 4")
+    assert _session(doc, tmp_path) is session
+
+
+def test_read_ahead__a_crash_is_charged_to_the_page_being_converted(doc, tmp_path, faults_enabled):
+    fault = {"kind": "segv", "page": 4}
+    for page in (1, 2, 3):
+        assert _page(doc, tmp_path, page, list(range(page + 1, 8)), fault=fault).path.exists()
+    crashed = _session(doc, tmp_path)
+    with pytest.raises(ConverterCrashed):
+        _page(doc, tmp_path, 4, [5, 6, 7], fault=fault)
+    assert process_group_members(crashed.pgid) == []
+    # The next page is served by a fresh child.
+    assert _page(doc, tmp_path, 5, [6, 7], fault=fault).path.read_text().startswith("Page 5")
+
+
+def test_read_ahead__a_hanging_page_times_out_at_its_own_deadline(doc, tmp_path, faults_enabled):
+    fault = {"kind": "hang", "page": 3}
+    _page(doc, tmp_path, 1, [2, 3, 4], fault=fault)
+    time.sleep(LIMITS.page_timeout_s / 2)  # the worker is busy elsewhere for a while
+    assert _page(doc, tmp_path, 2, [3, 4], fault=fault).path.exists()
+    hung = _session(doc, tmp_path)
+    started = time.monotonic()
+    with pytest.raises(ConversionTimeout) as info:
+        _page(doc, tmp_path, 3, [4], fault=fault)
+    waited = time.monotonic() - started
+    # The page's clock starts when page 2's answer was read: a full page timeout, not less.
+    assert LIMITS.page_timeout_s - 0.2 <= waited <= LIMITS.page_timeout_s + 2
+    assert f"{LIMITS.page_timeout_s:g} s" in info.value.detail
+    assert process_group_members(hung.pgid) == []
