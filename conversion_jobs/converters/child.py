@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NoReturn
 
 from .base import CHILD_IDLE_EXIT_S, EXIT_OUT_OF_MEMORY, EXIT_UNEXPECTED, Limits
 from .errors import ConversionError, InvalidInput
@@ -232,17 +233,21 @@ def main() -> int:
         watch.busy_until = None
 
 
-def serve() -> int:
-    """Run the session; the exit status to end the process with."""
+def serve() -> NoReturn:
+    """Run the session, then end the process. The exit happens inside the ``except`` blocks on
+    purpose: the traceback keeps ``main``'s frame, and so the protocol pipe, alive until the
+    process is gone. Closing the pipe first would let the parent see end-of-file and kill the
+    child before it could exit with its status (out of memory -> EXIT_OUT_OF_MEMORY)."""
     try:
-        return main()
+        code = main()
     except MemoryError:
-        return EXIT_OUT_OF_MEMORY
+        os._exit(EXIT_OUT_OF_MEMORY)
     except Exception as exc:  # a bug or an unexpected library failure: report as a crash
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
         sys.stderr.flush()
-        return EXIT_UNEXPECTED
+        os._exit(EXIT_UNEXPECTED)
+    os._exit(code)
 
 
 if __name__ == "__main__":
-    os._exit(serve())
+    serve()

@@ -74,7 +74,7 @@ def _serve_child(fds: list[int], sock: socket.socket) -> None:
                 os.close(fd)
         from . import child
 
-        code = child.serve()
+        child.serve()  # never returns
     finally:
         os._exit(code)
 
