@@ -41,6 +41,9 @@ import sys
 import threading
 
 _MAX_MESSAGE = 4096
+#: A zygote that does not answer within this time is killed and replaced (a stuck fork server
+#: must not hang an attempt whose heartbeat would keep its lease alive).
+ANSWER_TIMEOUT_S = 10.0
 #: How the zygote starts (``-m`` would import this module twice: the package imports it too).
 _ENTRY = "import sys; from conversion_jobs.converters.zygote import main; sys.exit(main(sys.argv))"
 
@@ -145,6 +148,7 @@ class ZygoteClient:
             )
         finally:
             zygote_end.close()
+        parent_end.settimeout(ANSWER_TIMEOUT_S)
         self._sock = parent_end
         self._lock = threading.Lock()
 
@@ -156,8 +160,10 @@ class ZygoteClient:
                 else:
                     self._sock.send(json.dumps(request).encode())
                 data = self._sock.recv(_MAX_MESSAGE)
-            except OSError as exc:
-                raise ZygoteGone(str(exc)) from exc
+            except OSError as exc:  # includes the answer timeout
+                self.proc.kill()  # stuck or broken: the next spawn starts a new zygote
+                self.proc.wait()
+                raise ZygoteGone(str(exc) or type(exc).__name__) from exc
         if not data:
             raise ZygoteGone("the zygote closed its socket")
         answer = json.loads(data)

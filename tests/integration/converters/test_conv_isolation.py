@@ -222,3 +222,28 @@ def test_libreoffice__timeout_leaves_no_process(tmp_path):
         )
     assert processes_mentioning(str(tmp_path)) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.docx"]
+
+
+def test_fork_server__a_stuck_zygote_is_replaced(tmp_path, monkeypatch):
+    """A fork server that stops answering must not hang an attempt: it is killed after
+    ANSWER_TIMEOUT_S and the child comes from a new one."""
+    from conversion_jobs.converters import isolation, zygote
+
+    monkeypatch.setattr(zygote, "ANSWER_TIMEOUT_S", 1.0)
+    isolation.stop_zygote()
+    first = isolation.zygote()
+    os.kill(first.proc.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        info = run_isolated(
+            op="probe", args={}, limits=Limits(), timeout_s=10, scratch_dir=tmp_path
+        )
+        assert time.monotonic() - started < 6
+    finally:
+        if first.proc.poll() is None:
+            os.kill(first.proc.pid, signal.SIGCONT)
+    assert first.proc.poll() is not None  # the stuck one was killed
+    second = isolation.zygote()
+    assert second is not first and second.alive()
+    assert info["pgid"] == info["pid"] != first.proc.pid
+    isolation.stop_zygote()
