@@ -17,6 +17,7 @@ import os
 import shutil
 import tempfile
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO
 
@@ -74,6 +75,48 @@ def promote(src: Path, key: str) -> Path:
         os.replace(tmp, dest)
         src.unlink(missing_ok=True)
     return dest
+
+
+def place(src: Path, key: str) -> Path:
+    """Rename ``src`` under ``key`` without waiting for the disk: the caller makes it durable
+    (``sync_later`` + ``fsync_dir``) before anything records the key. Page artifacts only: their
+    keys carry the generation, so a name left by a crash before that is never looked up."""
+    dest = path_of(key)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.replace(src, dest)
+    except OSError as exc:
+        if exc.errno != errno.EXDEV:
+            raise
+        shutil.copyfile(src, dest)
+        src.unlink(missing_ok=True)
+    return dest
+
+
+_sync_pool: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def sync_later(path: Path) -> Future:
+    """``fsync`` ``path`` on a background thread (several in flight share the filesystem's
+    journal commits); wait for the future before recording the file anywhere."""
+    global _sync_pool
+    if _sync_pool is None or _sync_pool[0] != os.getpid():  # threads do not survive a fork
+        _sync_pool = (os.getpid(), ThreadPoolExecutor(max_workers=4, thread_name_prefix="fsync"))
+    return _sync_pool[1].submit(_fsync, path)
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the names created in directory ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def promote_source(staged: Path, sha256: str) -> str:

@@ -15,6 +15,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import Future, wait
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -216,31 +217,53 @@ def _options_for_attempt(options: dict[str, Any], lease: Lease) -> dict[str, Any
 class CheckpointBatch:
     """Finished pages waiting for their fenced checkpoint write. Writing one transaction per
     page made the commit (a WAL flush) the cost of a text page; a batch is written when it holds
-    ``MAX_PAGES`` pages or its oldest page has waited ``MAX_WAIT_S``, and always before a failed
-    page, an error or the finalizer. A crash loses at most one batch, which a resumed attempt
-    converts again; a page is never skipped unless its checkpoint committed. Artifacts of pages
-    that never got their checkpoint are deleted on the way out, so nothing is orphaned."""
+    ``MAX_PAGES`` pages or its oldest page has waited ``MAX_WAIT_S``, always before a failed page
+    or an error, and the last batch inside the publishing transaction. A crash loses at most one
+    batch, which a resumed attempt converts again; a page is never skipped unless its checkpoint
+    committed. Page files are renamed into storage at once and ``fsync``ed on background threads;
+    every one of them, and their directory, is on disk before their checkpoints are written
+    (``durable``). Artifacts of pages that never got their checkpoint are deleted on the way out,
+    so nothing is orphaned."""
 
-    MAX_PAGES = 64
+    MAX_PAGES = 256
     MAX_WAIT_S = 0.25
 
     def __init__(self, lease: Lease, checkpoints: dict[int, Any]) -> None:
         self.lease, self.checkpoints = lease, checkpoints
         self.pending: list[PageCheckpoint] = []
+        self.syncs: list[Future] = []
+        self.directories: set[Path] = set()
         self.since = 0.0
 
     def __enter__(self) -> CheckpointBatch:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        for future in self.syncs:
+            future.cancel()
+        wait(self.syncs)
+        self.syncs = []
         for checkpoint in self.pending:  # never recorded: leave no artifact behind
             storage.delete(checkpoint.artifact_key or "")
         self.pending = []
 
-    def add(self, checkpoint: PageCheckpoint) -> None:
+    def add(self, checkpoint: PageCheckpoint, placed: Path) -> None:
+        """``checkpoint``'s artifact has been placed at ``placed``; its fsync starts now."""
         if not self.pending:
             self.since = time.monotonic()
         self.pending.append(checkpoint)
+        self.syncs.append(storage.sync_later(placed))
+        self.directories.add(placed.parent)
+
+    def durable(self) -> None:
+        """Wait until every pending page file and its directory entry is on disk (an OSError
+        here is a storage error: nothing gets recorded)."""
+        syncs, self.syncs = self.syncs, []
+        for future in syncs:
+            future.result()
+        for directory in sorted(self.directories):
+            storage.fsync_dir(directory)
+        self.directories = set()
 
     def flush_if_due(self) -> None:
         if len(self.pending) >= self.MAX_PAGES or (
@@ -251,6 +274,7 @@ class CheckpointBatch:
     def flush(self) -> None:
         if not self.pending:
             return
+        self.durable()
         batch = list(self.pending)
         _db_retry(
             lambda: execution.page_checkpoints_record(lease=self.lease, checkpoints=batch),
@@ -382,7 +406,7 @@ def _convert_pages(
             ext = "txt" if job.output == "text" else job.output
             key = storage.page_key(job_id=lease.job_id, page=page, ext=f"g{lease.generation}.{ext}")
             sha, size = storage.sha256_file(artifact.path)
-            storage.promote(artifact.path, key)
+            placed = storage.place(artifact.path, key)
             batch.add(
                 PageCheckpoint(
                     job_id=lease.job_id,
@@ -394,7 +418,8 @@ def _convert_pages(
                     artifact_size=size,
                     media_type=artifact.media_type,
                     generation=lease.generation,
-                )
+                ),
+                placed,
             )
             break
     return _finalize(
@@ -453,6 +478,7 @@ def _finalize(
     key = storage.result_key(job_id=lease.job_id, ext=f"g{lease.generation}.{ext}")
     sha, size = storage.sha256_file(assembled)
     storage.promote(assembled, key)
+    batch.durable()  # the last pages are checkpointed by the publishing transaction
     state = State.PARTIAL if failed else State.SUCCEEDED
     won = _db_retry(
         lambda: execution.conversion_job_publish(
