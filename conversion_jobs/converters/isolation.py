@@ -409,6 +409,8 @@ def kill_process_group(pgid: int, *, leader: ForkedProcess | None = None) -> Non
         pass
     if leader is not None:
         leader.wait()
+    if not _group_exists(pgid):
+        return  # the common case, one syscall: the leader was the group's only process
     give_up = time.monotonic() + GROUP_EXIT_WAIT_S
     while process_group_members(pgid):
         if time.monotonic() > give_up:
@@ -417,6 +419,17 @@ def kill_process_group(pgid: int, *, leader: ForkedProcess | None = None) -> Non
             )
             return
         time.sleep(0.01)
+
+
+def _group_exists(pgid: int) -> bool:
+    """Whether any process, zombies included, is still in group ``pgid`` (signal 0)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def process_group_members(pgid: int) -> list[int]:

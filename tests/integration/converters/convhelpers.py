@@ -72,3 +72,29 @@ class Stopwatch:
 
     def __exit__(self, *exc):
         self.elapsed = time.monotonic() - self.start
+
+
+def convert_page(doc, dest_dir: Path, page: int, *, limits: Limits, fault=None, lookahead=()):
+    """``doc`` = (converter, prepared): one page to text at 72 dpi, optionally with a test
+    fault and the pages the caller will ask for next."""
+    converter, prepared = doc
+    options = {"dpi": 72, **({"_test_fault": fault} if fault else {})}
+    return converter.convert_page(
+        prepared=prepared,
+        page=page,
+        output="text",
+        options=options,
+        dest_dir=dest_dir,
+        limits=limits,
+        should_stop=never,
+        lookahead=lookahead,
+    )
+
+
+def session_of(doc, scratch_dir: Path, *, limits: Limits):
+    """The calling thread's converter session for ``doc`` (a new one if there is none)."""
+    from conversion_jobs.converters import sessions
+
+    return sessions.session_for(
+        document=doc[1].document, scratch_dir=scratch_dir, limits=limits, should_stop=never
+    )

@@ -27,11 +27,6 @@ REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture
-def faults_enabled(monkeypatch):
-    monkeypatch.setenv(TEST_FAULTS_ENV, "1")
-
-
-@pytest.fixture
 def pdf_job(tmp_path):
     source = testdocs.make_pdf(tmp_path / "doc.pdf", pages=10)
     converter, prepared = prepare(source, tmp_path, output="text")

@@ -3,16 +3,14 @@
 import time
 
 import pytest
-from convhelpers import alive, never, prepare
+from convhelpers import alive, convert_page, prepare, session_of
 
 from conversion_jobs.converters import (
-    TEST_FAULTS_ENV,
     ConversionTimeout,
     ConverterCrashed,
     InvalidInput,
     Limits,
     process_group_members,
-    sessions,
     testdocs,
 )
 from conversion_jobs.converters.registry import READ_AHEAD_PAGES
@@ -20,15 +18,7 @@ from conversion_jobs.converters.registry import READ_AHEAD_PAGES
 LIMITS = Limits(page_timeout_s=3, prepare_timeout_s=20)
 
 
-@pytest.fixture(autouse=True)
-def _no_children_left_behind():
-    yield
-    sessions.release_all()
-
-
-@pytest.fixture
-def faults_enabled(monkeypatch):
-    monkeypatch.setenv(TEST_FAULTS_ENV, "1")
+pytestmark = pytest.mark.usefixtures("no_children_left_behind")
 
 
 @pytest.fixture
@@ -37,29 +27,14 @@ def doc(tmp_path):
     return prepare(source, tmp_path / "attempt", output="text", limits=LIMITS)
 
 
-def _page(doc, tmp_path, page, lookahead=(), *, fault=None, output="text"):
-    converter, prepared = doc
-    options = {"dpi": 72, **({"_test_fault": fault} if fault else {})}
-    return converter.convert_page(
-        prepared=prepared,
-        page=page,
-        output=output,
-        options=options,
-        dest_dir=tmp_path / "attempt",
-        limits=LIMITS,
-        should_stop=never,
-        lookahead=lookahead,
+def _page(doc, tmp_path, page, lookahead=(), *, fault=None):
+    return convert_page(
+        doc, tmp_path / "attempt", page, limits=LIMITS, fault=fault, lookahead=lookahead
     )
 
 
 def _session(doc, tmp_path):
-    _converter, prepared = doc
-    return sessions.session_for(
-        document=prepared.document,
-        scratch_dir=tmp_path / "attempt",
-        limits=LIMITS,
-        should_stop=never,
-    )
+    return session_of(doc, tmp_path / "attempt", limits=LIMITS)
 
 
 def test_read_ahead__the_child_converts_the_next_pages_before_they_are_asked_for(doc, tmp_path):

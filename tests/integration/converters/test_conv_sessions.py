@@ -8,7 +8,6 @@ import pytest
 from convhelpers import alive, never, prepare
 
 from conversion_jobs.converters import (
-    TEST_FAULTS_ENV,
     ConversionTimeout,
     ConverterCrashed,
     InvalidInput,
@@ -22,15 +21,7 @@ from conversion_jobs.converters import (
 LIMITS = Limits(page_timeout_s=10, prepare_timeout_s=20)
 
 
-@pytest.fixture(autouse=True)
-def _no_children_left_behind():
-    yield
-    sessions.release_all()
-
-
-@pytest.fixture
-def faults_enabled(monkeypatch):
-    monkeypatch.setenv(TEST_FAULTS_ENV, "1")
+pytestmark = pytest.mark.usefixtures("no_children_left_behind")
 
 
 @pytest.fixture

@@ -1,0 +1,19 @@
+"""Fixtures shared by the converter integration tests."""
+
+import pytest
+
+from conversion_jobs.converters import TEST_FAULTS_ENV, sessions
+
+
+@pytest.fixture
+def faults_enabled(monkeypatch):
+    """Let ``options["_test_fault"]`` reach the converter child (as QUIRE_ENABLE_TEST_FAULTS=1
+    does in a worker)."""
+    monkeypatch.setenv(TEST_FAULTS_ENV, "1")
+
+
+@pytest.fixture
+def no_children_left_behind():
+    """End every converter session, spare and the fork server after the test."""
+    yield
+    sessions.release_all()
