@@ -32,7 +32,6 @@ import select
 import shutil
 import signal
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -42,7 +41,7 @@ from typing import IO
 
 from .base import EXIT_OUT_OF_MEMORY, Limits
 from .errors import ConversionStopped, ConversionTimeout, ConverterCrashed, error_from_code
-from .zygote import ZygoteClient, ZygoteGone
+from .zygote import ForkedProcess, spawn
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +49,6 @@ logger = logging.getLogger(__name__)
 TEST_FAULTS_ENV = "QUIRE_ENABLE_TEST_FAULTS"
 POLL_MAX_S = 0.1
 GROUP_EXIT_WAIT_S = 5.0
-_REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_fault_from(options: dict | None) -> dict | None:
@@ -59,108 +57,6 @@ def test_fault_from(options: dict | None) -> dict | None:
         return None
     fault = options.get("_test_fault")
     return dict(fault) if isinstance(fault, dict) else None
-
-
-def _child_env() -> dict[str, str]:
-    # The child sees none of the worker's secrets (database URL, broker credentials, keys).
-    # HOME and TMPDIR become its private directory at setup.
-    return {
-        "PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
-        "PYTHONPATH": str(_REPO_ROOT),
-        "PYTHONDONTWRITEBYTECODE": "1",
-        "HOME": "/nonexistent",
-        "LANG": "C.UTF-8",
-        "OMP_THREAD_LIMIT": "1",
-    }
-
-
-class ForkedProcess:
-    """A converter child forked by the zygote: the parts of ``Popen`` that ChildSession uses.
-    The zygote is its parent, so waiting for it goes through the zygote (``reap``)."""
-
-    def __init__(self, *, pid: int, zygote: ZygoteClient, stdin: IO[bytes], stdout: IO[bytes]):
-        self.pid, self._zygote = pid, zygote
-        self.stdin: IO[bytes] | None = stdin
-        self.stdout: IO[bytes] | None = stdout
-        self.returncode: int | None = None
-
-    def exited(self) -> bool:
-        """True once the process has ended (a zombie or gone), without reaping it."""
-        if self.returncode is not None:
-            return True
-        try:
-            with open(f"/proc/{self.pid}/stat", "rb") as fh:
-                stat = fh.read()
-        except OSError:
-            return True
-        return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] in (b"Z", b"X")
-
-    def wait(self) -> int:
-        """Wait for the process to end and reap it (call after it was killed)."""
-        if self.returncode is None:
-            try:
-                returncode = self._zygote.reap(self.pid)
-            except ZygoteGone:
-                returncode = None  # its children were re-parented; they kill their own groups
-            if returncode is None:
-                while not self.exited():
-                    time.sleep(0.01)
-                returncode = -signal.SIGKILL
-            self.returncode = returncode
-        return self.returncode
-
-
-_zygote_lock = threading.Lock()
-_zygote: ZygoteClient | None = None
-_zygote_pid = 0
-
-
-def zygote() -> ZygoteClient:
-    """This process's fork server, started on first use and again if it died."""
-    global _zygote, _zygote_pid
-    with _zygote_lock:
-        if _zygote is None or _zygote_pid != os.getpid() or not _zygote.alive():
-            if _zygote is not None and _zygote_pid == os.getpid():
-                _zygote.close()
-            _zygote, _zygote_pid = ZygoteClient(env=_child_env()), os.getpid()
-        return _zygote
-
-
-def stop_zygote() -> None:
-    """End this process's fork server (at exit)."""
-    global _zygote
-    with _zygote_lock:
-        if _zygote is not None and _zygote_pid == os.getpid():
-            _zygote.close()
-        _zygote = None
-
-
-def _spawn(*, stderr: int) -> ForkedProcess:
-    """Fork a fresh converter child from the zygote, with new pipes for its stdin and stdout."""
-    child_in, parent_out = os.pipe()
-    parent_in, child_out = os.pipe()
-    try:
-        for tries_left in (1, 0):
-            server = zygote()
-            try:
-                pid = server.spawn(stdin=child_in, stdout=child_out, stderr=stderr)
-                break
-            except ZygoteGone:
-                if not tries_left:
-                    raise ConverterCrashed("the converter fork server is not available") from None
-    except BaseException:
-        os.close(parent_out)
-        os.close(parent_in)
-        raise
-    finally:
-        os.close(child_in)
-        os.close(child_out)
-    return ForkedProcess(
-        pid=pid,
-        zygote=server,
-        stdin=os.fdopen(parent_out, "wb", buffering=0),
-        stdout=os.fdopen(parent_in, "rb", buffering=0),
-    )
 
 
 class ChildSession:
@@ -173,7 +69,7 @@ class ChildSession:
 
     def __init__(self) -> None:
         self._stderr = tempfile.TemporaryFile()
-        self.proc = _spawn(stderr=self._stderr.fileno())
+        self.proc = spawn(stderr=self._stderr.fileno())
         self.pgid = self.proc.pid
         self.spawned_at = self.last_used = time.monotonic()
         self.limits: Limits | None = None

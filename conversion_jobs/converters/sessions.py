@@ -22,7 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .base import CHILD_IDLE_EXIT_S, Limits
-from .isolation import ChildSession, stop_zygote
+from .isolation import ChildSession
+from .zygote import stop_zygote
 
 MAX_IDLE_S = CHILD_IDLE_EXIT_S / 2
 

@@ -26,6 +26,10 @@ The zygote is single-threaded and ends when its socket reaches end of file (the 
 was killed); its children then see their parent change and kill their own group (the child's
 watchdog). One zygote serves one worker process (``ZygoteClient``); a dead zygote is replaced on
 the next spawn.
+
+Worker side: ``spawn`` forks a child through this process's zygote (``zygote()``, started on
+first use) and returns a ``ForkedProcess``, the Popen-like handle ``isolation.ChildSession``
+uses; ``stop_zygote`` ends it at exit. The server side never imports Django.
 """
 
 from __future__ import annotations
@@ -39,8 +43,14 @@ import socket
 import subprocess
 import sys
 import threading
+import time
+from pathlib import Path
+from typing import IO
+
+from .errors import ConverterCrashed
 
 _MAX_MESSAGE = 4096
+_REPO_ROOT = Path(__file__).resolve().parents[2]
 #: A zygote that does not answer within this time is killed and replaced (a stuck fork server
 #: must not hang an attempt whose heartbeat would keep its lease alive).
 ANSWER_TIMEOUT_S = 10.0
@@ -188,6 +198,108 @@ class ZygoteClient:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+def _child_env() -> dict[str, str]:
+    # The child sees none of the worker's secrets (database URL, broker credentials, keys).
+    # HOME and TMPDIR become its private directory at setup.
+    return {
+        "PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"),
+        "PYTHONPATH": str(_REPO_ROOT),
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "HOME": "/nonexistent",
+        "LANG": "C.UTF-8",
+        "OMP_THREAD_LIMIT": "1",
+    }
+
+
+class ForkedProcess:
+    """A converter child forked by the zygote: the parts of ``Popen`` that ChildSession uses.
+    The zygote is its parent, so waiting for it goes through the zygote (``reap``)."""
+
+    def __init__(self, *, pid: int, zygote: ZygoteClient, stdin: IO[bytes], stdout: IO[bytes]):
+        self.pid, self._zygote = pid, zygote
+        self.stdin: IO[bytes] | None = stdin
+        self.stdout: IO[bytes] | None = stdout
+        self.returncode: int | None = None
+
+    def exited(self) -> bool:
+        """True once the process has ended (a zombie or gone), without reaping it."""
+        if self.returncode is not None:
+            return True
+        try:
+            with open(f"/proc/{self.pid}/stat", "rb") as fh:
+                stat = fh.read()
+        except OSError:
+            return True
+        return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] in (b"Z", b"X")
+
+    def wait(self) -> int:
+        """Wait for the process to end and reap it (call after it was killed)."""
+        if self.returncode is None:
+            try:
+                returncode = self._zygote.reap(self.pid)
+            except ZygoteGone:
+                returncode = None  # its children were re-parented; they kill their own groups
+            if returncode is None:
+                while not self.exited():
+                    time.sleep(0.01)
+                returncode = -signal.SIGKILL
+            self.returncode = returncode
+        return self.returncode
+
+
+_zygote_lock = threading.Lock()
+_zygote: ZygoteClient | None = None
+_zygote_pid = 0
+
+
+def zygote() -> ZygoteClient:
+    """This process's fork server, started on first use and again if it died."""
+    global _zygote, _zygote_pid
+    with _zygote_lock:
+        if _zygote is None or _zygote_pid != os.getpid() or not _zygote.alive():
+            if _zygote is not None and _zygote_pid == os.getpid():
+                _zygote.close()
+            _zygote, _zygote_pid = ZygoteClient(env=_child_env()), os.getpid()
+        return _zygote
+
+
+def stop_zygote() -> None:
+    """End this process's fork server (at exit)."""
+    global _zygote
+    with _zygote_lock:
+        if _zygote is not None and _zygote_pid == os.getpid():
+            _zygote.close()
+        _zygote = None
+
+
+def spawn(*, stderr: int) -> ForkedProcess:
+    """Fork a fresh converter child from the zygote, with new pipes for its stdin and stdout."""
+    child_in, parent_out = os.pipe()
+    parent_in, child_out = os.pipe()
+    try:
+        for tries_left in (1, 0):
+            server = zygote()
+            try:
+                pid = server.spawn(stdin=child_in, stdout=child_out, stderr=stderr)
+                break
+            except ZygoteGone:
+                if not tries_left:
+                    raise ConverterCrashed("the converter fork server is not available") from None
+    except BaseException:
+        os.close(parent_out)
+        os.close(parent_in)
+        raise
+    finally:
+        os.close(child_in)
+        os.close(child_out)
+    return ForkedProcess(
+        pid=pid,
+        zygote=server,
+        stdin=os.fdopen(parent_out, "wb", buffering=0),
+        stdout=os.fdopen(parent_in, "rb", buffering=0),
+    )
 
 
 def main(argv: list[str]) -> int:

@@ -1,8 +1,10 @@
 """Runs one claimed attempt page by page (DESIGN.md §7.2-7.4).
 
-The worker thread converts; a heartbeat thread extends the lease every ``HEARTBEAT_S`` and
-raises the stop flag when the job is being cancelled or the lease is lost. Converters check the
-flag while their child process runs and kill its process group when it is set.
+The worker thread converts; a heartbeat thread (``heartbeat.py``) extends the lease and raises
+the stop flag when the job is being cancelled or the lease is lost. Converters check the flag
+while their child process runs and kill its process group when it is set. Finished pages go to
+a ``CheckpointBatch`` (``checkpoints.py``); database calls are retried across a Postgres restart
+(``db_retry.py``).
 """
 
 from __future__ import annotations
@@ -11,29 +13,26 @@ import logging
 import os
 import shutil
 import socket
-import threading
-import time
 import uuid
-from collections.abc import Callable
-from concurrent.futures import Future, wait
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from django.conf import settings
-from django.db import InterfaceError, OperationalError, close_old_connections, connection
+from django.db import close_old_connections
 
 from conversion_jobs import converters, storage
 from conversion_jobs.converters import ConversionError, ConversionStopped, Limits
 from conversion_jobs.models import ConversionJob, PageCheckpoint, PageState
 from conversion_jobs.observability import tracing
 from conversion_jobs.services import execution
-from conversion_jobs.services.execution import HeartbeatResult, Lease, LeaseLost
+from conversion_jobs.services.checkpoints import CheckpointBatch
+from conversion_jobs.services.db_retry import DB_ERRORS, db_retry, lease_ttl_s
+from conversion_jobs.services.execution import Lease, LeaseLost
+from conversion_jobs.services.heartbeat import Heartbeat
 from conversion_jobs.states import State
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
-DB_ERRORS = (OperationalError, InterfaceError)
 #: How many of the next pages the converter is told about (it may convert some of them early).
 LOOKAHEAD_PAGES = 64
 
@@ -46,76 +45,11 @@ def limits_from_settings() -> Limits:
     return Limits(**settings.QUIRE.get("CONVERTER_LIMITS", {}))
 
 
-class StopReason:
-    CANCELLED = "cancelled"
-    LOST = "lost"
-
-
-class Heartbeat(threading.Thread):
-    """Extends the lease; sets ``stop`` with a reason when it must end."""
-
-    def __init__(self, lease: Lease) -> None:
-        super().__init__(name=f"heartbeat-{lease.job_id}", daemon=True)
-        self.lease = lease
-        self.stop = threading.Event()
-        self.reason: str | None = None
-        self._done = threading.Event()
-        self._last_ok = time.monotonic()
-
-    def halt(self, reason: str) -> None:
-        if self.reason is None:
-            self.reason = reason
-        self.stop.set()
-
-    def run(self) -> None:
-        interval = settings.QUIRE["HEARTBEAT_S"]
-        try:
-            while not self._done.wait(interval):
-                try:
-                    result = execution.lease_heartbeat(lease=self.lease)
-                except DB_ERRORS:
-                    connection.close()
-                    # Without the database we cannot prove the lease; past its TTL it is gone.
-                    if time.monotonic() - self._last_ok > settings.QUIRE["LEASE_S"]:
-                        self.halt(StopReason.LOST)
-                        return
-                    continue
-                self._last_ok = time.monotonic()
-                if result == HeartbeatResult.CANCELLING:
-                    self.halt(StopReason.CANCELLED)
-                    return
-                if result == HeartbeatResult.LOST:
-                    self.halt(StopReason.LOST)
-                    return
-        finally:
-            connection.close()
-
-    def finish(self) -> None:
-        self._done.set()
-        self.join(timeout=5)
-
-
-def _db_retry(fn: Callable[[], T], *, deadline_s: float) -> T:
-    """Run ``fn``; on a lost database connection reconnect and try again until the deadline
-    (the lease TTL): a Postgres restart is a pause, not a failure."""
-    deadline = time.monotonic() + deadline_s
-    delay = 0.2
-    while True:
-        try:
-            return fn()
-        except DB_ERRORS:
-            connection.close()
-            if time.monotonic() + delay > deadline:
-                raise
-            time.sleep(delay)
-            delay = min(delay * 2, 2.0)
-
-
 def conversion_job_execute(*, job_id: uuid.UUID, generation: int) -> str:
     """Claim and run one delivery. Returns what happened (for logs and tests): ``duplicate``,
     ``succeeded``, ``partial``, ``failed``, ``retry_wait``, ``cancelled`` or ``lost``."""
     close_old_connections()
-    claim = _db_retry(
+    claim = db_retry(
         lambda: execution.conversion_job_claim(
             job_id=job_id, generation=generation, worker=worker_identity()
         ),
@@ -142,10 +76,6 @@ def conversion_job_execute(*, job_id: uuid.UUID, generation: int) -> str:
             pass
 
 
-def _ttl() -> float:
-    return float(settings.QUIRE["LEASE_S"])
-
-
 def _run(*, lease: Lease, job: ConversionJob, heartbeat: Heartbeat, workdir: Path) -> str:
     try:
         return _convert(lease=lease, job=job, heartbeat=heartbeat, workdir=workdir)
@@ -154,14 +84,14 @@ def _run(*, lease: Lease, job: ConversionJob, heartbeat: Heartbeat, workdir: Pat
     except ConversionError as exc:
         code = exc.code
         if exc.retryable:
-            state = _db_retry(
+            state = db_retry(
                 lambda: execution.conversion_job_retry_later(lease=lease, code=code),
-                deadline_s=_ttl(),
+                deadline_s=lease_ttl_s(),
             )
             return str(state) if state else _stopped(lease=lease)
-        won = _db_retry(
+        won = db_retry(
             lambda: execution.conversion_job_fail(lease=lease, code=code, detail=code),
-            deadline_s=_ttl(),
+            deadline_s=lease_ttl_s(),
         )
         return "failed" if won else _stopped(lease=lease)
     except DB_ERRORS:
@@ -169,21 +99,21 @@ def _run(*, lease: Lease, job: ConversionJob, heartbeat: Heartbeat, workdir: Pat
         return "lost"
     except OSError:
         log.warning("storage error during conversion", exc_info=False)
-        state = _db_retry(
+        state = db_retry(
             lambda: execution.conversion_job_retry_later(lease=lease, code="storage_error"),
-            deadline_s=_ttl(),
+            deadline_s=lease_ttl_s(),
         )
         return str(state) if state else _stopped(lease=lease)
 
 
 def _stopped(*, lease: Lease) -> str:
     """The attempt stops: cancelled (we still hold the lease of a CANCELLING job) or lost."""
-    state = _db_retry(lambda: execution.job_state_under_lease(lease=lease), deadline_s=_ttl())
-    if state == State.CANCELLING and _db_retry(
-        lambda: execution.conversion_job_finish_cancel(lease=lease), deadline_s=_ttl()
+    state = db_retry(lambda: execution.job_state_under_lease(lease=lease), deadline_s=lease_ttl_s())
+    if state == State.CANCELLING and db_retry(
+        lambda: execution.conversion_job_finish_cancel(lease=lease), deadline_s=lease_ttl_s()
     ):
         return "cancelled"
-    _db_retry(lambda: execution.attempt_record_lease_lost(lease=lease), deadline_s=_ttl())
+    db_retry(lambda: execution.attempt_record_lease_lost(lease=lease), deadline_s=lease_ttl_s())
     return "lost"
 
 
@@ -214,81 +144,6 @@ def _options_for_attempt(options: dict[str, Any], lease: Lease) -> dict[str, Any
     return options
 
 
-class CheckpointBatch:
-    """Finished pages waiting for their fenced checkpoint write. Writing one transaction per
-    page made the commit (a WAL flush) the cost of a text page; a batch is written when it holds
-    ``MAX_PAGES`` pages or its oldest page has waited ``MAX_WAIT_S``, always before a failed page
-    or an error, and the last batch inside the publishing transaction. A crash loses at most one
-    batch, which a resumed attempt converts again; a page is never skipped unless its checkpoint
-    committed. Page files are renamed into storage at once and ``fsync``ed on background threads;
-    every one of them, and their directory, is on disk before their checkpoints are written
-    (``durable``). Artifacts of pages that never got their checkpoint are deleted on the way out,
-    so nothing is orphaned."""
-
-    MAX_PAGES = 256
-    MAX_WAIT_S = 0.25
-
-    def __init__(self, lease: Lease, checkpoints: dict[int, Any]) -> None:
-        self.lease, self.checkpoints = lease, checkpoints
-        self.pending: list[PageCheckpoint] = []
-        self.syncs: list[Future] = []
-        self.directories: set[Path] = set()
-        self.since = 0.0
-
-    def __enter__(self) -> CheckpointBatch:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for future in self.syncs:
-            future.cancel()
-        wait(self.syncs)
-        self.syncs = []
-        for checkpoint in self.pending:  # never recorded: leave no artifact behind
-            storage.delete(checkpoint.artifact_key or "")
-        self.pending = []
-
-    def add(self, checkpoint: PageCheckpoint, placed: Path) -> None:
-        """``checkpoint``'s artifact has been placed at ``placed``; its fsync starts now."""
-        if not self.pending:
-            self.since = time.monotonic()
-        self.pending.append(checkpoint)
-        self.syncs.append(storage.sync_later(placed))
-        self.directories.add(placed.parent)
-
-    def durable(self) -> None:
-        """Wait until every pending page file and its directory entry is on disk (an OSError
-        here is a storage error: nothing gets recorded)."""
-        syncs, self.syncs = self.syncs, []
-        for future in syncs:
-            future.result()
-        for directory in sorted(self.directories):
-            storage.fsync_dir(directory)
-        self.directories = set()
-
-    def flush_if_due(self) -> None:
-        if len(self.pending) >= self.MAX_PAGES or (
-            self.pending and time.monotonic() - self.since >= self.MAX_WAIT_S
-        ):
-            self.flush()
-
-    def flush(self) -> None:
-        if not self.pending:
-            return
-        self.durable()
-        batch = list(self.pending)
-        _db_retry(
-            lambda: execution.page_checkpoints_record(lease=self.lease, checkpoints=batch),
-            deadline_s=_ttl(),
-        )
-        self.written()
-
-    def written(self) -> None:
-        """The pending checkpoints committed (here or in the publishing transaction)."""
-        for checkpoint in self.pending:
-            self.checkpoints[checkpoint.page_number] = checkpoint
-        self.pending = []
-
-
 def _convert(*, lease: Lease, job: ConversionJob, heartbeat: Heartbeat, workdir: Path) -> str:
     """``job``: the row as the claim read it back (options, source, output never change)."""
     options = _options_for_attempt(job.options, lease)
@@ -303,18 +158,18 @@ def _convert(*, lease: Lease, job: ConversionJob, heartbeat: Heartbeat, workdir:
         should_stop=stop,
     )
     if job.source_page_count != prepared.page_count:
-        _db_retry(
+        db_retry(
             lambda: execution.conversion_job_record_page_count(
                 lease=lease, page_count=prepared.page_count
             ),
-            deadline_s=_ttl(),
+            deadline_s=lease_ttl_s(),
         )
     pages = _selected_pages(job.options, prepared.page_count)
     checkpoints = (
         {}
         if lease.first_run
-        else _db_retry(
-            lambda: execution.page_checkpoints_done(job_id=lease.job_id), deadline_s=_ttl()
+        else db_retry(
+            lambda: execution.page_checkpoints_done(job_id=lease.job_id), deadline_s=lease_ttl_s()
         )
     )
     page_budget = settings.QUIRE["PAGE_MAX_ATTEMPTS"]
@@ -434,8 +289,8 @@ def _convert_pages(
 
 
 def _checkpoint(lease: Lease, **values: Any) -> Any:
-    return _db_retry(
-        lambda: execution.page_checkpoint_record(lease=lease, **values), deadline_s=_ttl()
+    return db_retry(
+        lambda: execution.page_checkpoint_record(lease=lease, **values), deadline_s=lease_ttl_s()
     )
 
 
@@ -462,11 +317,11 @@ def _finalize(
     if failed and (not done or not job.options.get("allow_partial", True)):
         batch.flush()
         code = checkpoints[failed[0]].error_code or "page_failed"
-        won = _db_retry(
+        won = db_retry(
             lambda: execution.conversion_job_fail(
                 lease=lease, code=code, detail=f"{len(failed)} page(s) failed"
             ),
-            deadline_s=_ttl(),
+            deadline_s=lease_ttl_s(),
         )
         return "failed" if won else _stopped(lease=lease)
     assembled = workdir / "result.out"
@@ -480,7 +335,7 @@ def _finalize(
     storage.promote(assembled, key)
     batch.durable()  # the last pages are checkpointed by the publishing transaction
     state = State.PARTIAL if failed else State.SUCCEEDED
-    won = _db_retry(
+    won = db_retry(
         lambda: execution.conversion_job_publish(
             lease=lease,
             state=state,
@@ -492,7 +347,7 @@ def _finalize(
             pages_failed=len(failed),
             checkpoints=list(pending.values()),
         ),
-        deadline_s=_ttl(),
+        deadline_s=lease_ttl_s(),
     )
     if won:
         batch.written()

@@ -222,11 +222,11 @@ def test_libreoffice__timeout_leaves_no_process(tmp_path):
 def test_fork_server__a_stuck_zygote_is_replaced(tmp_path, monkeypatch):
     """A fork server that stops answering must not hang an attempt: it is killed after
     ANSWER_TIMEOUT_S and the child comes from a new one."""
-    from conversion_jobs.converters import isolation, zygote
+    from conversion_jobs.converters import zygote
 
     monkeypatch.setattr(zygote, "ANSWER_TIMEOUT_S", 1.0)
-    isolation.stop_zygote()
-    first = isolation.zygote()
+    zygote.stop_zygote()
+    first = zygote.zygote()
     os.kill(first.proc.pid, signal.SIGSTOP)
     try:
         started = time.monotonic()
@@ -238,7 +238,7 @@ def test_fork_server__a_stuck_zygote_is_replaced(tmp_path, monkeypatch):
         if first.proc.poll() is None:
             os.kill(first.proc.pid, signal.SIGCONT)
     assert first.proc.poll() is not None  # the stuck one was killed
-    second = isolation.zygote()
+    second = zygote.zygote()
     assert second is not first and second.alive()
     assert info["pgid"] == info["pid"] != first.proc.pid
-    isolation.stop_zygote()
+    zygote.stop_zygote()
