@@ -1,6 +1,7 @@
 """Artifact storage on a filesystem shared by web and workers (a local disk, NFS, or a mounted
-bucket). Every write goes to a temporary file in the same directory tree and is renamed into
-place, so a reader never sees half a file and a crash never leaves one under a real key.
+bucket). Every file is written elsewhere first and renamed onto its key, so a reader never sees
+half a file: ``promote`` fsyncs before the rename; ``place`` (page files) renames at once and
+leaves the fsync to the caller (``sync_later``, ``fsync_dir``) before the key is recorded.
 
 Keys:
 * ``sources/ab/<sha256>`` — content-addressed uploads (a retried upload reuses its key);

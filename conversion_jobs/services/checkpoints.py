@@ -1,17 +1,125 @@
-"""Page checkpoints of a running attempt, written in batches (DESIGN.md §7.4)."""
+"""Page checkpoints of a running attempt (DESIGN.md §7.4): the fenced writes and reads of
+``page_checkpoint``, and the batch the runner fills page by page."""
 
 from __future__ import annotations
 
 import time
+import uuid
 from concurrent.futures import Future, wait
 from pathlib import Path
 from typing import Any
 
+from django.db import transaction
+from django.db.models import Count, F, Subquery
+from django.db.models.functions import Now
+
 from conversion_jobs import storage
-from conversion_jobs.models import PageCheckpoint
-from conversion_jobs.services import execution
+from conversion_jobs.models import PageCheckpoint, PageState
+from conversion_jobs.observability import metrics
+from conversion_jobs.services.audit import audit_event_append
 from conversion_jobs.services.db_retry import db_retry, lease_ttl_s
-from conversion_jobs.services.execution import Lease
+from conversion_jobs.services.leases import Lease, LeaseLost, fenced
+
+
+def page_checkpoints_done(*, job_id: uuid.UUID) -> dict[int, PageCheckpoint]:
+    return {p.page_number: p for p in PageCheckpoint.objects.filter(job_id=job_id)}
+
+
+def page_checkpoint_record(
+    *,
+    lease: Lease,
+    page: int,
+    state: PageState,
+    attempts: int,
+    artifact_key: str | None = None,
+    artifact_sha256: str | None = None,
+    artifact_size: int | None = None,
+    media_type: str | None = None,
+    error_code: str | None = None,
+) -> PageCheckpoint:
+    """Fenced upsert of one page's checkpoint (``attempts``: tries spent on this page so far)."""
+    checkpoint = PageCheckpoint(
+        job_id=lease.job_id,
+        page_number=page,
+        state=state,
+        attempts=attempts,
+        artifact_key=artifact_key,
+        artifact_sha256=artifact_sha256,
+        artifact_size=artifact_size,
+        media_type=media_type,
+        error_code=error_code,
+        generation=lease.generation,
+    )
+    page_checkpoints_record(lease=lease, checkpoints=[checkpoint])
+    return checkpoint
+
+
+def page_checkpoints_record(*, lease: Lease, checkpoints: list[PageCheckpoint]) -> None:
+    """Fenced upsert of a batch of page checkpoints, in three round trips: the guarded UPDATE
+    on the job row (it takes the row lock first, so a recovery or a cancel that commits before
+    us makes it match zero rows: LeaseLost, nothing written), one upsert, COMMIT."""
+    with transaction.atomic():
+        if not fenced(lease).update(updated_at=Now(), **page_counters(checkpoints)):
+            raise LeaseLost()
+        checkpoints_upsert(lease, checkpoints)
+    for checkpoint in checkpoints:
+        metrics.PAGES.labels(outcome=checkpoint.state).inc()
+
+
+def page_counters(checkpoints: list[PageCheckpoint]) -> dict[str, Any]:
+    """The job row's page counters moved by ``checkpoints`` (for its guarded UPDATE)."""
+    done = sum(1 for c in checkpoints if c.state == PageState.DONE)
+    failed = sum(1 for c in checkpoints if c.state == PageState.FAILED)
+    counters: dict[str, Any] = {}
+    if done:
+        counters["pages_done"] = F("pages_done") + done
+    if failed:
+        counters["pages_failed"] = F("pages_failed") + failed
+    return counters
+
+
+def checkpoints_upsert(lease: Lease, checkpoints: list[PageCheckpoint]) -> None:
+    """The upsert and the audit events of failed pages; the caller holds the fenced row."""
+    PageCheckpoint.objects.bulk_create(
+        checkpoints,
+        update_conflicts=True,
+        unique_fields=["job", "page_number"],
+        update_fields=[*CHECKPOINT_FIELDS, "updated_at"],
+    )
+    for checkpoint in checkpoints:
+        if checkpoint.state == PageState.FAILED:
+            audit_event_append(
+                job_id=lease.job_id,
+                event_type="page_failed",
+                generation=lease.generation,
+                attempt_id=lease.attempt_id,
+                details={"page": checkpoint.page_number, "code": checkpoint.error_code},
+                lock_job=False,
+            )
+
+
+CHECKPOINT_FIELDS = [
+    "state",
+    "attempts",
+    "artifact_key",
+    "artifact_sha256",
+    "artifact_size",
+    "media_type",
+    "error_code",
+    "generation",
+]
+
+
+def pages_converted_by(*, job_id: Any, generation: Any) -> Subquery:
+    """Pages an attempt checkpointed as done (one attempt per generation, so the generation
+    stamped on the checkpoint names the attempt): computed when the attempt closes rather than
+    counted with an extra UPDATE per page."""
+    return Subquery(
+        PageCheckpoint.objects.filter(job_id=job_id, generation=generation, state=PageState.DONE)
+        .values("job_id")
+        .annotate(n=Count("id"))
+        .values("n")[:1]
+    )
 
 
 class CheckpointBatch:
@@ -77,7 +185,7 @@ class CheckpointBatch:
         self.durable()
         batch = list(self.pending)
         db_retry(
-            lambda: execution.page_checkpoints_record(lease=self.lease, checkpoints=batch),
+            lambda: page_checkpoints_record(lease=self.lease, checkpoints=batch),
             deadline_s=lease_ttl_s(),
         )
         self.written()

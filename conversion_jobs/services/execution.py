@@ -10,12 +10,11 @@ from __future__ import annotations
 import logging
 import uuid
 from dataclasses import dataclass
-from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Count, F, Subquery
+from django.db.models import F
 from django.db.models.functions import Coalesce, Now
 from django.utils import timezone
 
@@ -26,32 +25,20 @@ from conversion_jobs.models import (
     ConversionAttempt,
     ConversionJob,
     PageCheckpoint,
-    PageState,
     WorkerLease,
 )
 from conversion_jobs.observability import metrics
 from conversion_jobs.retry_policy import backoff_delay
 from conversion_jobs.services.audit import audit_event_append
+from conversion_jobs.services.checkpoints import (
+    checkpoints_upsert,
+    page_counters,
+    pages_converted_by,
+)
+from conversion_jobs.services.leases import Lease, LeaseLost, fenced, lease_ttl
 from conversion_jobs.states import State
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Lease:
-    """What a worker holds while it runs one generation of one job."""
-
-    job_id: uuid.UUID
-    generation: int
-    token: uuid.UUID
-    attempt_id: int
-    attempt_number: int
-    started_at: datetime | None = None
-
-    @property
-    def first_run(self) -> bool:
-        """The job's very first attempt: no page can have a checkpoint yet."""
-        return self.generation == 1 and self.attempt_number == 1
 
 
 @dataclass(frozen=True)
@@ -60,23 +47,6 @@ class Claim:
 
     lease: Lease
     job: ConversionJob
-
-
-class LeaseLost(Exception):
-    """A fenced write matched no row: the lease is gone (expired, recovered, or cancelled)."""
-
-
-def _lease_ttl() -> timedelta:
-    return timedelta(seconds=settings.QUIRE["LEASE_S"])
-
-
-def _fenced(lease: Lease, *states: State) -> Any:
-    return ConversionJob.objects.filter(
-        id=lease.job_id,
-        generation=lease.generation,
-        lease_token=lease.token,
-        state__in=list(states or (State.RUNNING,)),
-    )
 
 
 def conversion_job_claim(*, job_id: uuid.UUID, generation: int, worker: str) -> Claim | None:
@@ -120,7 +90,7 @@ def conversion_job_claim(*, job_id: uuid.UUID, generation: int, worker: str) -> 
                     generation=generation,
                     attempt=attempt,
                     token=token,
-                    expires_at=now + _lease_ttl(),
+                    expires_at=now + lease_ttl(),
                 )
             ],
             update_conflicts=True,
@@ -140,153 +110,10 @@ def conversion_job_claim(*, job_id: uuid.UUID, generation: int, worker: str) -> 
     return Claim(lease, job)
 
 
-class HeartbeatResult:
-    OK = "ok"
-    CANCELLING = "cancelling"
-    LOST = "lost"
-
-
-def lease_heartbeat(*, lease: Lease) -> str:
-    """Extend the lease if it is still ours and unexpired. Returns OK, CANCELLING (still ours,
-    but the job must stop and end cancelled) or LOST."""
-    now = timezone.now()
-    with transaction.atomic():
-        extended = WorkerLease.objects.filter(
-            job_id=lease.job_id, token=lease.token, generation=lease.generation, expires_at__gt=now
-        ).update(expires_at=now + _lease_ttl())
-        if not extended:
-            return HeartbeatResult.LOST
-        state = (
-            ConversionJob.objects.filter(
-                id=lease.job_id, generation=lease.generation, lease_token=lease.token
-            )
-            .values_list("state", flat=True)
-            .first()
-        )
-        ConversionAttempt.objects.filter(id=lease.attempt_id).update(heartbeat_at=now)
-    if state == State.RUNNING:
-        return HeartbeatResult.OK
-    if state == State.CANCELLING:
-        return HeartbeatResult.CANCELLING
-    return HeartbeatResult.LOST
-
-
-def job_state_under_lease(*, lease: Lease) -> str | None:
-    """The job's state if this lease still holds it, else None."""
-    return (
-        ConversionJob.objects.filter(
-            id=lease.job_id, generation=lease.generation, lease_token=lease.token
-        )
-        .values_list("state", flat=True)
-        .first()
-    )
-
-
 def conversion_job_record_page_count(*, lease: Lease, page_count: int) -> None:
     """Fenced: remember how many pages the document has (RUNNING only)."""
-    if not _fenced(lease).update(source_page_count=page_count, updated_at=Now()):
+    if not fenced(lease).update(source_page_count=page_count, updated_at=Now()):
         raise LeaseLost()
-
-
-def page_checkpoints_done(*, job_id: uuid.UUID) -> dict[int, PageCheckpoint]:
-    return {p.page_number: p for p in PageCheckpoint.objects.filter(job_id=job_id)}
-
-
-def page_checkpoint_record(
-    *,
-    lease: Lease,
-    page: int,
-    state: PageState,
-    attempts: int,
-    artifact_key: str | None = None,
-    artifact_sha256: str | None = None,
-    artifact_size: int | None = None,
-    media_type: str | None = None,
-    error_code: str | None = None,
-) -> PageCheckpoint:
-    """Fenced upsert of one page's checkpoint (``attempts``: tries spent on this page so far)."""
-    checkpoint = PageCheckpoint(
-        job_id=lease.job_id,
-        page_number=page,
-        state=state,
-        attempts=attempts,
-        artifact_key=artifact_key,
-        artifact_sha256=artifact_sha256,
-        artifact_size=artifact_size,
-        media_type=media_type,
-        error_code=error_code,
-        generation=lease.generation,
-    )
-    page_checkpoints_record(lease=lease, checkpoints=[checkpoint])
-    return checkpoint
-
-
-def page_checkpoints_record(*, lease: Lease, checkpoints: list[PageCheckpoint]) -> None:
-    """Fenced upsert of a batch of page checkpoints, in three round trips: the guarded UPDATE
-    on the job row (it takes the row lock first, so a recovery or a cancel that commits before
-    us makes it match zero rows: LeaseLost, nothing written), one upsert, COMMIT."""
-    with transaction.atomic():
-        if not _fenced(lease).update(updated_at=Now(), **_page_counters(checkpoints)):
-            raise LeaseLost()
-        _checkpoints_upsert(lease, checkpoints)
-    for checkpoint in checkpoints:
-        metrics.PAGES.labels(outcome=checkpoint.state).inc()
-
-
-def _page_counters(checkpoints: list[PageCheckpoint]) -> dict[str, Any]:
-    """The job row's page counters moved by ``checkpoints`` (for its guarded UPDATE)."""
-    done = sum(1 for c in checkpoints if c.state == PageState.DONE)
-    failed = sum(1 for c in checkpoints if c.state == PageState.FAILED)
-    counters: dict[str, Any] = {}
-    if done:
-        counters["pages_done"] = F("pages_done") + done
-    if failed:
-        counters["pages_failed"] = F("pages_failed") + failed
-    return counters
-
-
-def _checkpoints_upsert(lease: Lease, checkpoints: list[PageCheckpoint]) -> None:
-    """The upsert and the audit events of failed pages; the caller holds the fenced row."""
-    PageCheckpoint.objects.bulk_create(
-        checkpoints,
-        update_conflicts=True,
-        unique_fields=["job", "page_number"],
-        update_fields=[*CHECKPOINT_FIELDS, "updated_at"],
-    )
-    for checkpoint in checkpoints:
-        if checkpoint.state == PageState.FAILED:
-            audit_event_append(
-                job_id=lease.job_id,
-                event_type="page_failed",
-                generation=lease.generation,
-                attempt_id=lease.attempt_id,
-                details={"page": checkpoint.page_number, "code": checkpoint.error_code},
-                lock_job=False,
-            )
-
-
-CHECKPOINT_FIELDS = [
-    "state",
-    "attempts",
-    "artifact_key",
-    "artifact_sha256",
-    "artifact_size",
-    "media_type",
-    "error_code",
-    "generation",
-]
-
-
-def pages_converted_by(*, job_id: Any, generation: Any) -> Subquery:
-    """Pages an attempt checkpointed as done (one attempt per generation, so the generation
-    stamped on the checkpoint names the attempt): computed when the attempt closes rather than
-    counted with an extra UPDATE per page."""
-    return Subquery(
-        PageCheckpoint.objects.filter(job_id=job_id, generation=generation, state=PageState.DONE)
-        .values("job_id")
-        .annotate(n=Count("id"))
-        .values("n")[:1]
-    )
 
 
 def _close_attempt(*, lease: Lease, outcome: AttemptOutcome, error_code: str | None) -> None:
@@ -330,9 +157,9 @@ def _finish(
     from conversion_jobs.services.cancellation import resolve_cancellations_cancelled
 
     with transaction.atomic():
-        won = _fenced(lease, guard_state).update(
+        won = fenced(lease, guard_state).update(
             **values,
-            **_page_counters(checkpoints or []),
+            **page_counters(checkpoints or []),
             lease_token=None,
             state_version=F("state_version") + 1,
             updated_at=Now(),
@@ -340,7 +167,7 @@ def _finish(
         if not won:
             return False
         if checkpoints:
-            _checkpoints_upsert(lease, checkpoints)
+            checkpoints_upsert(lease, checkpoints)
         _end_lease(lease)
         _close_attempt(lease=lease, outcome=outcome, error_code=error_code)
         if outcome == AttemptOutcome.CANCELLED:
@@ -442,7 +269,7 @@ def conversion_job_retry_later(*, lease: Lease, code: str) -> str | None:
     """RUNNING -> RETRY_WAIT (next_attempt_at = backoff, a Postgres timestamp), or -> FAILED
     ``attempts_exhausted`` when the budget is spent. Fenced; returns the new state or None."""
     with transaction.atomic():
-        row = _fenced(lease).select_for_update().values_list("attempts", "max_attempts").first()
+        row = fenced(lease).select_for_update().values_list("attempts", "max_attempts").first()
         if row is None:
             return None
         attempts, max_attempts = row

@@ -9,9 +9,8 @@ import time
 from django.conf import settings
 from django.db import connection
 
-from conversion_jobs.services import execution
 from conversion_jobs.services.db_retry import DB_ERRORS
-from conversion_jobs.services.execution import HeartbeatResult, Lease
+from conversion_jobs.services.leases import HeartbeatResult, Lease, lease_heartbeat
 
 
 class StopReason:
@@ -40,7 +39,7 @@ class Heartbeat(threading.Thread):
         try:
             while not self._done.wait(interval):
                 try:
-                    result = execution.lease_heartbeat(lease=self.lease)
+                    result = lease_heartbeat(lease=self.lease)
                 except DB_ERRORS:
                     connection.close()
                     # Without the database we cannot prove the lease; past its TTL it is gone.

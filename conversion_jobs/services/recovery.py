@@ -32,8 +32,8 @@ from conversion_jobs.models import (
 from conversion_jobs.observability import metrics
 from conversion_jobs.services.audit import audit_event_append
 from conversion_jobs.services.cancellation import resolve_cancellations_cancelled
+from conversion_jobs.services.checkpoints import pages_converted_by
 from conversion_jobs.services.dispatch import outbox_publish_after_commit
-from conversion_jobs.services.execution import pages_converted_by
 from conversion_jobs.states import State
 
 log = logging.getLogger(__name__)

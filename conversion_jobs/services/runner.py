@@ -25,10 +25,14 @@ from conversion_jobs.converters import ConversionError, ConversionStopped, Limit
 from conversion_jobs.models import ConversionJob, PageCheckpoint, PageState
 from conversion_jobs.observability import tracing
 from conversion_jobs.services import execution
-from conversion_jobs.services.checkpoints import CheckpointBatch
+from conversion_jobs.services.checkpoints import (
+    CheckpointBatch,
+    page_checkpoint_record,
+    page_checkpoints_done,
+)
 from conversion_jobs.services.db_retry import DB_ERRORS, db_retry, lease_ttl_s
-from conversion_jobs.services.execution import Lease, LeaseLost
 from conversion_jobs.services.heartbeat import Heartbeat
+from conversion_jobs.services.leases import Lease, LeaseLost, job_state_under_lease
 from conversion_jobs.states import State
 
 log = logging.getLogger(__name__)
@@ -108,7 +112,7 @@ def _run(*, lease: Lease, job: ConversionJob, heartbeat: Heartbeat, workdir: Pat
 
 def _stopped(*, lease: Lease) -> str:
     """The attempt stops: cancelled (we still hold the lease of a CANCELLING job) or lost."""
-    state = db_retry(lambda: execution.job_state_under_lease(lease=lease), deadline_s=lease_ttl_s())
+    state = db_retry(lambda: job_state_under_lease(lease=lease), deadline_s=lease_ttl_s())
     if state == State.CANCELLING and db_retry(
         lambda: execution.conversion_job_finish_cancel(lease=lease), deadline_s=lease_ttl_s()
     ):
@@ -168,9 +172,7 @@ def _convert(*, lease: Lease, job: ConversionJob, heartbeat: Heartbeat, workdir:
     checkpoints = (
         {}
         if lease.first_run
-        else db_retry(
-            lambda: execution.page_checkpoints_done(job_id=lease.job_id), deadline_s=lease_ttl_s()
-        )
+        else db_retry(lambda: page_checkpoints_done(job_id=lease.job_id), deadline_s=lease_ttl_s())
     )
     page_budget = settings.QUIRE["PAGE_MAX_ATTEMPTS"]
     with CheckpointBatch(lease, checkpoints) as batch:
@@ -289,9 +291,7 @@ def _convert_pages(
 
 
 def _checkpoint(lease: Lease, **values: Any) -> Any:
-    return db_retry(
-        lambda: execution.page_checkpoint_record(lease=lease, **values), deadline_s=lease_ttl_s()
-    )
+    return db_retry(lambda: page_checkpoint_record(lease=lease, **values), deadline_s=lease_ttl_s())
 
 
 def _finalize(

@@ -28,6 +28,7 @@ from conversion_jobs.models import (
     WorkerLease,
 )
 from conversion_jobs.services import execution
+from conversion_jobs.services.leases import Lease
 from conversion_jobs.services.recovery import (
     conversion_jobs_recover_if_lease_expired,
     conversion_jobs_requeue_if_retry_due,
@@ -64,7 +65,7 @@ def _requests(job: ConversionJob) -> list[tuple[str, str, bool]]:
     ]
 
 
-def _claim(job: ConversionJob) -> execution.Lease:
+def _claim(job: ConversionJob) -> Lease:
     claim = execution.conversion_job_claim(job_id=job.id, generation=job.generation, worker="test")
     assert claim is not None
     return claim.lease

@@ -1,0 +1,93 @@
+"""What a worker holds while it runs an attempt, and the fenced reads and writes made under it
+(DESIGN.md §7.3). A fenced statement matches the job row on ``(id, generation, lease_token,
+state)``; zero rows means the lease is gone (expired and recovered, or the job was cancelled)."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from conversion_jobs.models import ConversionAttempt, ConversionJob, WorkerLease
+from conversion_jobs.states import State
+
+
+@dataclass(frozen=True)
+class Lease:
+    """What a worker holds while it runs one generation of one job."""
+
+    job_id: uuid.UUID
+    generation: int
+    token: uuid.UUID
+    attempt_id: int
+    attempt_number: int
+    started_at: datetime | None = None
+
+    @property
+    def first_run(self) -> bool:
+        """The job's very first attempt: no page can have a checkpoint yet."""
+        return self.generation == 1 and self.attempt_number == 1
+
+
+class LeaseLost(Exception):
+    """A fenced write matched no row: the lease is gone (expired, recovered, or cancelled)."""
+
+
+def lease_ttl() -> timedelta:
+    return timedelta(seconds=settings.QUIRE["LEASE_S"])
+
+
+def fenced(lease: Lease, *states: State) -> Any:
+    return ConversionJob.objects.filter(
+        id=lease.job_id,
+        generation=lease.generation,
+        lease_token=lease.token,
+        state__in=list(states or (State.RUNNING,)),
+    )
+
+
+class HeartbeatResult:
+    OK = "ok"
+    CANCELLING = "cancelling"
+    LOST = "lost"
+
+
+def lease_heartbeat(*, lease: Lease) -> str:
+    """Extend the lease if it is still ours and unexpired. Returns OK, CANCELLING (still ours,
+    but the job must stop and end cancelled) or LOST."""
+    now = timezone.now()
+    with transaction.atomic():
+        extended = WorkerLease.objects.filter(
+            job_id=lease.job_id, token=lease.token, generation=lease.generation, expires_at__gt=now
+        ).update(expires_at=now + lease_ttl())
+        if not extended:
+            return HeartbeatResult.LOST
+        state = (
+            ConversionJob.objects.filter(
+                id=lease.job_id, generation=lease.generation, lease_token=lease.token
+            )
+            .values_list("state", flat=True)
+            .first()
+        )
+        ConversionAttempt.objects.filter(id=lease.attempt_id).update(heartbeat_at=now)
+    if state == State.RUNNING:
+        return HeartbeatResult.OK
+    if state == State.CANCELLING:
+        return HeartbeatResult.CANCELLING
+    return HeartbeatResult.LOST
+
+
+def job_state_under_lease(*, lease: Lease) -> str | None:
+    """The job's state if this lease still holds it, else None."""
+    return (
+        ConversionJob.objects.filter(
+            id=lease.job_id, generation=lease.generation, lease_token=lease.token
+        )
+        .values_list("state", flat=True)
+        .first()
+    )
