@@ -252,6 +252,11 @@ class ChildSession:
         )
 
     def _kill(self) -> None:
+        if self.proc.orphaned():
+            # Its fork server is gone: init may already have reaped the child and its pid (our
+            # pgid) may be reused, so it is never signalled; its watchdog kills its own group.
+            self.proc.wait()
+            return
         # The leader is not reaped before killpg, so its pid (= our pgid) cannot be reused.
         kill_process_group(self.pgid, leader=self.proc)
 

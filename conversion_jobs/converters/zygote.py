@@ -54,6 +54,8 @@ _REPO_ROOT = Path(__file__).resolve().parents[2]
 #: A zygote that does not answer within this time is killed and replaced (a stuck fork server
 #: must not hang an attempt whose heartbeat would keep its lease alive).
 ANSWER_TIMEOUT_S = 10.0
+#: How long to wait for a child whose zygote died to end itself (its watchdog polls every 0.25 s).
+ORPHAN_EXIT_WAIT_S = 2.0
 #: How the zygote starts (``-m`` would import this module twice: the package imports it too).
 _ENTRY = "import sys; from conversion_jobs.converters.zygote import main; sys.exit(main(sys.argv))"
 
@@ -234,15 +236,24 @@ class ForkedProcess:
             return True
         return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] in (b"Z", b"X")
 
+    def orphaned(self) -> bool:
+        """Its zygote is gone: the child was re-parented and ends itself (its watchdog)."""
+        return not self._zygote.alive()
+
     def wait(self) -> int:
         """Wait for the process to end and reap it (call after it was killed)."""
         if self.returncode is None:
-            try:
-                returncode = self._zygote.reap(self.pid)
-            except ZygoteGone:
-                returncode = None  # its children were re-parented; they kill their own groups
+            returncode = None
+            if not self.orphaned():
+                try:
+                    returncode = self._zygote.reap(self.pid)
+                except ZygoteGone:
+                    pass
             if returncode is None:
-                while not self.exited():
+                # Re-parented: its watchdog ends it within a second. Bounded, because once init
+                # has reaped it the pid may belong to another process.
+                give_up = time.monotonic() + ORPHAN_EXIT_WAIT_S
+                while not self.exited() and time.monotonic() < give_up:
                     time.sleep(0.01)
                 returncode = -signal.SIGKILL
             self.returncode = returncode

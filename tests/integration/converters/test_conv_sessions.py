@@ -2,6 +2,7 @@
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -186,3 +187,20 @@ def test_session__png_pages_keep_the_child_memory_flat(tmp_path, doc):
         _convert(doc, tmp_path, page, output="png")
     assert _child(doc, tmp_path) == pid
     assert peak_kb(pid) - early < 15_000
+
+
+def test_fork_server_killed__its_child_ends_itself_and_the_next_page_gets_a_new_one(tmp_path, doc):
+    from conversion_jobs.converters import zygote
+
+    pid = _child(doc, tmp_path)
+    server = zygote.zygote()
+    server.proc.kill()
+    server.proc.wait()
+    deadline = time.monotonic() + 3
+    while alive(pid) and time.monotonic() < deadline:  # its watchdog sees the parent gone
+        time.sleep(0.05)
+    assert not alive(pid)
+    artifact = _convert(doc, tmp_path, 2)
+    assert artifact.path.read_text() == "Page 2 of the Quire test document"
+    assert zygote.zygote() is not server
+    assert _child(doc, tmp_path) != pid
