@@ -67,6 +67,24 @@ def procfile_command(name: str) -> str:
     raise KeyError(f"no {name!r} process in the Procfile")
 
 
+def start_procfile(name: str, *, env: dict[str, str], log: Path) -> subprocess.Popen:
+    """The Procfile's ``name`` command, verbatim (bash expands its ``${VAR:-default}``), in its
+    own session, output to ``log``."""
+    with open(log, "wb") as fh:
+        return subprocess.Popen(
+            ["bash", "-c", "exec " + procfile_command(name)],
+            cwd=ROOT,
+            env=env,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def verdict(ok: bool) -> str:
+    return "OK" if ok else "MISSED"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -96,15 +114,7 @@ def gunicorn(
     """The Procfile's ``web`` command, verbatim (bash expands its ``${VAR:-default}``)."""
     port = free_port()
     env = {**env, "QUIRE_BIND": f"127.0.0.1:{port}"}
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(
-            ["bash", "-c", "exec " + procfile_command("web")],
-            cwd=ROOT,
-            env=env,
-            stdout=fh,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    proc = start_procfile("web", env=env, log=log)
     server = Server(proc=proc, port=port, log=log)
     try:
         deadline = time.monotonic() + 60

@@ -334,10 +334,6 @@ def _cpu_row(r: PhaseResult) -> str:
     )
 
 
-def _verdict(ok: bool) -> str:
-    return "OK" if ok else "MISSED"
-
-
 def report(*, baseline: PhaseResult | None, quire: PhaseResult, facts: dict[str, object]) -> None:
     print()
     print(
@@ -371,17 +367,17 @@ def report(*, baseline: PhaseResult | None, quire: PhaseResult, facts: dict[str,
     ratio = accepted / base if base else float("nan")
     print(
         f"accepted jobs/s          {accepted:8.1f}   target >= {TARGETS['accepted_per_s']:.0f}   "
-        f"{_verdict(accepted >= TARGETS['accepted_per_s'])}"
+        f"{c.verdict(accepted >= TARGETS['accepted_per_s'])}"
     )
     print(
         f"p50 / p99 latency (all)  {p50:5.1f} / {p99:5.1f} ms   "
-        f"target p99 <= {TARGETS['p99_ms']:.0f}   {_verdict(p99 <= TARGETS['p99_ms'])}"
+        f"target p99 <= {TARGETS['p99_ms']:.0f}   {c.verdict(p99 <= TARGETS['p99_ms'])}"
     )
     new50, new99 = quire.pct(50, new_only=True), quire.pct(99, new_only=True)
     print(f"p50 / p99 latency (new)  {new50:5.1f} / {new99:5.1f} ms")
     print(
         f"ratio to baseline        {ratio:8.2f}   target >= {TARGETS['ratio']}   "
-        f"{_verdict(ratio >= TARGETS['ratio'])}"
+        f"{c.verdict(ratio >= TARGETS['ratio'])}"
     )
     print(
         f"database: {facts['jobs']} jobs, {facts['unpublished']} outbox rows unpublished; "

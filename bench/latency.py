@@ -161,10 +161,6 @@ def run_load(db_url: str, *, rate: float, duration: float, submitters: int) -> P
     return phase
 
 
-def _verdict(ok: bool) -> str:
-    return "OK" if ok else "MISSED"
-
-
 def report(phases: list[Phase], *, load: str, concurrency: str) -> None:
     pct = c.percentile
     print()
@@ -200,11 +196,11 @@ def report(phases: list[Phase], *, load: str, concurrency: str) -> None:
         print()
         print(
             f"idle p50 {p50:7.1f} ms   target <= {TARGETS['p50']:.0f}    "
-            f"{_verdict(p50 <= TARGETS['p50'])}"
+            f"{c.verdict(p50 <= TARGETS['p50'])}"
         )
         print(
             f"idle p99 {p99:7.1f} ms   target <= {TARGETS['p99']:.0f}   "
-            f"{_verdict(p99 <= TARGETS['p99'])}"
+            f"{c.verdict(p99 <= TARGETS['p99'])}"
         )
     print(f"load average at end {c.load_average()}")
 

@@ -55,9 +55,9 @@ from _common import (
     _rabbitmqctl,
     base_env,
     drop_database,
-    procfile_command,
     recreate_database,
     run,
+    start_procfile,
     throwaway_vhost,
 )
 
@@ -88,15 +88,7 @@ class Service:
             "PORT": f"bench{uuid.uuid4().hex[:8]}",
             **extra,
         }
-        with open(log, "wb") as fh:
-            proc = subprocess.Popen(
-                ["bash", "-c", "exec " + procfile_command("worker")],
-                cwd=ROOT,
-                env=env,
-                stdout=fh,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        proc = start_procfile("worker", env=env, log=log)
         proc.log = log  # type: ignore[attr-defined]
         self.procs.append(proc)
         deadline = time.monotonic() + 60

@@ -242,10 +242,6 @@ def phase_quire(
     return phase
 
 
-def _verdict(ok: bool) -> str:
-    return "OK" if ok else "MISSED"
-
-
 def report(*, phases: list[Phase], load: str, layout: str, n: int) -> None:
     print()
     print(
@@ -280,7 +276,7 @@ def report(*, phases: list[Phase], load: str, layout: str, n: int) -> None:
         print()
         print(
             f"ratio quire / celery   {ratio:6.3f}   target >= {TARGET_RATIO}   "
-            f"{_verdict(ratio >= TARGET_RATIO)}"
+            f"{c.verdict(ratio >= TARGET_RATIO)}"
         )
     print(f"load average at end {c.load_average()}")
 
