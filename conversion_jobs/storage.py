@@ -58,12 +58,24 @@ def result_key(*, job_id: uuid.UUID, ext: str) -> str:
 
 
 def promote(src: Path, key: str) -> Path:
-    """Move ``src`` under ``key`` atomically, its bytes on disk before its name appears (copy
-    through a temporary name when it is on another filesystem)."""
+    """Move ``src`` under ``key`` atomically, its bytes on disk before its name appears."""
+    return _move(src, key, sync=True)
+
+
+def place(src: Path, key: str) -> Path:
+    """Move ``src`` under ``key`` atomically without waiting for the disk: the caller makes it
+    durable (``sync_later`` + ``fsync_dir``) before anything records the key. Page files only:
+    their keys carry the generation, so a name left by a crash before that is never looked up."""
+    return _move(src, key, sync=False)
+
+
+def _move(src: Path, key: str, *, sync: bool) -> Path:
+    """Rename ``src`` onto ``key`` (through a temporary name when it is on another
+    filesystem), fsyncing its bytes first if ``sync``."""
     dest = path_of(key)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with open(src, "rb") as fh:
-        os.fsync(fh.fileno())
+    if sync:
+        _fsync(src)
     try:
         os.replace(src, dest)
     except OSError as exc:
@@ -71,25 +83,9 @@ def promote(src: Path, key: str) -> Path:
             raise
         tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex}.tmp")
         shutil.copyfile(src, tmp)
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
+        if sync:
+            _fsync(tmp)
         os.replace(tmp, dest)
-        src.unlink(missing_ok=True)
-    return dest
-
-
-def place(src: Path, key: str) -> Path:
-    """Rename ``src`` under ``key`` without waiting for the disk: the caller makes it durable
-    (``sync_later`` + ``fsync_dir``) before anything records the key. Page artifacts only: their
-    keys carry the generation, so a name left by a crash before that is never looked up."""
-    dest = path_of(key)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.replace(src, dest)
-    except OSError as exc:
-        if exc.errno != errno.EXDEV:
-            raise
-        shutil.copyfile(src, dest)
         src.unlink(missing_ok=True)
     return dest
 

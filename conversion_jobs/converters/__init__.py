@@ -22,12 +22,13 @@ from .errors import (
     UnsupportedConversion,
 )
 from .isolation import TEST_FAULTS_ENV, kill_process_group, process_group_members, run_isolated
-from .registry import capabilities, converter_for
+from .registry import READ_AHEAD_PAGES, capabilities, converter_for
 from .sessions import release, warm
 from .sniff import sniff_media_type
 
 __all__ = [
     "OUTPUTS",
+    "READ_AHEAD_PAGES",
     "TEST_FAULTS_ENV",
     "ConversionError",
     "ConversionStopped",

@@ -174,18 +174,23 @@ def _inject_fault(fault: dict, *, op: str, args: dict) -> None:
             time.sleep(3600)
 
 
+def _run_op(op: str, args: dict, *, fault: dict | None, limits: Limits) -> dict:
+    """One operation's outcome: its result, or its structured ConversionError."""
+    try:
+        if fault:
+            _inject_fault(fault, op=op, args=args)
+        return {"ok": True, "result": OPS[op](**args, limits=limits)}
+    except ConversionError as exc:
+        return {"ok": False, "code": exc.code, "detail": exc.detail}
+
+
 def _answer(request: dict, limits: Limits | None) -> tuple[dict, Limits | None]:
     op, args = request["op"], request.get("args") or {}
-    try:
-        if op == "setup":
-            return {"ok": True, "result": {"pid": os.getpid()}}, _setup(**args)
-        if limits is None:
-            raise RuntimeError("a request before setup")
-        if request.get("fault"):
-            _inject_fault(request["fault"], op=op, args=args)
-        return {"ok": True, "result": OPS[op](**args, limits=limits)}, limits
-    except ConversionError as exc:
-        return {"ok": False, "code": exc.code, "detail": exc.detail}, limits
+    if op == "setup":
+        return {"ok": True, "result": {"pid": os.getpid()}}, _setup(**args)
+    if limits is None:
+        raise RuntimeError("a request before setup")
+    return _run_op(op, args, fault=request.get("fault"), limits=limits), limits
 
 
 def _stream(request: dict, limits: Limits, watch: _Watch) -> Iterator[dict]:
@@ -200,13 +205,7 @@ def _stream(request: dict, limits: Limits, watch: _Watch) -> Iterator[dict]:
     for page, dest in items:
         watch.busy_until = time.monotonic() + float(request["timeout_s"]) + WATCHDOG_GRACE_S
         page_args = {**args, "page": page, "dest": dest}
-        try:
-            if request.get("fault"):
-                _inject_fault(request["fault"], op=op, args=page_args)
-            outcome = {"ok": True, "result": OPS[op](**page_args, limits=limits)}
-        except ConversionError as exc:
-            outcome = {"ok": False, "code": exc.code, "detail": exc.detail}
-        yield {**outcome, "page": page}
+        yield {**_run_op(op, page_args, fault=request.get("fault"), limits=limits), "page": page}
 
 
 def main() -> int:

@@ -101,15 +101,6 @@ def _page_call(
         if not session.ahead:
             upcoming = [p for p in lookahead if p != page and 1 <= p <= prepared.page_count]
             pages = [page, *upcoming[: READ_AHEAD_PAGES - 1]]
-            if len(pages) == 1:
-                result = session.call(
-                    op,
-                    {**args, "page": page, "dest": str(dest)},
-                    timeout_s=limits.page_timeout_s,
-                    should_stop=should_stop,
-                    fault=fault,
-                )
-                return PageArtifact(path=dest, media_type=result["media_type"])
             session.read_ahead(
                 op,
                 [(p, str(_page_dest(dest_dir, p, output))) for p in pages],

@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 from typing import IO
 
+from .base import EXIT_UNEXPECTED
 from .errors import ConverterCrashed
 
 _MAX_MESSAGE = 4096
@@ -76,7 +77,7 @@ def set_process_name(name: str) -> None:
 
 def _serve_child(fds: list[int], sock: socket.socket) -> None:
     """In the forked child: become an isolated converter session; never returns."""
-    code = 70
+    code = EXIT_UNEXPECTED
     try:
         sock.close()
         os.setsid()

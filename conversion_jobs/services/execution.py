@@ -117,11 +117,7 @@ def conversion_job_record_page_count(*, lease: Lease, page_count: int) -> None:
 
 
 def _close_attempt(*, lease: Lease, outcome: AttemptOutcome, error_code: str | None) -> None:
-    attempt = ConversionAttempt.objects.filter(id=lease.attempt_id, finished_at__isnull=True)
-    started = lease.started_at
-    if started is None:
-        started = attempt.values_list("started_at", flat=True).first()
-    closed = attempt.update(
+    closed = ConversionAttempt.objects.filter(id=lease.attempt_id, finished_at__isnull=True).update(
         outcome=outcome,
         error_code=error_code,
         finished_at=Now(),
@@ -129,9 +125,9 @@ def _close_attempt(*, lease: Lease, outcome: AttemptOutcome, error_code: str | N
             pages_converted_by(job_id=lease.job_id, generation=lease.generation), 0
         ),
     )
-    if closed and started is not None:
+    if closed:
         metrics.ATTEMPT_DURATION.labels(outcome=outcome).observe(
-            (timezone.now() - started).total_seconds()
+            (timezone.now() - lease.started_at).total_seconds()
         )
 
 

@@ -26,7 +26,7 @@ class Lease:
     token: uuid.UUID
     attempt_id: int
     attempt_number: int
-    started_at: datetime | None = None
+    started_at: datetime  # the attempt's start (for its duration metric)
 
     @property
     def first_run(self) -> bool:

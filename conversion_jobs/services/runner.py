@@ -37,9 +37,6 @@ from conversion_jobs.states import State
 
 log = logging.getLogger(__name__)
 
-#: How many of the next pages the converter is told about (it may convert some of them early).
-LOOKAHEAD_PAGES = 64
-
 
 def worker_identity() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
@@ -234,7 +231,7 @@ def _convert_pages(
                         dest_dir=workdir,
                         limits=limits,
                         should_stop=stop,
-                        lookahead=todo[index + 1 : index + LOOKAHEAD_PAGES],
+                        lookahead=todo[index + 1 : index + converters.READ_AHEAD_PAGES],
                     )
             except ConversionStopped:
                 raise
