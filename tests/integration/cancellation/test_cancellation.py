@@ -9,6 +9,7 @@ import time
 import uuid
 from collections import Counter
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -258,9 +259,9 @@ def test_cancel__other_tenant_is_not_found_and_records_nothing(tmp_path, api, no
     assert (job.state, job.state_version) == ("queued", 1)
 
 
-def test_cancel__operator_retry_after_cancel_starts_clean(tmp_path, api, no_broker_publish):
-    # Issue 5: an operator retry after a cancel starts a clean generation that no earlier
-    # cancellation touches, and never sees the cancelled attempt's temporary files.
+def _cancelled_after_a_page(tmp_path, api) -> tuple[Path, ConversionJob]:
+    """A 4-page job (slow pages) cancelled while running, once a page is checkpointed; its
+    worker has ended it ``cancelled``."""
     source = testdocs.make_pdf(tmp_path / "doc.pdf", pages=4, text_of=unique_text())
     job = submit(source, output="text", fault={"kind": "slow", "seconds": 0.4})
     worker = Worker(job.id, 1)
@@ -268,6 +269,13 @@ def test_cancel__operator_retry_after_cancel_starts_clean(tmp_path, api, no_brok
     wait_for(lambda: PageCheckpoint.objects.filter(job=job, state="done").exists(), timeout=30)
     assert _cancel(api, job.id).status_code == 202
     assert worker.result() == "cancelled"
+    return source, job
+
+
+def test_cancel__operator_retry_after_cancel_starts_clean(tmp_path, api, no_broker_publish):
+    # Issue 5: an operator retry after a cancel starts a clean generation that no earlier
+    # cancellation touches, and never sees the cancelled attempt's temporary files.
+    _source, job = _cancelled_after_a_page(tmp_path, api)
     assert work_dir_entries() == []
     done_before = set(
         PageCheckpoint.objects.filter(job=job, state="done").values_list("page_number", flat=True)
@@ -299,13 +307,7 @@ def test_cancel__operator_retry_of_a_succeeded_job_is_refused(tmp_path, api, no_
 
 
 def test_cancel__resubmission_after_cancel_starts_clean(tmp_path, api, no_broker_publish):
-    source = testdocs.make_pdf(tmp_path / "doc.pdf", pages=4, text_of=unique_text())
-    job = submit(source, output="text", fault={"kind": "slow", "seconds": 0.4})
-    worker = Worker(job.id, 1)
-    worker.start()
-    wait_for(lambda: PageCheckpoint.objects.filter(job=job, state="done").exists(), timeout=30)
-    assert _cancel(api, job.id).status_code == 202
-    assert worker.result() == "cancelled"
+    source, job = _cancelled_after_a_page(tmp_path, api)
 
     again = submit(source, output="text")
 
