@@ -33,7 +33,8 @@ APPLY = REPO / "deploy" / "rabbitmq" / "apply.sh"
 
 RMQ_HOST = os.environ.get("QUIRE_RMQ_HOST", "127.0.0.1")
 RMQ_PORT = int(os.environ.get("QUIRE_RMQ_PORT", "5672"))
-VHOST = "quire"
+#: QUIRE_RMQ_VHOST lets parallel runs (e.g. two checkouts) each use a vhost of their own.
+VHOST = os.environ.get("QUIRE_RMQ_VHOST", "quire")
 ADMIN = (
     os.environ.get("QUIRE_RMQ_ADMIN_USER", "guest"),
     os.environ.get("QUIRE_RMQ_ADMIN_PASSWORD", "guest"),

@@ -44,7 +44,7 @@ def test_flower__sees_worker_and_finished_task_behind_basic_auth(cluster, start,
     user, password = MONITOR
     cluster.start(
         "flower",
-        CELERY_BROKER_URL=f"amqp://{user}:{password}@127.0.0.1:5672/quire",
+        CELERY_BROKER_URL=f"amqp://{user}:{password}@127.0.0.1:5672/{harness.VHOST}",
         FLOWER_PORT=str(port),
         FLOWER_BASIC_AUTH=f"{AUTH[0]}:{AUTH[1]}",
         FLOWER_BROKER_API=f"http://{user}:{password}@127.0.0.1:15672/api/",

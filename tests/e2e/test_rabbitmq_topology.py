@@ -43,7 +43,9 @@ ADMIN = (
 # apply.sh applies the identical topology to an isolated vhost for this module, so
 # other suites' workers on "quire" cannot steal these messages and the purges here
 # cannot touch theirs. QUIRE_TEST_RMQ_VHOST=quire tests the production vhost itself.
-VHOST = os.environ.get("QUIRE_TEST_RMQ_VHOST", "quire_e2e_topology")
+VHOST = os.environ.get(
+    "QUIRE_TEST_RMQ_VHOST", os.environ.get("QUIRE_RMQ_VHOST", "quire") + "_e2e_topology"
+)
 
 USERS = {
     "publisher": (
