@@ -84,6 +84,10 @@ class ConversionJob(models.Model):
     expired_at = models.DateTimeField(null=True, blank=True)
     #: ... and their files were deleted (files second; a crash in between is redone).
     purged_at = models.DateTimeField(null=True, blank=True)
+    #: The head of this job's audit hash chain (its last event's seq and hash): an append reads
+    #: and moves it under the job row's lock, in the statement that moves the job.
+    audit_seq = models.PositiveIntegerField(default=0)
+    audit_head = models.CharField(max_length=64, default="0" * 64)
 
     objects = ConversionJobQuerySet.as_manager()
 
@@ -276,6 +280,9 @@ class PageCheckpoint(models.Model):
     error_code = models.CharField(max_length=64, null=True, blank=True)
     generation = models.PositiveIntegerField()
     updated_at = models.DateTimeField(auto_now=True)
+    #: A small (text) page artifact stored in the row itself, written with its checkpoint: no
+    #: file, no fsync of its own. ``artifact_key`` is then ``inline:`` + the page's would-be key.
+    content = models.BinaryField(null=True, blank=True)
 
     class Meta:
         db_table = "page_checkpoint"

@@ -7,15 +7,14 @@ import json
 import os
 from typing import Any
 
+from conversion_jobs.converters.base import DEFAULT_DPI, TEST_FAULTS_ENV
 from conversion_jobs.exceptions import InvalidOptions
 
-DEFAULT_DPI = 150
 MIN_DPI = 36
 KNOWN = {"dpi", "pages", "allow_partial"}
 #: Converter fault injection for e2e tests (conversion_jobs/converters/isolation.py); the option
 #: exists only in a process started with QUIRE_ENABLE_TEST_FAULTS=1, and is rejected otherwise.
 TEST_FAULT = "_test_fault"
-TEST_FAULTS_ENV = "QUIRE_ENABLE_TEST_FAULTS"
 
 
 def normalize_options(raw: Any, *, output: str, max_dpi: int = 600) -> dict[str, Any]:

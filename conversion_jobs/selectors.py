@@ -57,9 +57,12 @@ def conversion_job_list(
     return page[:limit], next_cursor
 
 
-def page_checkpoint_list(*, job_id: uuid.UUID) -> QuerySet[PageCheckpoint]:
-    return PageCheckpoint.objects.filter(job_id=job_id).order_by("page_number")
+def page_checkpoint_list(*, job_id: uuid.UUID, tenant: str) -> QuerySet[PageCheckpoint]:
+    return PageCheckpoint.objects.filter(job_id=job_id, job__tenant=tenant).order_by("page_number")
 
 
-def audit_event_list(*, job_id: uuid.UUID) -> QuerySet[ExecutionAuditEvent]:
-    return ExecutionAuditEvent.objects.filter(job_id=job_id).order_by("seq")
+def audit_event_list(*, job_id: uuid.UUID, tenant: str) -> QuerySet[ExecutionAuditEvent]:
+    # Audit events have no foreign key (they outlive their job row): the tenant is checked
+    # against the job row, so another tenant's events read as none.
+    owned = ConversionJob.objects.filter(id=job_id, tenant=tenant).values("id")
+    return ExecutionAuditEvent.objects.filter(job_id__in=owned).order_by("seq")

@@ -284,7 +284,7 @@ class JobPagesView(QuireView):
     )
     def get(self, request: Request, job_id: uuid.UUID) -> Response:
         job = self.job(job_id)
-        pages = selectors.page_checkpoint_list(job_id=job.id)
+        pages = selectors.page_checkpoint_list(job_id=job.id, tenant=job.tenant)
         return Response({"pages": [page_representation(job.id, p) for p in pages]})
 
 
@@ -305,7 +305,11 @@ class JobPageView(QuireView):
         pages_survive = job.state in (State.SUCCEEDED, State.PARTIAL) or job.options.get(
             "allow_partial", True
         )
-        checkpoint = selectors.page_checkpoint_list(job_id=job.id).filter(page_number=page).first()
+        checkpoint = (
+            selectors.page_checkpoint_list(job_id=job.id, tenant=job.tenant)
+            .filter(page_number=page)
+            .first()
+        )
         if (
             checkpoint is None
             or checkpoint.state != PageState.DONE
@@ -330,7 +334,12 @@ class JobEventsView(QuireView):
     def get(self, request: Request, job_id: uuid.UUID) -> Response:
         job = self.job(job_id)
         return Response(
-            {"events": [event_representation(e) for e in selectors.audit_event_list(job_id=job.id)]}
+            {
+                "events": [
+                    event_representation(e)
+                    for e in selectors.audit_event_list(job_id=job.id, tenant=job.tenant)
+                ]
+            }
         )
 
 

@@ -27,6 +27,9 @@ TEXT_PLAIN = "text/plain; charset=utf-8"
 ZIP = "application/zip"
 
 DEFAULT_DPI = 150
+#: Set to "1" in a process's environment to let ``options["_test_fault"]`` through (the API
+#: accepts the option, the worker hands it to the child). The only definition.
+TEST_FAULTS_ENV = "QUIRE_ENABLE_TEST_FAULTS"
 #: Exit status of the child for MemoryError under RLIMIT_AS (reported as converter_crashed).
 EXIT_OUT_OF_MEMORY = 75
 #: Exit status of the child for any other unexpected exception (reported as converter_crashed).

@@ -5,16 +5,14 @@ This module must stay importable without Django: the isolated child imports it.
 
 from __future__ import annotations
 
+from conversion_jobs.exceptions import QuireError
 
-class ConversionError(Exception):
+
+class ConversionError(QuireError):
     """The conversion failed."""
 
     code: str = "conversion_failed"
     retryable: bool = False
-
-    def __init__(self, detail: str | None = None) -> None:
-        self.detail = detail or (self.__doc__ or "").strip()
-        super().__init__(self.detail)
 
 
 class EncryptedInput(ConversionError):

@@ -39,14 +39,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import IO
 
-from .base import EXIT_OUT_OF_MEMORY, Limits
+from .base import EXIT_OUT_OF_MEMORY, TEST_FAULTS_ENV, Limits
 from .errors import ConversionStopped, ConversionTimeout, ConverterCrashed, error_from_code
 from .zygote import ForkedProcess, spawn
 
 logger = logging.getLogger(__name__)
 
-#: Set to "1" in the worker's environment to let options["_test_fault"] reach the child.
-TEST_FAULTS_ENV = "QUIRE_ENABLE_TEST_FAULTS"
 POLL_MAX_S = 0.1
 GROUP_EXIT_WAIT_S = 5.0
 

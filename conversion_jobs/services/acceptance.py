@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from django.conf import settings
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
 from conversion_jobs import converters, faults, storage
@@ -19,11 +19,10 @@ from conversion_jobs.exceptions import (
     UnsupportedMediaType,
     UnsupportedOutput,
 )
-from conversion_jobs.models import ConversionJob, ConversionOutbox, IdempotencyRecord
+from conversion_jobs.models import ConversionJob, IdempotencyRecord
 from conversion_jobs.options import normalize_options, options_digest, request_fingerprint
-from conversion_jobs.services.admission import admission_check
-from conversion_jobs.services.audit import audit_event_append
-from conversion_jobs.services.dispatch import outbox_publish_after_commit
+from conversion_jobs.services import transitions
+from conversion_jobs.services.admission import admission_verdict
 from conversion_jobs.states import LIVE_STATES, State
 
 
@@ -103,6 +102,50 @@ def _existing_answer(
     return _bind_key(tenant=tenant, key=key, fingerprint=fingerprint, job_id=job_id)
 
 
+#: The acceptance pre-checks in one read: the key's binding, the live or succeeded job with this
+#: content identity, and the live counts for admission. Races past it are settled by the unique
+#: constraints in the insert, never by this read.
+_PRECHECK_SQL = """
+SELECT
+    (SELECT fingerprint FROM idempotency_record WHERE tenant = %(tenant)s AND key = %(key)s),
+    (SELECT job_id FROM idempotency_record WHERE tenant = %(tenant)s AND key = %(key)s),
+    (SELECT id FROM conversion_job
+     WHERE tenant = %(tenant)s AND source_sha256 = %(sha)s AND output = %(output)s
+       AND options_digest = %(digest)s AND policy_version = %(policy)s
+       AND state IN ('queued', 'running', 'retry_wait', 'cancelling', 'succeeded')
+       AND expired_at IS NULL
+     LIMIT 1),
+    count(*) FILTER (WHERE tenant = %(tenant)s),
+    count(*)
+FROM conversion_job WHERE state IN ('queued', 'running', 'retry_wait', 'cancelling')
+"""
+
+
+@dataclass(frozen=True)
+class _Seen:
+    key_fingerprint: str | None
+    key_job: uuid.UUID | None
+    duplicate: uuid.UUID | None
+    tenant_live: int
+    global_live: int
+
+
+def _precheck(*, tenant: str, key: str | None, sha: str, output: str, digest: str) -> _Seen:
+    params = {
+        "tenant": tenant,
+        "key": key,
+        "sha": sha,
+        "output": output,
+        "digest": digest,
+        "policy": settings.QUIRE["POLICY_VERSION"],
+    }
+    with connection.cursor() as cursor:
+        cursor.execute(_PRECHECK_SQL, params)
+        fingerprint, key_job, duplicate, tenant_live, global_live = cursor.fetchone()
+    as_uuid = lambda value: None if value is None else uuid.UUID(str(value))  # noqa: E731
+    return _Seen(fingerprint, as_uuid(key_job), as_uuid(duplicate), tenant_live, global_live)
+
+
 def conversion_job_accept(
     *,
     tenant: str,
@@ -114,11 +157,13 @@ def conversion_job_accept(
     traceparent: str = "",
 ) -> Acceptance:
     """(none) -> QUEUED, generation 1, with its outbox row, idempotency record and audit event in
-    one transaction. Returns the job and whether it is new; an existing job answers a replay or
-    a content-identity duplicate. Raises a QuireError (nothing written) otherwise.
+    one statement (``transitions.job_insert_queued``). Returns the job and whether it is new; an
+    existing job answers a replay or a content-identity duplicate. Raises a QuireError (nothing
+    written) otherwise.
 
-    Races are settled by the unique constraints, never by the look-ups before the insert: a
-    submit that loses one rolls its whole transaction back and answers from the winner."""
+    Two round trips on the way to a 202: the pre-check read (``_PRECHECK_SQL``), then the
+    insert. Races are settled by the unique constraints, never by the read: a submit that loses
+    one rolls its whole transaction back and answers from the winner."""
     try:
         media_type = converters.sniff_media_type(upload.path)
         if media_type is None:
@@ -130,37 +175,52 @@ def conversion_job_accept(
         fingerprint = request_fingerprint(
             source_sha256=upload.sha256, output=output, options=options
         )
-        if idempotency_key is not None:
-            replay = _replay(tenant=tenant, key=idempotency_key, fingerprint=fingerprint)
-            if replay is not None:
-                return replay
-        duplicate = _identity_match(
-            tenant=tenant, sha256=upload.sha256, output=output, digest=digest
+        seen = _precheck(
+            tenant=tenant, key=idempotency_key, sha=upload.sha256, output=output, digest=digest
         )
-        if duplicate is not None:
-            return _existing_answer(
-                tenant=tenant, key=idempotency_key, fingerprint=fingerprint, job_id=duplicate
+        if seen.key_job is not None:
+            if seen.key_fingerprint != fingerprint:
+                raise IdempotencyKeyReused()
+            return Acceptance(
+                job=ConversionJob.objects.get(id=seen.key_job), created=False, replayed=True
             )
-        admission_check(tenant=tenant)
+        if seen.duplicate is not None:
+            return _existing_answer(
+                tenant=tenant, key=idempotency_key, fingerprint=fingerprint, job_id=seen.duplicate
+            )
+        admission_verdict(tenant_live=seen.tenant_live, global_live=seen.global_live)
         source_key = storage.promote_source(upload.path, upload.sha256)
     finally:
         upload.path.unlink(missing_ok=True)
 
+    job = ConversionJob(
+        id=uuid.uuid4(),
+        tenant=tenant,
+        state=State.QUEUED,
+        source_key=source_key,
+        source_sha256=upload.sha256,
+        source_size=upload.size,
+        source_media_type=media_type,
+        output=output,
+        options=options,
+        options_digest=digest,
+        policy_version=settings.QUIRE["POLICY_VERSION"],
+        max_attempts=settings.QUIRE["MAX_ATTEMPTS"],
+        queued_at=timezone.now(),
+        traceparent=traceparent,
+    )
     try:
         with transaction.atomic():
-            job = _insert_job(
-                tenant=tenant,
-                actor=actor,
-                media_type=media_type,
-                source_key=source_key,
-                upload=upload,
-                output=output,
-                options=options,
-                digest=digest,
-                traceparent=traceparent,
-                idempotency_key=idempotency_key,
-                fingerprint=fingerprint,
+            transitions.job_insert_queued(
+                transitions.NewJob(
+                    job=job,
+                    actor=actor,
+                    idempotency_key=idempotency_key,
+                    fingerprint=fingerprint,
+                    details={"media_type": media_type, "size": upload.size, "output": output},
+                )
             )
+            faults.hit("accept.after_job_insert")
     except IntegrityError as exc:
         # Everything this submit wrote is rolled back; answer from whoever won.
         constraint = violated_constraint(exc)
@@ -178,56 +238,3 @@ def conversion_job_accept(
             tenant=tenant, key=idempotency_key, fingerprint=fingerprint, job_id=winner
         )
     return Acceptance(job=job, created=True, replayed=False)
-
-
-def _insert_job(
-    *,
-    tenant: str,
-    actor: str,
-    media_type: str,
-    source_key: str,
-    upload: StagedUpload,
-    output: str,
-    options: dict[str, Any],
-    digest: str,
-    traceparent: str,
-    idempotency_key: str | None,
-    fingerprint: str,
-) -> ConversionJob:
-    """The acceptance transaction's writes. A unique violation propagates: the caller's
-    transaction rolls back whole and the caller answers from the winner."""
-    job = ConversionJob.objects.create(
-        id=uuid.uuid4(),
-        tenant=tenant,
-        state=State.QUEUED,
-        source_key=source_key,
-        source_sha256=upload.sha256,
-        source_size=upload.size,
-        source_media_type=media_type,
-        output=output,
-        options=options,
-        options_digest=digest,
-        policy_version=settings.QUIRE["POLICY_VERSION"],
-        max_attempts=settings.QUIRE["MAX_ATTEMPTS"],
-        queued_at=timezone.now(),
-        traceparent=traceparent,
-    )
-    faults.hit("accept.after_job_insert")
-    outbox = ConversionOutbox.objects.create(job=job, generation=1, traceparent=traceparent)
-    if idempotency_key is not None:
-        IdempotencyRecord.objects.create(
-            tenant=tenant, key=idempotency_key, fingerprint=fingerprint, job=job
-        )
-    audit_event_append(
-        job_id=job.id,
-        event_type="accepted",
-        generation=1,
-        actor=actor,
-        details={"media_type": media_type, "size": upload.size, "output": output},
-        lock_job=False,
-        first=True,
-    )
-    outbox_publish_after_commit(
-        outbox_id=outbox.id, job_id=job.id, generation=1, traceparent=traceparent
-    )
-    return job

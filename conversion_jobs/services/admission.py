@@ -38,13 +38,18 @@ def retry_after_s(*, excess: int) -> int:
 
 def admission_check(*, tenant: str) -> None:
     """Raises TenantQuotaExceeded (429) or CapacityExceeded (503); writes nothing."""
-    quota = settings.QUIRE["TENANT_QUOTA"]
-    capacity = settings.QUIRE["GLOBAL_CAPACITY"]
-    # One scan of the live set answers both counts (one round trip on the hot path).
+    # One scan of the live set answers both counts.
     counts = ConversionJob.objects.live().aggregate(
         tenant_live=Count("id", filter=Q(tenant=tenant)), global_live=Count("id")
     )
-    tenant_live, global_live = counts["tenant_live"], counts["global_live"]
+    admission_verdict(tenant_live=counts["tenant_live"], global_live=counts["global_live"])
+
+
+def admission_verdict(*, tenant_live: int, global_live: int) -> None:
+    """The admission decision on counts taken elsewhere (acceptance folds them into its
+    pre-check statement). Raises TenantQuotaExceeded (429) or CapacityExceeded (503)."""
+    quota = settings.QUIRE["TENANT_QUOTA"]
+    capacity = settings.QUIRE["GLOBAL_CAPACITY"]
     if tenant_live >= quota:
         raise TenantQuotaExceeded(retry_after=retry_after_s(excess=tenant_live - quota + 1))
     if global_live >= capacity:

@@ -17,12 +17,14 @@ from conversion_jobs import storage
 from conversion_jobs.models import PageCheckpoint, PageState
 from conversion_jobs.observability import metrics
 from conversion_jobs.services.audit import audit_event_append
-from conversion_jobs.services.db_retry import db_retry, lease_ttl_s
+from conversion_jobs.services.db_retry import db_retry
 from conversion_jobs.services.leases import Lease, LeaseLost, fenced
 
 
-def page_checkpoints_done(*, job_id: uuid.UUID) -> dict[int, PageCheckpoint]:
-    return {p.page_number: p for p in PageCheckpoint.objects.filter(job_id=job_id)}
+def page_checkpoints_by_page(*, job_id: uuid.UUID) -> dict[int, PageCheckpoint]:
+    """Every checkpoint of the job, by page number: a resumed attempt skips the done and failed
+    ones and reads the tries already spent on a pending one."""
+    return {p.page_number: p for p in PageCheckpoint.objects.filter(job_id=job_id).defer("content")}
 
 
 def page_checkpoint_record(
@@ -94,7 +96,6 @@ def checkpoints_upsert(lease: Lease, checkpoints: list[PageCheckpoint]) -> None:
                 generation=lease.generation,
                 attempt_id=lease.attempt_id,
                 details={"page": checkpoint.page_number, "code": checkpoint.error_code},
-                lock_job=False,
             )
 
 
@@ -184,10 +185,7 @@ class CheckpointBatch:
             return
         self.durable()
         batch = list(self.pending)
-        db_retry(
-            lambda: page_checkpoints_record(lease=self.lease, checkpoints=batch),
-            deadline_s=lease_ttl_s(),
-        )
+        db_retry(page_checkpoints_record, lease=self.lease, checkpoints=batch)
         self.written()
 
     def written(self) -> None:

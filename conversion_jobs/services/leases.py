@@ -26,7 +26,8 @@ class Lease:
     token: uuid.UUID
     attempt_id: int
     attempt_number: int
-    started_at: datetime  # the attempt's start (for its duration metric)
+    #: The attempt's start (for its duration metric); None when a sweep acts on a lease row.
+    started_at: datetime | None
 
     @property
     def first_run(self) -> bool:

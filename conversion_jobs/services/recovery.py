@@ -1,7 +1,8 @@
 """Beat sweeps that move jobs on (DESIGN.md §7.6) and the operator retry.
 
 Each sweep claims its rows with ``SELECT … FOR UPDATE SKIP LOCKED`` inside one transaction and
-moves each with a guarded UPDATE, so two beats running at once never move a job twice.
+moves each through its edge in ``transitions.py`` (a guarded UPDATE), so two beats running at
+once never move a job twice.
 """
 
 from __future__ import annotations
@@ -14,26 +15,14 @@ from pathlib import Path
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import F
-from django.db.models.functions import Coalesce, Now
 from django.utils import timezone
 
 from conversion_jobs.db import violated_constraint
 from conversion_jobs.exceptions import NotFound, NotRetryable, QuireError
-from conversion_jobs.models import (
-    AttemptOutcome,
-    ConversionAttempt,
-    ConversionJob,
-    ConversionOutbox,
-    PageCheckpoint,
-    PageState,
-    WorkerLease,
-)
+from conversion_jobs.models import AttemptOutcome, ConversionAttempt, ConversionJob, WorkerLease
 from conversion_jobs.observability import metrics
-from conversion_jobs.services.audit import audit_event_append
-from conversion_jobs.services.cancellation import resolve_cancellations_cancelled
-from conversion_jobs.services.checkpoints import pages_converted_by
-from conversion_jobs.services.dispatch import outbox_publish_after_commit
+from conversion_jobs.services import transitions
+from conversion_jobs.services.leases import Lease
 from conversion_jobs.states import State
 
 log = logging.getLogger(__name__)
@@ -44,15 +33,6 @@ class ConflictingJob(QuireError):
 
     code = "conflicting_job"
     status = 409
-
-
-def _redispatch(*, job_id: uuid.UUID, generation: int, traceparent: str) -> None:
-    outbox = ConversionOutbox.objects.create(
-        job_id=job_id, generation=generation, traceparent=traceparent
-    )
-    outbox_publish_after_commit(
-        outbox_id=outbox.id, job_id=job_id, generation=generation, traceparent=traceparent
-    )
 
 
 def conversion_jobs_requeue_if_retry_due(*, batch: int | None = None) -> int:
@@ -67,160 +47,90 @@ def conversion_jobs_requeue_if_retry_due(*, batch: int | None = None) -> int:
             .values_list("id", "generation", "traceparent")[:batch]
         )
         for job_id, generation, traceparent in due:
-            won = ConversionJob.objects.filter(
-                id=job_id, state=State.RETRY_WAIT, generation=generation
-            ).update(
-                state=State.QUEUED,
-                generation=F("generation") + 1,
-                next_attempt_at=None,
-                queued_at=Now(),
-                state_version=F("state_version") + 1,
-                updated_at=Now(),
+            moved += transitions.requeue_due_retry(
+                job_id=job_id, generation=generation, traceparent=traceparent
             )
-            if won:
-                _redispatch(job_id=job_id, generation=generation + 1, traceparent=traceparent)
-                audit_event_append(
-                    job_id=job_id,
-                    event_type="retry_dispatched",
-                    generation=generation + 1,
-                    lock_job=False,
-                )
-                moved += 1
-    if moved:
-        metrics.REDISPATCHES.labels(reason="retry_due").inc(moved)
     return moved
 
 
 def conversion_jobs_recover_if_lease_expired(*, batch: int | None = None) -> int:
-    """RUNNING with an expired lease -> QUEUED (generation + 1) or FAILED attempts_exhausted;
+    """RUNNING with an expired lease -> FAILED attempts_exhausted or QUEUED (generation + 1);
     CANCELLING with an expired lease -> CANCELLED. The attempt's outcome becomes lease_lost."""
     batch = batch or settings.QUIRE["SWEEP_BATCH"]
     recovered = 0
     with transaction.atomic():
         expired = list(
-            WorkerLease.objects.select_for_update(skip_locked=True)
+            WorkerLease.objects.select_for_update(skip_locked=True, of=("self",))
             .filter(expires_at__lt=timezone.now())
-            .values_list("job_id", "generation", "token", "attempt_id")[:batch]
+            .values_list("job_id", "generation", "token", "attempt_id", "job__traceparent")[:batch]
         )
-        for job_id, generation, token, attempt_id in expired:
-            if _recover_one(
-                job_id=job_id, generation=generation, token=token, attempt_id=attempt_id
-            ):
-                recovered += 1
+        for job_id, generation, token, attempt_id, traceparent in expired:
+            lease = Lease(job_id, generation, token, attempt_id, 0, None)
+            result = _recover_one(lease, traceparent)
+            if result is None:
+                continue
+            metrics.RECOVERIES.labels(result=result).inc()
+            recovered += 1
     return recovered
 
 
-def _recover_one(*, job_id: uuid.UUID, generation: int, token: uuid.UUID, attempt_id: int) -> bool:
-    fence = ConversionJob.objects.filter(id=job_id, generation=generation, lease_token=token)
-    row = (
-        fence.select_for_update()
-        .values_list("state", "attempts", "max_attempts", "traceparent")
-        .first()
-    )
-    ConversionAttempt.objects.filter(id=attempt_id, finished_at__isnull=True).update(
+def _recover_one(lease: Lease, traceparent: str) -> str | None:
+    """The three recovery edges, tried in order; the row counts decide. None: the lease row
+    was stale (the job moved on under another token): its attempt is closed, its row removed."""
+    if transitions.finish_cancel(lease=lease, by_sweep=True):
+        return "cancelled"
+    if transitions.fail(
+        lease=lease,
+        code="attempts_exhausted",
+        detail="last error: lease_lost",
+        retryable=True,
         outcome=AttemptOutcome.LEASE_LOST,
-        error_code="lease_lost",
-        finished_at=Now(),
-        pages_converted=Coalesce(pages_converted_by(job_id=job_id, generation=generation), 0),
-    )
-    WorkerLease.objects.filter(job_id=job_id, token=token).delete()
-    if row is None:
-        return False
-    state, attempts, max_attempts, traceparent = row
-    common = {"lease_token": None, "state_version": F("state_version") + 1, "updated_at": Now()}
-    if state == State.CANCELLING:
-        fence.filter(state=state).update(state=State.CANCELLED, finished_at=Now(), **common)
-        resolve_cancellations_cancelled(job_id=job_id)
-        result = "cancelled"
-    elif attempts >= max_attempts:
-        fence.filter(state=state).update(
-            state=State.FAILED,
-            error_code="attempts_exhausted",
-            error_retryable=True,
-            error_detail="last error: lease_lost",
-            finished_at=Now(),
-            **common,
-        )
-        result = "exhausted"
-    else:
-        fence.filter(state=state).update(
-            state=State.QUEUED,
-            generation=F("generation") + 1,
-            queued_at=Now(),
-            error_code="lease_lost",
-            error_retryable=True,
-            **common,
-        )
-        _redispatch(job_id=job_id, generation=generation + 1, traceparent=traceparent)
-        result = "requeued"
-    audit_event_append(
-        job_id=job_id,
+        attempt_error="lease_lost",
         event_type="lease_expired",
-        generation=generation,
-        attempt_id=attempt_id,
-        details={"result": result},
-        lock_job=False,
+        details={"result": "exhausted"},
+        only_if_exhausted=True,
+    ):
+        return "exhausted"
+    if transitions.requeue_lost_lease(lease=lease, traceparent=traceparent):
+        return "requeued"
+    transitions.attempt_close(
+        lease=lease, outcome=AttemptOutcome.LEASE_LOST, error_code="lease_lost"
     )
-    metrics.RECOVERIES.labels(result=result).inc()
-    if result != "requeued":
-        metrics.TERMINAL.labels(state="cancelled" if result == "cancelled" else "failed").inc()
-    return True
+    WorkerLease.objects.filter(job_id=lease.job_id, token=lease.token).delete()
+    return None
+
+
+#: The operator-retry edges, in the order they are tried.
+_RETRY_EDGES = (transitions.retry_failed, transitions.retry_cancelled)
 
 
 def conversion_job_retry_failed(
     *, job_id: uuid.UUID, tenant: str | None, actor: str
 ) -> ConversionJob:
     """Operator retry: FAILED | CANCELLED -> QUEUED, generation + 1, attempts reset, new outbox
-    row. The new generation starts clean: the old generation's messages are stale, its attempt
-    directories are gone, and its cancellation requests stay resolved against the old
-    generation. ``tenant`` None means any tenant (Django admin)."""
-    jobs = ConversionJob.objects.filter(id=job_id)
-    if tenant is not None:
-        jobs = jobs.filter(tenant=tenant)
+    row (the edges are tried in order; the row counts decide). The new generation starts
+    clean: the old generation's messages are stale, its attempt directories are gone, and its
+    cancellation requests stay resolved against the old generation. ``tenant`` None means any
+    tenant (Django admin)."""
     try:
-        with transaction.atomic():
-            row = (
-                jobs.select_for_update()
-                .values_list("state", "generation", "traceparent", "expired_at")
-                .first()
-            )
+        for move in _RETRY_EDGES:
+            if move(job_id=job_id, tenant=tenant, actor=actor) is not None:
+                break
+        else:
+            jobs = ConversionJob.objects.filter(id=job_id)
+            if tenant is not None:
+                jobs = jobs.filter(tenant=tenant)
+            row = jobs.values_list("state", "expired_at").first()
             if row is None:
                 raise NotFound()
-            state, generation, traceparent, expired_at = row
-            if state not in (State.FAILED, State.CANCELLED):
-                raise NotRetryable(job_state=state)
-            if expired_at is not None:  # its source is gone: only a new submission can help
+            if row[0] in (State.FAILED, State.CANCELLED):
+                # its source is gone: only a new submission can help
                 raise NotRetryable("the job expired under retention; submit it again")
-            jobs.filter(state=state, generation=generation).update(
-                state=State.QUEUED,
-                generation=F("generation") + 1,
-                attempts=0,
-                error_code=None,
-                error_retryable=False,
-                error_detail="",
-                finished_at=None,
-                pages_failed=0,
-                queued_at=Now(),
-                state_version=F("state_version") + 1,
-                updated_at=Now(),
-            )
-            # Failed pages get a fresh budget; done pages stay done (never redone).
-            PageCheckpoint.objects.filter(job_id=job_id, state=PageState.FAILED).update(
-                state=PageState.PENDING, attempts=0, error_code=None
-            )
-            _redispatch(job_id=job_id, generation=generation + 1, traceparent=traceparent)
-            audit_event_append(
-                job_id=job_id,
-                event_type="operator_retry",
-                generation=generation + 1,
-                actor=actor,
-                lock_job=False,
-            )
+            raise NotRetryable(job_state=row[0])
     except IntegrityError as exc:
         if violated_constraint(exc) == "job_content_identity_live_or_succeeded":
             raise ConflictingJob() from exc
         raise
-    metrics.REDISPATCHES.labels(reason="operator_retry").inc()
     return ConversionJob.objects.get(id=job_id)
 
 

@@ -78,7 +78,6 @@ def conversion_jobs_expire_if_past_retention(*, batch: int) -> int:
                 event_type="expired",
                 generation=generation,
                 details={"page_rows": pages},
-                lock_job=False,
             )
             expired += 1
     return expired

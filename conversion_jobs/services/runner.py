@@ -28,14 +28,17 @@ from conversion_jobs.services import execution
 from conversion_jobs.services.checkpoints import (
     CheckpointBatch,
     page_checkpoint_record,
-    page_checkpoints_done,
+    page_checkpoints_by_page,
 )
-from conversion_jobs.services.db_retry import DB_ERRORS, db_retry, lease_ttl_s
+from conversion_jobs.services.db_retry import DB_ERRORS, db_retry, db_retry_until
 from conversion_jobs.services.heartbeat import Heartbeat
 from conversion_jobs.services.leases import Lease, LeaseLost, job_state_under_lease
 from conversion_jobs.states import State
 
 log = logging.getLogger(__name__)
+
+#: How long a claim keeps retrying across a database outage (it holds no lease yet).
+CLAIM_DEADLINE_S = 60
 
 
 def worker_identity() -> str:
@@ -50,11 +53,12 @@ def conversion_job_execute(*, job_id: uuid.UUID, generation: int) -> str:
     """Claim and run one delivery. Returns what happened (for logs and tests): ``duplicate``,
     ``succeeded``, ``partial``, ``failed``, ``retry_wait``, ``cancelled`` or ``lost``."""
     close_old_connections()
-    claim = db_retry(
-        lambda: execution.conversion_job_claim(
-            job_id=job_id, generation=generation, worker=worker_identity()
-        ),
-        deadline_s=60,
+    claim = db_retry_until(
+        CLAIM_DEADLINE_S,
+        execution.conversion_job_claim,
+        job_id=job_id,
+        generation=generation,
+        worker=worker_identity(),
     )
     if claim is None:
         return "duplicate"
@@ -85,36 +89,25 @@ def _run(*, lease: Lease, job: ConversionJob, heartbeat: Heartbeat, workdir: Pat
     except ConversionError as exc:
         code = exc.code
         if exc.retryable:
-            state = db_retry(
-                lambda: execution.conversion_job_retry_later(lease=lease, code=code),
-                deadline_s=lease_ttl_s(),
-            )
+            state = db_retry(execution.conversion_job_retry_later, lease=lease, code=code)
             return str(state) if state else _stopped(lease=lease)
-        won = db_retry(
-            lambda: execution.conversion_job_fail(lease=lease, code=code, detail=code),
-            deadline_s=lease_ttl_s(),
-        )
+        won = db_retry(execution.conversion_job_fail, lease=lease, code=code, detail=code)
         return "failed" if won else _stopped(lease=lease)
     except DB_ERRORS:
         # The database stayed away longer than the lease: the sweep will recover the job.
         return "lost"
     except OSError:
         log.warning("storage error during conversion", exc_info=False)
-        state = db_retry(
-            lambda: execution.conversion_job_retry_later(lease=lease, code="storage_error"),
-            deadline_s=lease_ttl_s(),
-        )
+        state = db_retry(execution.conversion_job_retry_later, lease=lease, code="storage_error")
         return str(state) if state else _stopped(lease=lease)
 
 
 def _stopped(*, lease: Lease) -> str:
     """The attempt stops: cancelled (we still hold the lease of a CANCELLING job) or lost."""
-    state = db_retry(lambda: job_state_under_lease(lease=lease), deadline_s=lease_ttl_s())
-    if state == State.CANCELLING and db_retry(
-        lambda: execution.conversion_job_finish_cancel(lease=lease), deadline_s=lease_ttl_s()
-    ):
+    state = db_retry(job_state_under_lease, lease=lease)
+    if state == State.CANCELLING and db_retry(execution.conversion_job_finish_cancel, lease=lease):
         return "cancelled"
-    db_retry(lambda: execution.attempt_record_lease_lost(lease=lease), deadline_s=lease_ttl_s())
+    db_retry(execution.attempt_record_lease_lost, lease=lease)
     return "lost"
 
 
@@ -160,17 +153,10 @@ def _convert(*, lease: Lease, job: ConversionJob, heartbeat: Heartbeat, workdir:
     )
     if job.source_page_count != prepared.page_count:
         db_retry(
-            lambda: execution.conversion_job_record_page_count(
-                lease=lease, page_count=prepared.page_count
-            ),
-            deadline_s=lease_ttl_s(),
+            execution.conversion_job_record_page_count, lease=lease, page_count=prepared.page_count
         )
     pages = _selected_pages(job.options, prepared.page_count)
-    checkpoints = (
-        {}
-        if lease.first_run
-        else db_retry(lambda: page_checkpoints_done(job_id=lease.job_id), deadline_s=lease_ttl_s())
-    )
+    checkpoints = {} if lease.first_run else db_retry(page_checkpoints_by_page, job_id=lease.job_id)
     page_budget = settings.QUIRE["PAGE_MAX_ATTEMPTS"]
     with CheckpointBatch(lease, checkpoints) as batch:
         return _convert_pages(
@@ -288,7 +274,7 @@ def _convert_pages(
 
 
 def _checkpoint(lease: Lease, **values: Any) -> Any:
-    return db_retry(lambda: page_checkpoint_record(lease=lease, **values), deadline_s=lease_ttl_s())
+    return db_retry(page_checkpoint_record, lease=lease, **values)
 
 
 def _finalize(
@@ -315,10 +301,10 @@ def _finalize(
         batch.flush()
         code = checkpoints[failed[0]].error_code or "page_failed"
         won = db_retry(
-            lambda: execution.conversion_job_fail(
-                lease=lease, code=code, detail=f"{len(failed)} page(s) failed"
-            ),
-            deadline_s=lease_ttl_s(),
+            execution.conversion_job_fail,
+            lease=lease,
+            code=code,
+            detail=f"{len(failed)} page(s) failed",
         )
         return "failed" if won else _stopped(lease=lease)
     assembled = workdir / "result.out"
@@ -333,18 +319,18 @@ def _finalize(
     batch.durable()  # the last pages are checkpointed by the publishing transaction
     state = State.PARTIAL if failed else State.SUCCEEDED
     won = db_retry(
-        lambda: execution.conversion_job_publish(
-            lease=lease,
-            state=state,
-            result_key=key,
-            result_sha256=sha,
-            result_size=size,
-            result_media_type=media_type,
+        execution.conversion_job_publish,
+        lease=lease,
+        state=state,
+        result=execution.Result(
+            key=key,
+            sha256=sha,
+            size=size,
+            media_type=media_type,
             pages_done=len(done),
             pages_failed=len(failed),
-            checkpoints=list(pending.values()),
         ),
-        deadline_s=lease_ttl_s(),
+        checkpoints=list(pending.values()),
     )
     if won:
         batch.written()

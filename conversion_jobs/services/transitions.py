@@ -1,0 +1,980 @@
+"""The job state machine's one home (DESIGN.md §4): the only code that writes
+``conversion_job.state``.
+
+One function per edge of ``states.TRANSITIONS``, bound to its edge by ``@edge`` (a test checks
+that every edge has exactly one function and every function an edge). Each is one guarded
+UPDATE whose row count is the answer; ``_move`` bumps ``state_version`` (the ``asgi`` NOTIFY
+trigger fires on it). Callers that must choose an edge (cancel, lease recovery, operator retry,
+a retryable error) try the guarded edges in order and let the row counts decide; they never
+read, branch and then write.
+
+Every edge that leaves a leased state ends the attempt and its lease (``_lease_ends``); every
+edge into a terminal state runs ``_terminal`` (lease end, pending cancellation requests
+resolved, the terminal metric, the audit event). No caller repeats them.
+
+The hot edges (claim, publish) and the acceptance insert are one SQL statement each on Postgres
+(a CTE that moves the job and writes its attempt, lease, checkpoints, outbox and audit rows in
+one round trip, the hook included). SQLite (the standalone profile, one writer at a time under
+``BEGIN IMMEDIATE``) runs the same edges as the ORM statements below; both paths are tested.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, TypeVar
+
+from django.db import connection, transaction
+from django.db.models import F, Q, QuerySet
+from django.db.models.functions import Coalesce, Now
+from django.utils import timezone
+
+from conversion_jobs.models import (
+    AttemptOutcome,
+    CancellationOutcome,
+    CancellationRequest,
+    ConversionAttempt,
+    ConversionJob,
+    ConversionOutbox,
+    ExecutionAuditEvent,
+    IdempotencyRecord,
+    PageCheckpoint,
+    PageState,
+    WorkerLease,
+)
+from conversion_jobs.observability import metrics
+from conversion_jobs.options import canonical_json
+from conversion_jobs.services.audit import (
+    GENESIS,
+    SYSTEM_ACTOR,
+    _event_hash,
+    audit_event_append,
+    chain_sql,
+    event_body,
+    slot,
+    spliced_sql,
+)
+from conversion_jobs.services.checkpoints import (
+    checkpoints_upsert,
+    page_counters,
+    pages_converted_by,
+)
+from conversion_jobs.services.dispatch import outbox_publish_after_commit
+from conversion_jobs.services.leases import Lease, lease_ttl
+from conversion_jobs.states import TERMINAL_STATES, TRANSITIONS, State
+
+Fn = TypeVar("Fn", bound=Callable[..., Any])
+
+#: (from, to) -> the function that makes that move.
+EDGES: dict[tuple[State, State], Callable[..., Any]] = {}
+
+
+def edge(source: State, target: State) -> Callable[[Fn], Fn]:
+    """Bind a function to its edge of ``TRANSITIONS`` (at import: a stray edge fails loudly)."""
+
+    def bind(fn: Fn) -> Fn:
+        if (source, target) not in TRANSITIONS:
+            raise LookupError(f"{source} -> {target} is not an edge of states.TRANSITIONS")
+        if (source, target) in EDGES:
+            raise LookupError(f"{source} -> {target} already has {EDGES[(source, target)]}")
+        EDGES[(source, target)] = fn
+        fn.edge = (source, target)  # type: ignore[attr-defined]
+        return fn
+
+    return bind
+
+
+def _postgres() -> bool:
+    return connection.vendor == "postgresql"
+
+
+def _move(guard: QuerySet[ConversionJob], source: State, target: State, **values: Any) -> int:
+    """The guarded UPDATE of one edge: ``guard`` narrows the row, ``source`` is the state it must
+    still be in. Returns the row count (1: this call moved it; 0: it lost)."""
+    if (source, target) not in TRANSITIONS:
+        raise LookupError(f"{source} -> {target} is not an edge of states.TRANSITIONS")
+    return int(
+        guard.filter(state=source).update(
+            state=target,
+            state_version=F("state_version") + 1,
+            updated_at=Now(),
+            **values,
+        )
+    )
+
+
+def _fenced(lease: Lease) -> QuerySet[ConversionJob]:
+    return ConversionJob.objects.filter(
+        id=lease.job_id, generation=lease.generation, lease_token=lease.token
+    )
+
+
+# --- the hooks every edge out of a leased state / into a terminal state runs -----------------
+
+
+def _lease_ends(lease: Lease, *, outcome: AttemptOutcome, error_code: str | None) -> None:
+    """The lease row goes, the attempt closes (its page count computed, its duration observed
+    after commit). Runs inside the transaction that moved the job."""
+    WorkerLease.objects.filter(job_id=lease.job_id, token=lease.token).delete()
+    attempt_close(lease=lease, outcome=outcome, error_code=error_code)
+
+
+def attempt_close(*, lease: Lease, outcome: AttemptOutcome, error_code: str | None) -> bool:
+    """Close the attempt if it is still open (bookkeeping on the attempt row only)."""
+    closed = ConversionAttempt.objects.filter(id=lease.attempt_id, finished_at__isnull=True).update(
+        outcome=outcome,
+        error_code=error_code,
+        finished_at=Now(),
+        pages_converted=Coalesce(
+            pages_converted_by(job_id=lease.job_id, generation=lease.generation), 0
+        ),
+    )
+    if closed:
+        _observe_attempt(lease, outcome)
+    return bool(closed)
+
+
+def _observe_attempt(lease: Lease, outcome: str) -> None:
+    started = lease.started_at
+    if started is not None:
+        transaction.on_commit(
+            lambda: metrics.ATTEMPT_DURATION.labels(outcome=outcome).observe(
+                (timezone.now() - started).total_seconds()
+            )
+        )
+
+
+def _terminal(
+    *,
+    job_id: uuid.UUID,
+    generation: int,
+    state: State,
+    lease: Lease | None,
+    outcome: AttemptOutcome | None,
+    error_code: str | None,
+    event_type: str,
+    details: dict[str, Any],
+    actor: str = SYSTEM_ACTOR,
+) -> None:
+    """The terminal hook: lease ended and attempt closed (if the job held one), pending
+    cancellation requests resolved (cancelled: with their latency; anything else: lost to
+    completion), the audit event, the terminal metric after commit. Runs inside the
+    transaction whose guarded UPDATE won. (``_PUBLISH_SQL`` is this hook in SQL.)"""
+    if state not in TERMINAL_STATES:
+        raise ValueError(f"{state} is not terminal")
+    if lease is not None and outcome is not None:
+        _lease_ends(lease, outcome=outcome, error_code=error_code)
+    _cancellations_resolve(job_id=job_id, cancelled=state == State.CANCELLED)
+    audit_event_append(
+        job_id=job_id,
+        event_type=event_type,
+        generation=generation,
+        attempt_id=lease.attempt_id if lease else None,
+        actor=actor,
+        details=details,
+    )
+    transaction.on_commit(lambda: metrics.TERMINAL.labels(state=state.value).inc())
+
+
+def _cancellations_resolve(*, job_id: uuid.UUID, cancelled: bool) -> None:
+    pending = CancellationRequest.objects.filter(job_id=job_id, resolved_at__isnull=True)
+    if not cancelled:
+        pending.update(outcome=CancellationOutcome.LOST_TO_COMPLETION, resolved_at=Now())
+        return
+    now = timezone.now()
+    requested = pending.values_list("requested_at", flat=True)
+    latencies = [(now - at).total_seconds() for at in requested]
+    if pending.update(resolved_at=now, outcome=CancellationOutcome.CANCELLED):
+
+        def observe() -> None:
+            for seconds in latencies:
+                metrics.CANCELLATION_LATENCY.observe(seconds)
+
+        transaction.on_commit(observe)
+
+
+def _redispatch(*, job_id: uuid.UUID, generation: int, traceparent: str, reason: str) -> None:
+    """A new generation needs a message: its outbox row, and the fast path after commit."""
+    outbox = ConversionOutbox.objects.create(
+        job_id=job_id, generation=generation, traceparent=traceparent
+    )
+    outbox_publish_after_commit(
+        outbox_id=outbox.id, job_id=job_id, generation=generation, traceparent=traceparent
+    )
+    transaction.on_commit(lambda: metrics.REDISPATCHES.labels(reason=reason).inc())
+
+
+# --- (none) -> queued: acceptance --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NewJob:
+    job: ConversionJob
+    actor: str
+    idempotency_key: str | None
+    fingerprint: str
+    details: dict[str, Any]
+
+
+def job_insert_queued(new: NewJob) -> None:
+    """(none) -> QUEUED, generation 1: the job, its outbox row, its idempotency record (when a
+    key was sent) and its first audit event. On Postgres one statement (``_ACCEPT_SQL``), which
+    the caller runs inside its transaction. A unique violation (a concurrent identical job or
+    key) propagates: the caller's transaction rolls back whole and it answers from the winner.
+    Registers the fast-path publish for after commit."""
+    job = new.job
+    now = timezone.now()
+    job.created_at = job.updated_at = now
+    job.audit_seq = 1
+    job.audit_head = _event_hash(
+        prev_hash=GENESIS,
+        job_id=job.id,
+        seq=1,
+        event_type="accepted",
+        generation=1,
+        attempt_id=None,
+        actor=new.actor,
+        details=new.details,
+        created_at=now,
+    )
+    if _postgres():
+        fields = [f for f in ConversionJob._meta.concrete_fields]
+        params: dict[str, Any] = {
+            f"j_{f.column}": f.get_db_prep_save(getattr(job, f.attname), connection) for f in fields
+        }
+        params.update(
+            now=now,
+            actor=new.actor,
+            key=new.idempotency_key,
+            fingerprint=new.fingerprint,
+            details=canonical_json(new.details),
+            genesis=GENESIS,
+        )
+        sql = _ACCEPT_SQL.format(
+            columns=", ".join(str(f.column) for f in fields),
+            values=", ".join(f"%(j_{f.column})s" for f in fields),
+        )
+        with connection.cursor() as cursor:
+            cursor.execute(sql, params)
+            outbox_id = cursor.fetchone()[0]
+    else:
+        job.save(force_insert=True)
+        outbox_id = ConversionOutbox.objects.create(
+            job=job, generation=1, traceparent=job.traceparent
+        ).id
+        if new.idempotency_key is not None:
+            IdempotencyRecord.objects.create(
+                tenant=job.tenant, key=new.idempotency_key, fingerprint=new.fingerprint, job=job
+            )
+        ExecutionAuditEvent.objects.create(
+            job_id=job.id,
+            seq=1,
+            event_type="accepted",
+            generation=1,
+            attempt_id=None,
+            actor=new.actor,
+            details=new.details,
+            created_at=now,
+            prev_hash=GENESIS,
+            hash=job.audit_head,
+        )
+    outbox_publish_after_commit(
+        outbox_id=outbox_id, job_id=job.id, generation=1, traceparent=job.traceparent
+    )
+
+
+#: (none) -> queued in one round trip: the job row, then what hangs off it. A unique violation
+#: (content identity, idempotency key) aborts the whole statement.
+_ACCEPT_SQL = """
+WITH job AS (
+    INSERT INTO conversion_job ({columns}) VALUES ({values}) RETURNING id, traceparent, audit_head
+), outbox AS (
+    INSERT INTO conversion_outbox (job_id, generation, traceparent, created_at, publish_attempts)
+    SELECT id, 1, traceparent, %(now)s, 0 FROM job RETURNING id
+), idempotency AS (
+    INSERT INTO idempotency_record (tenant, key, fingerprint, job_id, created_at)
+    SELECT %(j_tenant)s, %(key)s, %(fingerprint)s, id, %(now)s FROM job
+    WHERE %(key)s::text IS NOT NULL
+), audit AS (
+    INSERT INTO execution_audit_event
+        (job_id, seq, event_type, generation, attempt_id, actor, details, created_at,
+         prev_hash, hash)
+    SELECT id, 1, 'accepted', 1, NULL, %(actor)s, %(details)s::jsonb, %(now)s, %(genesis)s,
+           audit_head
+    FROM job
+)
+SELECT id FROM outbox
+"""
+
+
+# --- queued -> running: the claim --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A won claim: the lease and the job row as the claim left it."""
+
+    lease: Lease
+    job: ConversionJob
+
+
+@edge(State.QUEUED, State.RUNNING)
+def claim(*, job_id: uuid.UUID, generation: int, worker: str) -> Claim | None:
+    """QUEUED -> RUNNING for this generation: attempts + 1, the attempt, the lease, the audit
+    event. None: a duplicate or stale delivery (counted; the caller acks it)."""
+    token = uuid.uuid4()
+    now = timezone.now()
+    expires = now + lease_ttl()
+    worker = worker[:128]
+    if _postgres():
+        won = _claim_postgres(
+            job_id=job_id,
+            generation=generation,
+            worker=worker,
+            token=token,
+            now=now,
+            expires=expires,
+        )
+    else:
+        won = _claim_orm(
+            job_id=job_id,
+            generation=generation,
+            worker=worker,
+            token=token,
+            now=now,
+            expires=expires,
+        )
+    if won is None:
+        current = (
+            ConversionJob.objects.filter(id=job_id).values_list("generation", flat=True).first()
+        )
+        reason = "stale" if current is not None and current > generation else "duplicate"
+        metrics.DUPLICATE_DELIVERIES.labels(reason=reason).inc()
+        return None
+    job, attempt_id = won
+    metrics.CLAIMS.inc()
+    lease = Lease(job_id, generation, token, attempt_id, job.attempts, now)
+    return Claim(lease, job)
+
+
+#: queued -> running in one round trip. ``locked`` takes the row lock with the guard (after a
+#: wait it sees the newest row, so a claim that lost the race matches nothing and writes nothing);
+#: the attempt id is drawn first so the audit hash can cover it.
+_CLAIM_SQL = """
+WITH locked AS (
+    SELECT id, attempts, audit_seq, audit_head FROM conversion_job
+    WHERE id = %(job)s AND state = 'queued' AND generation = %(generation)s
+    FOR UPDATE
+), att AS (
+    SELECT nextval(pg_get_serial_sequence('conversion_attempt', 'id')) AS id FROM locked
+), moved AS (
+    UPDATE conversion_job j SET
+        state = 'running', attempts = l.attempts + 1, lease_token = %(token)s,
+        state_version = j.state_version + 1, updated_at = %(now)s,
+        audit_seq = l.audit_seq + 1, audit_head = {hash}
+    FROM locked l, att
+    WHERE j.id = l.id
+    RETURNING j.*, att.id AS attempt_id, l.audit_head AS audit_prev
+), attempt AS (
+    INSERT INTO conversion_attempt
+        (id, job_id, generation, number, worker, started_at, heartbeat_at, pages_converted)
+    SELECT attempt_id, id, %(generation)s, attempts, %(worker)s, %(now)s, %(now)s, 0 FROM moved
+), lease AS (
+    INSERT INTO worker_lease (job_id, generation, attempt_id, token, expires_at)
+    SELECT id, %(generation)s, attempt_id, %(token)s, %(expires)s FROM moved
+    ON CONFLICT (job_id) DO UPDATE SET generation = EXCLUDED.generation,
+        attempt_id = EXCLUDED.attempt_id, token = EXCLUDED.token, expires_at = EXCLUDED.expires_at
+), audit AS (
+    INSERT INTO execution_audit_event
+        (job_id, seq, event_type, generation, attempt_id, actor, details, created_at,
+         prev_hash, hash)
+    SELECT id, audit_seq, 'claimed', %(generation)s, attempt_id, 'system', {details}::jsonb,
+           %(now)s, audit_prev, audit_head
+    FROM moved
+)
+SELECT * FROM moved
+"""
+
+
+def _claim_postgres(
+    *,
+    job_id: uuid.UUID,
+    generation: int,
+    worker: str,
+    token: uuid.UUID,
+    now: datetime,
+    expires: datetime,
+) -> tuple[ConversionJob, int] | None:
+    params: dict[str, Any] = {
+        "job": job_id,
+        "generation": generation,
+        "token": token,
+        "now": now,
+        "expires": expires,
+        "worker": worker,
+    }
+    details = canonical_json({"attempt": slot("attempt_number")})
+    exprs = {"attempt": "att.id", "attempt_number": "l.attempts + 1"}
+    sql = _CLAIM_SQL.format(
+        hash=chain_sql(
+            prev="l.audit_head",
+            seq="l.audit_seq + 1",
+            body=event_body(
+                job_id=job_id,
+                event_type="claimed",
+                generation=generation,
+                attempt_id=slot("attempt"),
+                actor=SYSTEM_ACTOR,
+                details={"attempt": slot("attempt_number")},
+                created_at=now,
+            ),
+            params=params,
+            exprs=exprs,
+        ),
+        details=spliced_sql(details, exprs={"attempt_number": "attempts"}, params=params),
+    )
+    rows = list(ConversionJob.objects.raw(sql, params))
+    if not rows:
+        return None
+    job = rows[0]
+    return job, int(job.attempt_id)  # type: ignore[attr-defined]
+
+
+def _claim_orm(
+    *,
+    job_id: uuid.UUID,
+    generation: int,
+    worker: str,
+    token: uuid.UUID,
+    now: datetime,
+    expires: datetime,
+) -> tuple[ConversionJob, int] | None:
+    with transaction.atomic():
+        won = _move(
+            ConversionJob.objects.filter(id=job_id, generation=generation),
+            State.QUEUED,
+            State.RUNNING,
+            attempts=F("attempts") + 1,
+            lease_token=token,
+        )
+        if not won:
+            return None
+        job = ConversionJob.objects.get(id=job_id)
+        attempt = ConversionAttempt.objects.create(
+            job_id=job_id,
+            generation=generation,
+            number=job.attempts,
+            worker=worker,
+            heartbeat_at=now,
+        )
+        WorkerLease.objects.update_or_create(
+            job_id=job_id,
+            defaults={
+                "generation": generation,
+                "attempt": attempt,
+                "token": token,
+                "expires_at": expires,
+            },
+        )
+        audit_event_append(
+            job_id=job_id,
+            event_type="claimed",
+            generation=generation,
+            attempt_id=attempt.id,
+            details={"attempt": job.attempts},
+        )
+    return job, attempt.id
+
+
+# --- running -> succeeded | partial: the publish -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Result:
+    key: str
+    sha256: str
+    size: int
+    media_type: str
+    pages_done: int
+    pages_failed: int
+
+
+@edge(State.RUNNING, State.SUCCEEDED)
+def publish_succeeded(
+    *, lease: Lease, result: Result, checkpoints: list[PageCheckpoint] | None = None
+) -> bool:
+    """RUNNING -> SUCCEEDED, fenced, with the attempt's last page ``checkpoints``. False: the
+    lease was lost or the job was cancelled first; nothing is written."""
+    return _publish(lease, State.SUCCEEDED, result, checkpoints or [])
+
+
+@edge(State.RUNNING, State.PARTIAL)
+def publish_partial(
+    *, lease: Lease, result: Result, checkpoints: list[PageCheckpoint] | None = None
+) -> bool:
+    """RUNNING -> PARTIAL (some pages failed permanently), as ``publish_succeeded``."""
+    return _publish(lease, State.PARTIAL, result, checkpoints or [])
+
+
+def _publish(lease: Lease, state: State, result: Result, checkpoints: list[PageCheckpoint]) -> bool:
+    details = {
+        "state": state.value,
+        "pages_done": result.pages_done,
+        "pages_failed": result.pages_failed,
+        "result_sha256": result.sha256,
+        "result_size": result.size,
+    }
+    values = {
+        "result_key": result.key,
+        "result_sha256": result.sha256,
+        "result_size": result.size,
+        "result_media_type": result.media_type,
+    }
+    if _postgres() and all(c.state == PageState.DONE for c in checkpoints):
+        won = _publish_postgres(lease, state, values, details, checkpoints)
+    else:
+        with transaction.atomic():
+            won = _leave_lease(
+                lease,
+                State.RUNNING,
+                state,
+                values={**values, "finished_at": Now()},
+                checkpoints=checkpoints,
+                outcome=AttemptOutcome.SUCCEEDED,
+                error_code=None,
+                event_type="published",
+                details=details,
+            )
+    if won:
+        for checkpoint in checkpoints:
+            metrics.PAGES.labels(outcome=checkpoint.state).inc()
+    return won
+
+
+#: running -> succeeded | partial in one round trip, with the terminal hook in SQL: the job
+#: (fenced on generation, token and state, under its row lock), its last page checkpoints, the
+#: lease ended, the attempt closed, pending cancellation requests lost to completion, the audit
+#: event. Zero rows from ``moved``: the publish lost and every other part wrote nothing.
+_PUBLISH_SQL = """
+WITH locked AS (
+    SELECT id, audit_seq, audit_head FROM conversion_job
+    WHERE id = %(job)s AND generation = %(generation)s AND lease_token = %(token)s
+      AND state = 'running'
+    FOR UPDATE
+), moved AS (
+    UPDATE conversion_job j SET
+        state = %(state)s, result_key = %(result_key)s, result_sha256 = %(result_sha256)s,
+        result_size = %(result_size)s, result_media_type = %(result_media_type)s,
+        finished_at = now(), pages_done = j.pages_done + %(n_done)s, lease_token = NULL,
+        state_version = j.state_version + 1, updated_at = now(),
+        audit_seq = l.audit_seq + 1, audit_head = {hash}
+    FROM locked l WHERE j.id = l.id
+    RETURNING j.id, j.audit_seq, j.audit_head, l.audit_head AS audit_prev
+), pages AS (
+    INSERT INTO page_checkpoint
+        (job_id, page_number, state, attempts, artifact_key, artifact_sha256, artifact_size,
+         media_type, error_code, generation, updated_at, content)
+    SELECT m.id, p.page_number, 'done', p.attempts, p.artifact_key, p.artifact_sha256,
+           p.artifact_size, p.media_type, NULL, %(generation)s, now(), p.content
+    FROM moved m, unnest(%(p_number)s::int[], %(p_attempts)s::int[], %(p_key)s::text[],
+                         %(p_sha)s::text[], %(p_size)s::bigint[], %(p_media)s::text[],
+                         %(p_content)s::bytea[])
+         AS p(page_number, attempts, artifact_key, artifact_sha256, artifact_size, media_type,
+              content)
+    ON CONFLICT (job_id, page_number) DO UPDATE SET
+        state = EXCLUDED.state, attempts = EXCLUDED.attempts,
+        artifact_key = EXCLUDED.artifact_key, artifact_sha256 = EXCLUDED.artifact_sha256,
+        artifact_size = EXCLUDED.artifact_size, media_type = EXCLUDED.media_type,
+        error_code = NULL, generation = EXCLUDED.generation, updated_at = EXCLUDED.updated_at,
+        content = EXCLUDED.content
+), lease_end AS (
+    DELETE FROM worker_lease WHERE job_id IN (SELECT id FROM moved) AND token = %(token)s
+), attempt AS (
+    UPDATE conversion_attempt SET
+        outcome = 'succeeded', error_code = NULL, finished_at = now(),
+        pages_converted = cardinality(%(p_number)s::int[]) + (
+            SELECT count(*) FROM page_checkpoint c
+            WHERE c.job_id = %(job)s AND c.generation = %(generation)s AND c.state = 'done'
+              AND NOT (c.page_number = ANY(%(p_number)s::int[])))
+    WHERE id = %(attempt)s AND finished_at IS NULL AND EXISTS (SELECT 1 FROM moved)
+    RETURNING id
+), cancels AS (
+    UPDATE cancellation_request SET outcome = 'lost_to_completion', resolved_at = now()
+    WHERE job_id IN (SELECT id FROM moved) AND resolved_at IS NULL
+), audit AS (
+    INSERT INTO execution_audit_event
+        (job_id, seq, event_type, generation, attempt_id, actor, details, created_at,
+         prev_hash, hash)
+    SELECT id, audit_seq, 'published', %(generation)s, %(attempt)s, 'system', %(details)s::jsonb,
+           %(at)s, audit_prev, audit_head
+    FROM moved
+)
+SELECT (SELECT count(*) FROM moved), (SELECT count(*) FROM attempt)
+"""
+
+
+def _publish_postgres(
+    lease: Lease,
+    state: State,
+    values: dict[str, Any],
+    details: dict[str, Any],
+    checkpoints: list[PageCheckpoint],
+) -> bool:
+    at = timezone.now()
+    params: dict[str, Any] = {
+        "job": lease.job_id,
+        "generation": lease.generation,
+        "token": lease.token,
+        "attempt": lease.attempt_id,
+        "state": state.value,
+        "n_done": len(checkpoints),
+        "details": canonical_json(details),
+        "at": at,
+        "p_number": [c.page_number for c in checkpoints],
+        "p_attempts": [c.attempts for c in checkpoints],
+        "p_key": [c.artifact_key for c in checkpoints],
+        "p_sha": [c.artifact_sha256 for c in checkpoints],
+        "p_size": [c.artifact_size for c in checkpoints],
+        "p_media": [c.media_type for c in checkpoints],
+        "p_content": [c.content for c in checkpoints],
+        **values,
+    }
+    sql = _PUBLISH_SQL.format(
+        hash=chain_sql(
+            prev="l.audit_head",
+            seq="l.audit_seq + 1",
+            body=event_body(
+                job_id=lease.job_id,
+                event_type="published",
+                generation=lease.generation,
+                attempt_id=lease.attempt_id,
+                actor=SYSTEM_ACTOR,
+                details=details,
+                created_at=at,
+            ),
+            params=params,
+        )
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        moved, closed = cursor.fetchone()
+    if not moved:
+        return False
+    if closed:
+        _observe_attempt(lease, AttemptOutcome.SUCCEEDED)
+    transaction.on_commit(lambda: metrics.TERMINAL.labels(state=state.value).inc())
+    return True
+
+
+# --- the other edges out of running / cancelling ------------------------------------------------
+
+
+def _leave_lease(
+    lease: Lease,
+    source: State,
+    target: State,
+    *,
+    values: dict[str, Any],
+    outcome: AttemptOutcome,
+    error_code: str | None,
+    event_type: str,
+    details: dict[str, Any],
+    guard: Q | None = None,
+    checkpoints: list[PageCheckpoint] | None = None,
+) -> bool:
+    """One fenced move out of a leased state with its bookkeeping; the caller holds the
+    transaction. The terminal hook for terminal targets, the lease end and the audit event for
+    the others. False: lost, nothing written."""
+    fence = _fenced(lease)
+    if guard is not None:
+        fence = fence.filter(guard)
+    if not _move(
+        fence, source, target, lease_token=None, **values, **page_counters(checkpoints or [])
+    ):
+        return False
+    if checkpoints:
+        checkpoints_upsert(lease, checkpoints)
+    if target in TERMINAL_STATES:
+        _terminal(
+            job_id=lease.job_id,
+            generation=lease.generation,
+            state=target,
+            lease=lease,
+            outcome=outcome,
+            error_code=error_code,
+            event_type=event_type,
+            details=details,
+        )
+        return True
+    _lease_ends(lease, outcome=outcome, error_code=error_code)
+    audit_event_append(
+        job_id=lease.job_id,
+        event_type=event_type,
+        generation=lease.generation,
+        attempt_id=lease.attempt_id,
+        details=details,
+    )
+    return True
+
+
+_EXHAUSTED = Q(attempts__gte=F("max_attempts"))
+
+
+@edge(State.RUNNING, State.FAILED)
+def fail(
+    *,
+    lease: Lease,
+    code: str,
+    detail: str = "",
+    retryable: bool = False,
+    outcome: AttemptOutcome = AttemptOutcome.TERMINAL_ERROR,
+    attempt_error: str | None = None,
+    event_type: str = "failed",
+    details: dict[str, Any] | None = None,
+    only_if_exhausted: bool = False,
+) -> bool:
+    """RUNNING -> FAILED, fenced: a terminal error (``code``), or with ``only_if_exhausted`` the
+    dead letter (``attempts_exhausted``, guarded on attempts >= max_attempts: the worker's
+    retryable error and the lease sweep both try it first). False: lost."""
+    with transaction.atomic():
+        return _leave_lease(
+            lease,
+            State.RUNNING,
+            State.FAILED,
+            values={
+                "error_code": code,
+                "error_retryable": retryable,
+                "error_detail": detail[:256],
+                "finished_at": Now(),
+            },
+            guard=_EXHAUSTED if only_if_exhausted else None,
+            outcome=outcome,
+            error_code=attempt_error if attempt_error is not None else code,
+            event_type=event_type,
+            details=details if details is not None else {"code": code},
+        )
+
+
+@edge(State.RUNNING, State.RETRY_WAIT)
+def retry_later(*, lease: Lease, code: str, delay: timedelta) -> bool:
+    """RUNNING -> RETRY_WAIT with ``next_attempt_at`` = now + ``delay`` (a Postgres timestamp),
+    fenced and guarded on attempts < max_attempts. False: lost (or the budget is spent)."""
+    with transaction.atomic():
+        won = _leave_lease(
+            lease,
+            State.RUNNING,
+            State.RETRY_WAIT,
+            values={"next_attempt_at": Now() + delay, "error_code": code, "error_retryable": True},
+            guard=~_EXHAUSTED,
+            outcome=AttemptOutcome.RETRYABLE_ERROR,
+            error_code=code,
+            event_type="retry_scheduled",
+            details={"code": code, "attempt": lease.attempt_number},
+        )
+    if won:
+        transaction.on_commit(lambda: metrics.RETRY_DELAY.observe(delay.total_seconds()))
+    return won
+
+
+@edge(State.RUNNING, State.QUEUED)
+def requeue_lost_lease(*, lease: Lease, traceparent: str) -> bool:
+    """RUNNING -> QUEUED (generation + 1, new outbox row) for an expired lease with attempts
+    left (guarded on attempts < max_attempts); the attempt's outcome is ``lease_lost``."""
+    with transaction.atomic():
+        if not _move(
+            _fenced(lease).filter(~_EXHAUSTED),
+            State.RUNNING,
+            State.QUEUED,
+            generation=F("generation") + 1,
+            queued_at=Now(),
+            error_code="lease_lost",
+            error_retryable=True,
+            lease_token=None,
+        ):
+            return False
+        _lease_ends(lease, outcome=AttemptOutcome.LEASE_LOST, error_code="lease_lost")
+        _redispatch(
+            job_id=lease.job_id,
+            generation=lease.generation + 1,
+            traceparent=traceparent,
+            reason="lease_expired",
+        )
+        audit_event_append(
+            job_id=lease.job_id,
+            event_type="lease_expired",
+            generation=lease.generation,
+            attempt_id=lease.attempt_id,
+            details={"result": "requeued"},
+        )
+    return True
+
+
+@edge(State.CANCELLING, State.CANCELLED)
+def finish_cancel(*, lease: Lease, by_sweep: bool = False) -> bool:
+    """CANCELLING -> CANCELLED, fenced: by the worker that holds the lease (at a page boundary
+    or heartbeat), or by the lease sweep when that lease expired. False: lost."""
+    with transaction.atomic():
+        return _leave_lease(
+            lease,
+            State.CANCELLING,
+            State.CANCELLED,
+            values={"finished_at": Now()},
+            outcome=AttemptOutcome.LEASE_LOST if by_sweep else AttemptOutcome.CANCELLED,
+            error_code="lease_lost" if by_sweep else None,
+            event_type="lease_expired" if by_sweep else "cancelled",
+            details={"result": "cancelled"} if by_sweep else {"by": "worker"},
+        )
+
+
+# --- cancel API --------------------------------------------------------------------------------
+
+
+def _tenant_job(job_id: uuid.UUID, tenant: str | None) -> QuerySet[ConversionJob]:
+    jobs = ConversionJob.objects.filter(id=job_id)
+    return jobs if tenant is None else jobs.filter(tenant=tenant)
+
+
+def _move_returning_generation(
+    guard: QuerySet[ConversionJob], source: State, target: State, **values: Any
+) -> int | None:
+    """``_move`` that also says which generation it moved (read under the lock it took)."""
+    if not _move(guard, source, target, **values):
+        return None
+    return int(guard.values_list("generation", flat=True).get())
+
+
+def _cancel_immediately(job_id: uuid.UUID, tenant: str, actor: str, source: State) -> int | None:
+    with transaction.atomic():
+        generation = _move_returning_generation(
+            _tenant_job(job_id, tenant),
+            source,
+            State.CANCELLED,
+            next_attempt_at=None,
+            finished_at=Now(),
+        )
+        if generation is None:
+            return None
+        _terminal(
+            job_id=job_id,
+            generation=generation,
+            state=State.CANCELLED,
+            lease=None,
+            outcome=None,
+            error_code=None,
+            event_type="cancelled",
+            details={"by": "api", "state_seen": source.value},
+            actor=actor,
+        )
+    return generation
+
+
+@edge(State.QUEUED, State.CANCELLED)
+def cancel_queued(*, job_id: uuid.UUID, tenant: str, actor: str) -> int | None:
+    """QUEUED -> CANCELLED (its message, when it comes, is a stale delivery). Returns the
+    generation it cancelled, or None (not queued)."""
+    return _cancel_immediately(job_id, tenant, actor, State.QUEUED)
+
+
+@edge(State.RETRY_WAIT, State.CANCELLED)
+def cancel_retry_wait(*, job_id: uuid.UUID, tenant: str, actor: str) -> int | None:
+    """RETRY_WAIT -> CANCELLED (the timer is cleared). Generation or None."""
+    return _cancel_immediately(job_id, tenant, actor, State.RETRY_WAIT)
+
+
+@edge(State.RUNNING, State.CANCELLING)
+def cancel_running(*, job_id: uuid.UUID, tenant: str, actor: str) -> int | None:
+    """RUNNING -> CANCELLING: the lease holder stops at its next page or heartbeat (or the
+    lease sweep ends it). Generation or None."""
+    with transaction.atomic():
+        generation = _move_returning_generation(
+            _tenant_job(job_id, tenant), State.RUNNING, State.CANCELLING
+        )
+        if generation is not None:
+            audit_event_append(
+                job_id=job_id,
+                event_type="cancelling",
+                generation=generation,
+                actor=actor,
+                details={"state_seen": State.RUNNING.value},
+            )
+    return generation
+
+
+# --- beat: a due retry timer -----------------------------------------------------------------
+
+
+@edge(State.RETRY_WAIT, State.QUEUED)
+def requeue_due_retry(*, job_id: uuid.UUID, generation: int, traceparent: str) -> bool:
+    """RETRY_WAIT whose timer has passed -> QUEUED, generation + 1, new outbox row."""
+    with transaction.atomic():
+        if not _move(
+            ConversionJob.objects.filter(
+                id=job_id, generation=generation, next_attempt_at__lte=Now()
+            ),
+            State.RETRY_WAIT,
+            State.QUEUED,
+            generation=F("generation") + 1,
+            next_attempt_at=None,
+            queued_at=Now(),
+        ):
+            return False
+        _redispatch(
+            job_id=job_id, generation=generation + 1, traceparent=traceparent, reason="retry_due"
+        )
+        audit_event_append(job_id=job_id, event_type="retry_dispatched", generation=generation + 1)
+    return True
+
+
+# --- operator retry ----------------------------------------------------------------------------
+
+
+def _operator_retry(job_id: uuid.UUID, tenant: str | None, actor: str, source: State) -> int | None:
+    """FAILED | CANCELLED -> QUEUED, generation + 1, attempts reset, failed pages get a fresh
+    budget (done pages stay done), new outbox row. Guarded on ``expired_at IS NULL`` (an
+    expired job's source is gone). A unique violation (an identical live job) propagates."""
+    with transaction.atomic():
+        generation = _move_returning_generation(
+            _tenant_job(job_id, tenant).filter(expired_at__isnull=True),
+            source,
+            State.QUEUED,
+            generation=F("generation") + 1,
+            attempts=0,
+            error_code=None,
+            error_retryable=False,
+            error_detail="",
+            finished_at=None,
+            pages_failed=0,
+            queued_at=Now(),
+        )
+        if generation is None:
+            return None
+        PageCheckpoint.objects.filter(job_id=job_id, state=PageState.FAILED).update(
+            state=PageState.PENDING, attempts=0, error_code=None
+        )
+        traceparent = (
+            ConversionJob.objects.filter(id=job_id).values_list("traceparent", flat=True).get()
+        )
+        _redispatch(
+            job_id=job_id,
+            generation=generation,
+            traceparent=traceparent,
+            reason="operator_retry",
+        )
+        audit_event_append(
+            job_id=job_id, event_type="operator_retry", generation=generation, actor=actor
+        )
+    return generation
+
+
+@edge(State.FAILED, State.QUEUED)
+def retry_failed(*, job_id: uuid.UUID, tenant: str | None, actor: str) -> int | None:
+    """Operator retry of a FAILED job. Returns the new generation, or None (not failed)."""
+    return _operator_retry(job_id, tenant, actor, State.FAILED)
+
+
+@edge(State.CANCELLED, State.QUEUED)
+def retry_cancelled(*, job_id: uuid.UUID, tenant: str | None, actor: str) -> int | None:
+    """Operator retry of a CANCELLED job. Returns the new generation, or None."""
+    return _operator_retry(job_id, tenant, actor, State.CANCELLED)
