@@ -390,7 +390,7 @@ WITH locked AS (
     INSERT INTO execution_audit_event
         (job_id, seq, event_type, generation, attempt_id, actor, details, created_at,
          prev_hash, hash)
-    SELECT id, audit_seq, 'claimed', %(generation)s, attempt_id, 'system', {details}::jsonb,
+    SELECT id, audit_seq, 'claimed', %(generation)s, attempt_id, 'system', ({details})::jsonb,
            %(now)s, audit_prev, audit_head
     FROM moved
 )

@@ -22,10 +22,9 @@ def _needs_postgres() -> None:
 
 def _chain(job_id, n: int = 3) -> list[ExecutionAuditEvent]:
     with transaction.atomic():
-        return [
+        for i in range(n):
             audit_event_append(job_id=job_id, event_type=f"e{i}", generation=1, details={"i": i})
-            for i in range(n)
-        ]
+    return list(ExecutionAuditEvent.objects.filter(job_id=job_id).order_by("seq"))
 
 
 def _verify() -> tuple[str, str | None]:
