@@ -141,9 +141,19 @@ def gunicorn(
 # -- Postgres -------------------------------------------------------------------------------------
 
 
+def isolated(name: str) -> str:
+    """``name`` suffixed with this checkout's vhost (``QUIRE_RMQ_VHOST=quire_<branch>``), so
+    parallel checkouts on one host never drop each other's benchmark databases."""
+    vhost = os.environ.get("QUIRE_RMQ_VHOST", "quire")
+    suffix = re.sub(r"[^a-z0-9_]", "_", vhost.lower()).removeprefix("quire").strip("_")
+    return f"{name}_{suffix}" if suffix else name
+
+
 def recreate_database(name: str) -> str:
-    """Drop and create ``name``; returns its URL."""
+    """Drop and create ``name`` (``isolated``); returns its URL."""
     import psycopg
+
+    name = isolated(name)
 
     if not re.fullmatch(r"[a-z_][a-z0-9_]*", name):
         raise ValueError("database name")
@@ -155,6 +165,8 @@ def recreate_database(name: str) -> str:
 
 def drop_database(name: str) -> None:
     import psycopg
+
+    name = isolated(name)
 
     with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
         conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")

@@ -1,7 +1,8 @@
-"""Worker throughput: N trivial Quire jobs vs N plain-Celery no-op tasks, same broker, same run
-(issue 3, performance).
+"""Worker throughput: N one-page PDF -> text Quire jobs vs the plain Celery task a team would
+otherwise write, and vs a Celery no-op; same broker settings, same PDFs, same run (issues 3, 12).
 
-    .venv/bin/python bench/throughput.py [--n 5000] [--layout 1x2|2x1] [--accept-threads 4]
+    .venv/bin/python bench/throughput.py [--n 2000] [--layout 1x2|2x1] [--accept-threads 4]
+                                         [--reuse attempt[,tenant]]
 
 What runs:
 
@@ -12,7 +13,11 @@ What runs:
   prefetch 1, results ignored), *then* a worker started with the Procfile ``worker`` command's
   flags (``-E``, ``--prefetch-multiplier 1``, …), only ``-A`` / ``-Q`` changed; the task is a
   no-op that appends its start / finish time to a per-process file;
-* phase **quire**: ``--n`` one-page PDFs (a few hundred bytes, text output) accepted through the
+* phase **plain celery** (the peer of DESIGN.md §14): the same ``--n`` PDFs, each a message to
+  ``bench.convert`` (``bench/noop_celery.py``) on a quorum queue ``bench.plain`` with the same
+  publish and worker settings: in-process pypdfium2, the text written to a file, one UPDATE of
+  the job's row in a table ``bench_plain_job`` of the same database;
+* phase **quire**: the same ``--n`` one-page PDFs (text output) accepted through the
   service layer (``conversion_job_accept``, as tests/e2e/conftest.py ``submit``; its on_commit
   fast path publishes each), all accepted *before* any worker starts; then ``beat``,
   ``sweeper`` and the ``worker`` from the Procfile (production settings) run them to the end.
@@ -21,9 +26,16 @@ What runs:
 processes); ``2x1``: two worker processes with one pool process each. Both phases use the same.
 
 Measured window, both phases: first task start (Quire: the first ``conversion_attempt.started_at``;
-Celery: the first no-op's start) to the last completion (Quire: the last
-``conversion_job.finished_at``; Celery: the last no-op's finish). Worker boot is outside it and
-printed separately. jobs/s = N / window; the ratio Quire / Celery has a target of >= 0.7.
+Celery: the first task's start) to the last completion (Quire: the last
+``conversion_job.finished_at``; Celery: the last task's finish). Worker boot is outside it and
+printed separately. jobs/s = N / window. Printed: Quire / plain Celery (target >= 0.3 with a
+fresh sandboxed child per attempt, >= 0.6 with converter reuse within a tenant) and
+Quire / no-op.
+
+``--reuse``: the converter reuse modes to run a Quire phase in (each in a fresh database, its
+processes started with ``QUIRE_CONVERTER_REUSE=<mode>``). ``attempt`` is today's behaviour; the
+``tenant`` mode is the hook for converter reuse within a tenant (issue 12 point 4): until that
+setting exists it runs exactly like ``attempt``.
 """
 
 from __future__ import annotations
@@ -46,7 +58,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as c
 
 DB_NAME = "quire_tp"
-TARGET_RATIO = 0.7
+#: Quire / plain Celery conversion task, per converter reuse mode (DESIGN.md §14).
+TARGETS = {"attempt": 0.3, "tenant": 0.6}
 
 
 @dataclass
@@ -79,12 +92,12 @@ def _cpu() -> tuple[float, float]:
     return busy / c.CLK_TCK, sum(c.proc_cpu_s(p) for p in c.pids_named("beam.smp"))
 
 
-def _worker_argv(layout_concurrency: str, hostname: str) -> list[str]:
+def _worker_argv(layout_concurrency: str, hostname: str, queue: str) -> list[str]:
     """The Procfile worker command with this app and queue."""
     cmd = c.procfile_command("worker")
     cmd = cmd[cmd.index("celery ") :]  # without the ``env VAR=…`` prefix (Quire's broker URLs)
     cmd = cmd.replace("-A project", "-A bench.noop_celery").replace(
-        "-Q conversion.v1", "-Q bench.noop"
+        "-Q conversion.v1", f"-Q {queue}"
     )
     cmd = cmd.replace("${WORKER_CONCURRENCY:-2}", layout_concurrency)
     cmd = cmd.replace("worker.%h.${PORT:-0}", hostname)
@@ -93,10 +106,36 @@ def _worker_argv(layout_concurrency: str, hostname: str) -> list[str]:
     return argv
 
 
-def phase_celery(*, stack: c.Stack, n: int, procs: int, concurrency: int, timeout: float) -> Phase:
+def make_pdfs(n: int, directory: Path) -> list[Path]:
+    """``n`` distinct one-page PDFs (both phases convert these very files)."""
+    from conversion_jobs.converters import testdocs
+
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i in range(n):
+        path = directory / f"doc-{i:06d}.pdf"
+        salt = uuid.uuid4().hex
+        testdocs.make_pdf(path, pages=1, text_of=lambda page, salt=salt: f"Page {page} {salt}")
+        paths.append(path)
+    return paths
+
+
+def phase_celery(
+    *,
+    stack: c.Stack,
+    name: str,
+    task: str,
+    queue: str,
+    args: list[list[str]],
+    procs: int,
+    concurrency: int,
+    timeout: float,
+    extra_env: dict[str, str] | None = None,
+) -> Phase:
     from tests.e2e import harness
 
-    phase = Phase(name="celery no-op", n=n)
+    n = len(args)
+    phase = Phase(name=name, n=n)
     c._rabbitmqctl("set_permissions", "-p", stack.vhost, "guest", ".*", ".*", ".*")
     broker = f"amqp://guest:guest@127.0.0.1:5672/{stack.vhost}"
     done_dir = Path(tempfile.mkdtemp(prefix="noop-", dir=stack.storage))
@@ -108,8 +147,10 @@ def phase_celery(*, stack: c.Stack, n: int, procs: int, concurrency: int, timeou
     try:
         noop_celery.app.conf.broker_url = broker
         t0 = time.perf_counter()
-        for _ in range(n):
-            noop_celery.app.send_task("bench.noop", args=[str(uuid.uuid4()), 1], retry=False)
+        for task_args in args:
+            noop_celery.app.send_task(
+                task, args=task_args, queue=queue, routing_key=queue, retry=False
+            )
         publish_s = time.perf_counter() - t0
         noop_celery.app.pool.force_close_all()
     finally:
@@ -124,6 +165,7 @@ def phase_celery(*, stack: c.Stack, n: int, procs: int, concurrency: int, timeou
         if not k.startswith(("CELERY_", "DATABASE_URL", "QUIRE_", "DJANGO_SETTINGS"))
     }
     env.update(PYTHONPATH=str(c.ROOT), BENCH_BROKER_URL=broker, BENCH_DONE_DIR=str(done_dir))
+    env.update(extra_env or {})
     workers: list[harness.Proc] = []
     boot = time.time()
     cpu0 = _cpu()
@@ -131,7 +173,7 @@ def phase_celery(*, stack: c.Stack, n: int, procs: int, concurrency: int, timeou
         log = stack.storage / "logs" / f"noop{i}.log"
         with open(log, "ab") as out:
             popen = subprocess.Popen(
-                _worker_argv(str(concurrency), f"noop{i}.%h"),
+                _worker_argv(str(concurrency), f"{queue}{i}.%h", queue),
                 cwd=c.ROOT,
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -166,29 +208,93 @@ def phase_celery(*, stack: c.Stack, n: int, procs: int, concurrency: int, timeou
     return phase
 
 
-def _accept_all(*, n: int, threads: int) -> float:
+def phase_plain(
+    *, stack: c.Stack, pdfs: list[Path], procs: int, concurrency: int, timeout: float
+) -> Phase:
+    """The plain Celery conversion task over the same PDFs, marking rows of its own table."""
+    import psycopg
+
+    jobs = [(str(uuid.uuid4()), str(p)) for p in pdfs]
+    with psycopg.connect(stack.db_url, autocommit=True) as conn:
+        conn.execute(
+            "CREATE TABLE bench_plain_job (id uuid PRIMARY KEY, source text NOT NULL,"
+            " state text NOT NULL DEFAULT 'queued', text_path text, finished_at timestamptz)"
+        )
+        with conn.cursor().copy("COPY bench_plain_job (id, source) FROM STDIN") as copy:
+            for row in jobs:
+                copy.write_row(row)
+    phase = phase_celery(
+        stack=stack,
+        name="plain celery",
+        task="bench.convert",
+        queue="bench.plain",
+        args=[list(j) for j in jobs],
+        procs=procs,
+        concurrency=concurrency,
+        timeout=timeout,
+        extra_env={"BENCH_DB_URL": stack.db_url},
+    )
+    done = c.sql_scalar(stack.db_url, "SELECT count(*) FROM bench_plain_job WHERE state = 'done'")
+    phase.notes.append(f"{done}/{len(jobs)} rows marked done by the task's UPDATE")
+    return phase
+
+
+def _submit_file(path: Path, tenant: str) -> None:
+    """Accept one PDF through the service layer (as tests/e2e/conftest.py ``submit``)."""
+    import hashlib
+    import shutil
+
+    from conversion_jobs import storage
+    from conversion_jobs.services.acceptance import StagedUpload, conversion_job_accept
+
+    fh, staged = storage.staging_file()
+    fh.close()
+    shutil.copyfile(path, staged)
+    raw = staged.read_bytes()
+    upload = StagedUpload(path=staged, sha256=hashlib.sha256(raw).hexdigest(), size=len(raw))
+    accepted = conversion_job_accept(
+        tenant=tenant,
+        actor="bench",
+        upload=upload,
+        output="text",
+        raw_options={},
+        idempotency_key=None,
+    )
+    if not accepted.created:
+        raise RuntimeError("a benchmark job was not new")
+
+
+def _accept_all(*, pdfs: list[Path], threads: int) -> float:
     from django.db import connection
 
-    def batch(count: int) -> None:
+    def batch(paths: list[Path]) -> None:
         try:
-            for _ in range(count):
-                c.submit_job(tenant="bench")
+            for path in paths:
+                _submit_file(path, tenant="bench")
         finally:
             connection.close()
 
-    share = [n // threads + (1 if i < n % threads else 0) for i in range(threads)]
+    shares = [pdfs[i::threads] for i in range(threads)]
     t0 = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
-        for f in [pool.submit(batch, k) for k in share if k]:
+        for f in [pool.submit(batch, share) for share in shares if share]:
             f.result()
     return time.perf_counter() - t0
 
 
 def phase_quire(
-    *, stack: c.Stack, n: int, procs: int, concurrency: int, accept_threads: int, timeout: float
+    *,
+    stack: c.Stack,
+    pdfs: list[Path],
+    reuse: str,
+    procs: int,
+    concurrency: int,
+    accept_threads: int,
+    timeout: float,
 ) -> Phase:
-    phase = Phase(name="quire", n=n)
-    accept_s = _accept_all(n=n, threads=accept_threads)
+    n = len(pdfs)
+    phase = Phase(name=f"quire[{reuse}]", n=n)
+    accept_s = _accept_all(pdfs=pdfs, threads=accept_threads)
     unpublished = c.sql_scalar(
         stack.db_url, "SELECT count(*) FROM conversion_outbox WHERE published_at IS NULL"
     )
@@ -271,13 +377,22 @@ def report(*, phases: list[Phase], load: str, layout: str, n: int) -> None:
         for note in p.notes:
             print(f"  {p.name}: {note}")
     by = {p.name: p for p in phases}
-    if "quire" in by and "celery no-op" in by:
-        ratio = by["quire"].per_s / by["celery no-op"].per_s
-        print()
-        print(
-            f"ratio quire / celery   {ratio:6.3f}   target >= {TARGET_RATIO}   "
-            f"{c.verdict(ratio >= TARGET_RATIO)}"
-        )
+    print()
+    for mode, target in TARGETS.items():
+        quire = by.get(f"quire[{mode}]")
+        if quire is None:
+            continue
+        if "plain celery" in by:
+            ratio = quire.per_s / by["plain celery"].per_s
+            print(
+                f"ratio quire[{mode}] / plain celery task   {ratio:6.3f}   target >= {target}   "
+                f"{c.verdict(ratio >= target)}"
+            )
+        if "celery no-op" in by:
+            print(
+                f"ratio quire[{mode}] / celery no-op        "
+                f"{quire.per_s / by['celery no-op'].per_s:6.3f}   (no target)"
+            )
     print(f"load average at end {c.load_average()}")
 
 
@@ -285,40 +400,73 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--n", type=int, default=5000, help="jobs / messages per phase")
+    parser.add_argument("--n", type=int, default=2000, help="jobs / messages per phase")
     parser.add_argument("--layout", choices=["1x2", "2x1"], default="1x2")
     parser.add_argument("--accept-threads", type=int, default=4)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per phase")
-    parser.add_argument("--skip-baseline", action="store_true")
+    parser.add_argument("--skip-baseline", action="store_true", help="no Celery phases")
+    parser.add_argument(
+        "--reuse", default="attempt", help="converter reuse modes, comma-separated: attempt,tenant"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the database, storage, logs")
     args = parser.parse_args()
     procs, concurrency = (int(x) for x in args.layout.split("x"))
+    modes = [m for m in args.reuse.split(",") if m]
+    if unknown := set(modes) - set(TARGETS):
+        parser.error(f"unknown reuse mode(s): {', '.join(sorted(unknown))}")
     load = c.load_average()
     print(f"load average at start {load}", flush=True)
     phases: list[Phase] = []
-    with c.quire_stack(db_name=DB_NAME, keep=args.keep) as stack:
-        if not args.skip_baseline:
-            phases.append(
-                phase_celery(
-                    stack=stack,
-                    n=args.n,
-                    procs=procs,
-                    concurrency=concurrency,
-                    timeout=args.timeout,
-                )
-            )
-            print(f"celery phase done: {phases[-1].per_s:.1f}/s", flush=True)
-        with contextlib.suppress(KeyboardInterrupt):
-            phases.append(
-                phase_quire(
-                    stack=stack,
-                    n=args.n,
-                    procs=procs,
-                    concurrency=concurrency,
-                    accept_threads=args.accept_threads,
-                    timeout=args.timeout,
-                )
-            )
+    pdf_dir = Path(tempfile.mkdtemp(prefix="quire-tp-pdfs-"))
+    try:
+        for index, mode in enumerate(modes):
+            with c.quire_stack(
+                db_name=DB_NAME, keep=args.keep, QUIRE_CONVERTER_REUSE=mode
+            ) as stack:
+                if index == 0:
+                    pdfs = make_pdfs(args.n, pdf_dir)
+                if index == 0 and not args.skip_baseline:
+                    noop_args = [[str(uuid.uuid4()), "1"] for _ in range(args.n)]
+                    phases.append(
+                        phase_celery(
+                            stack=stack,
+                            name="celery no-op",
+                            task="bench.noop",
+                            queue="bench.noop",
+                            args=noop_args,
+                            procs=procs,
+                            concurrency=concurrency,
+                            timeout=args.timeout,
+                        )
+                    )
+                    print(f"celery no-op phase done: {phases[-1].per_s:.1f}/s", flush=True)
+                    phases.append(
+                        phase_plain(
+                            stack=stack,
+                            pdfs=pdfs,
+                            procs=procs,
+                            concurrency=concurrency,
+                            timeout=args.timeout,
+                        )
+                    )
+                    print(f"plain celery phase done: {phases[-1].per_s:.1f}/s", flush=True)
+                with contextlib.suppress(KeyboardInterrupt):
+                    phases.append(
+                        phase_quire(
+                            stack=stack,
+                            pdfs=pdfs,
+                            reuse=mode,
+                            procs=procs,
+                            concurrency=concurrency,
+                            accept_threads=args.accept_threads,
+                            timeout=args.timeout,
+                        )
+                    )
+                print(f"quire[{mode}] phase done: {phases[-1].per_s:.1f}/s", flush=True)
+    finally:
+        import shutil
+
+        shutil.rmtree(pdf_dir, ignore_errors=True)
     report(phases=phases, load=load, layout=args.layout, n=args.n)
     return 0
 
