@@ -141,6 +141,10 @@ def gunicorn(
 # -- Postgres -------------------------------------------------------------------------------------
 
 
+#: The vhost whose users' permissions a throwaway vhost copies (this checkout's, when set).
+REFERENCE_VHOST = os.environ.get("QUIRE_RMQ_VHOST", "quire")
+
+
 def isolated(name: str) -> str:
     """``name`` suffixed with this checkout's vhost (``QUIRE_RMQ_VHOST=quire_<branch>``), so
     parallel checkouts on one host never drop each other's benchmark databases."""
@@ -204,7 +208,7 @@ def throwaway_vhost(*, user: str, password: str) -> Iterator[str]:
         perms = None
         for line in _rabbitmqctl("list_user_permissions", user).splitlines():
             cols = line.split("\t")
-            if cols and cols[0] == "quire":
+            if cols and cols[0] == REFERENCE_VHOST:
                 perms = cols[1:4]
         if perms is None:
             raise RuntimeError(
@@ -477,7 +481,7 @@ def vhost_grant_like_quire(vhost: str, user: str) -> None:
     """Give ``user`` on ``vhost`` exactly the permissions it has on vhost ``quire``."""
     for line in _rabbitmqctl("list_user_permissions", user).splitlines():
         cols = line.split("\t")
-        if cols and cols[0] == "quire":
+        if cols and cols[0] == REFERENCE_VHOST:
             _rabbitmqctl("set_permissions", "-p", vhost, "--", user, *cols[1:4])
             return
     raise RuntimeError(f"{user} has no permissions on vhost quire: run deploy/rabbitmq/apply.sh")

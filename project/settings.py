@@ -166,6 +166,9 @@ QUIRE: dict[str, Any] = {
     "HEARTBEAT_S": env_float("QUIRE_HEARTBEAT_S", 2.0),
     "LEASE_S": env_float("QUIRE_LEASE_S", 10.0),
     "PAGE_MAX_ATTEMPTS": env_int("QUIRE_PAGE_MAX_ATTEMPTS", 3),
+    # Text pages up to this size live in their checkpoint row (written with the batch, no file,
+    # no fsync of their own); 0 turns it off.
+    "INLINE_PAGE_MAX_BYTES": env_int("QUIRE_INLINE_PAGE_MAX_BYTES", 65536),
     "BACKOFF_BASE_S": env_float("QUIRE_BACKOFF_BASE_S", 2.0),
     "BACKOFF_CAP_S": env_float("QUIRE_BACKOFF_CAP_S", 300.0),
     # dispatch

@@ -231,12 +231,22 @@ class JobRetryView(QuireView):
 
 
 def _artifact_response(
-    *, key: str, sha256: str, media_type: str, filename: str, request: Request
+    *,
+    key: str,
+    sha256: str,
+    media_type: str,
+    filename: str,
+    request: Request,
+    content: bytes | None = None,
 ) -> HttpResponseBase:
+    """The artifact at ``key``, or ``content`` when it is stored inline in its row."""
     etag = f'"{sha256}"'
     response: HttpResponseBase
     if request.headers.get("If-None-Match") == etag:
         response = HttpResponse(status=304)
+    elif content is not None:
+        response = HttpResponse(content, content_type=media_type)
+        response["Content-Disposition"] = f'attachment; filename="{filename}"'
     else:
         path = storage.path_of(key)
         if not path.exists():
@@ -284,7 +294,7 @@ class JobPagesView(QuireView):
     )
     def get(self, request: Request, job_id: uuid.UUID) -> Response:
         job = self.job(job_id)
-        pages = selectors.page_checkpoint_list(job_id=job.id, tenant=job.tenant)
+        pages = selectors.page_checkpoint_list(job_id=job.id, tenant=job.tenant).defer("content")
         return Response({"pages": [page_representation(job.id, p) for p in pages]})
 
 
@@ -320,6 +330,7 @@ class JobPageView(QuireView):
         ext = RESULT_EXT[job.output] if job.output != "png" else "png"
         return _artifact_response(
             key=checkpoint.artifact_key or "",
+            content=None if checkpoint.content is None else bytes(checkpoint.content),
             sha256=checkpoint.artifact_sha256 or "",
             media_type=checkpoint.media_type or "application/octet-stream",
             filename=f"{job.id}-page-{page:05d}.{ext}",

@@ -11,9 +11,14 @@ from .sniff import sniff_media_type
 
 
 def assemble_result(
-    *, output: str, pages: list[tuple[int, Path]], dest: Path, prepared_document: Path | None
+    *,
+    output: str,
+    pages: list[tuple[int, Path | bytes]],
+    dest: Path,
+    prepared_document: Path | None,
 ) -> str:
-    """Write the result to ``dest`` and return its media type.
+    """Write the result to ``dest`` and return its media type. A page is its artifact's path, or
+    its bytes (a text page stored inline in its checkpoint row).
 
     text -> UTF-8 pages joined by form feed in page order; png -> ZIP of page-0001.png ...;
     pdf -> LibreOffice's PDF (only the selected pages if a subset) when ``prepared_document``
@@ -23,19 +28,25 @@ def assemble_result(
     dest = Path(dest)
     if output == "text":
         with open(dest, "w", encoding="utf-8", newline="") as out:
-            for index, (_page, path) in enumerate(ordered):
+            for index, (_page, artifact) in enumerate(ordered):
                 if index:
                     out.write("\f")
-                out.write(Path(path).read_text(encoding="utf-8"))
+                if isinstance(artifact, bytes):
+                    out.write(artifact.decode("utf-8"))
+                else:
+                    out.write(Path(artifact).read_text(encoding="utf-8"))
         return TEXT_PLAIN
+    files = [(page, artifact) for page, artifact in ordered if isinstance(artifact, Path)]
+    if len(files) != len(ordered):
+        raise ValueError(f"{output} pages are files")
     if output == "png":
         # PNG is already compressed; storing avoids burning CPU for nothing.
         with zipfile.ZipFile(dest, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
-            for page, path in ordered:
+            for page, path in files:
                 zf.write(path, arcname=f"page-{page:04d}.png")
         return ZIP
     if output == "pdf":
-        _assemble_pdf(ordered, dest, prepared_document)
+        _assemble_pdf(files, dest, prepared_document)
         return PDF
     raise ValueError(f"unknown output {output!r}")
 

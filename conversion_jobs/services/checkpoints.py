@@ -20,11 +20,22 @@ from conversion_jobs.services.audit import audit_event_append
 from conversion_jobs.services.db_retry import db_retry
 from conversion_jobs.services.leases import Lease, LeaseLost, fenced
 
+#: ``artifact_key`` prefix of a page whose artifact is the row's ``content`` (no file).
+INLINE_PREFIX = "inline:"
+
+
+def page_artifact(checkpoint: PageCheckpoint) -> Path | bytes:
+    """A done page's artifact: its bytes when inline, else the path of its file."""
+    key = checkpoint.artifact_key or ""
+    if key.startswith(INLINE_PREFIX):
+        return bytes(checkpoint.content or b"")
+    return storage.path_of(key)
+
 
 def page_checkpoints_by_page(*, job_id: uuid.UUID) -> dict[int, PageCheckpoint]:
     """Every checkpoint of the job, by page number: a resumed attempt skips the done and failed
     ones and reads the tries already spent on a pending one."""
-    return {p.page_number: p for p in PageCheckpoint.objects.filter(job_id=job_id).defer("content")}
+    return {p.page_number: p for p in PageCheckpoint.objects.filter(job_id=job_id)}
 
 
 def page_checkpoint_record(
@@ -101,6 +112,7 @@ def checkpoints_upsert(lease: Lease, checkpoints: list[PageCheckpoint]) -> None:
 
 CHECKPOINT_FIELDS = [
     "state",
+    "content",
     "attempts",
     "artifact_key",
     "artifact_sha256",
@@ -129,7 +141,9 @@ class CheckpointBatch:
     ``MAX_PAGES`` pages or its oldest page has waited ``MAX_WAIT_S``, always before a failed page
     or an error, and the last batch inside the publishing transaction. A crash loses at most one
     batch, which a resumed attempt converts again; a page is never skipped unless its checkpoint
-    committed. Page files are renamed into storage at once and ``fsync``ed on background threads;
+    committed. Small text pages have no file: their bytes ride in the checkpoint row
+    (``content``) and are durable exactly when it commits, so a page is never half there. Other
+    page files are renamed into storage at once and ``fsync``ed on background threads;
     every one of them, and their directory, is on disk before their checkpoints are written
     (``durable``). Artifacts of pages that never got their checkpoint are deleted on the way out,
     so nothing is orphaned."""
@@ -153,16 +167,19 @@ class CheckpointBatch:
         wait(self.syncs)
         self.syncs = []
         for checkpoint in self.pending:  # never recorded: leave no artifact behind
-            storage.delete(checkpoint.artifact_key or "")
+            if not (checkpoint.artifact_key or "").startswith(INLINE_PREFIX):
+                storage.delete(checkpoint.artifact_key or "")
         self.pending = []
 
-    def add(self, checkpoint: PageCheckpoint, placed: Path) -> None:
-        """``checkpoint``'s artifact has been placed at ``placed``; its fsync starts now."""
+    def add(self, checkpoint: PageCheckpoint, placed: Path | None) -> None:
+        """``checkpoint``'s artifact has been placed at ``placed`` (its fsync starts now), or
+        is inline (``placed`` None: its bytes are in the checkpoint and commit with it)."""
         if not self.pending:
             self.since = time.monotonic()
         self.pending.append(checkpoint)
-        self.syncs.append(storage.sync_later(placed))
-        self.directories.add(placed.parent)
+        if placed is not None:
+            self.syncs.append(storage.sync_later(placed))
+            self.directories.add(placed.parent)
 
     def durable(self) -> None:
         """Wait until every pending page file and its directory entry is on disk (an OSError

@@ -26,7 +26,9 @@ from conversion_jobs.models import ConversionJob, PageCheckpoint, PageState
 from conversion_jobs.observability import tracing
 from conversion_jobs.services import execution
 from conversion_jobs.services.checkpoints import (
+    INLINE_PREFIX,
     CheckpointBatch,
+    page_artifact,
     page_checkpoint_record,
     page_checkpoints_by_page,
 )
@@ -246,21 +248,24 @@ def _convert_pages(
             ext = "txt" if job.output == "text" else job.output
             key = storage.page_key(job_id=lease.job_id, page=page, ext=f"g{lease.generation}.{ext}")
             sha, size = storage.sha256_file(artifact.path)
-            placed = storage.place(artifact.path, key)
-            batch.add(
-                PageCheckpoint(
-                    job_id=lease.job_id,
-                    page_number=page,
-                    state=PageState.DONE,
-                    attempts=tries + 1,
-                    artifact_key=key,
-                    artifact_sha256=sha,
-                    artifact_size=size,
-                    media_type=artifact.media_type,
-                    generation=lease.generation,
-                ),
-                placed,
+            checkpoint = PageCheckpoint(
+                job_id=lease.job_id,
+                page_number=page,
+                state=PageState.DONE,
+                attempts=tries + 1,
+                artifact_key=key,
+                artifact_sha256=sha,
+                artifact_size=size,
+                media_type=artifact.media_type,
+                generation=lease.generation,
             )
+            if job.output == "text" and size <= settings.QUIRE["INLINE_PAGE_MAX_BYTES"]:
+                # A small text page rides in its checkpoint row: durable when the batch commits.
+                checkpoint.artifact_key = INLINE_PREFIX + key
+                checkpoint.content = artifact.path.read_bytes()
+                batch.add(checkpoint, None)
+            else:
+                batch.add(checkpoint, storage.place(artifact.path, key))
             break
     return _finalize(
         lease=lease,
@@ -291,11 +296,7 @@ def _finalize(
     still waiting in ``batch`` are checkpointed in that same transaction."""
     pending = {c.page_number: c for c in batch.pending}
     outcome = {**checkpoints, **pending}
-    done = [
-        (p, storage.path_of(outcome[p].artifact_key))
-        for p in pages
-        if outcome[p].state == PageState.DONE
-    ]
+    done = [(p, page_artifact(outcome[p])) for p in pages if outcome[p].state == PageState.DONE]
     failed = [p for p in pages if outcome[p].state == PageState.FAILED]
     if failed and (not done or not job.options.get("allow_partial", True)):
         batch.flush()

@@ -87,3 +87,53 @@ def test_result__other_tenant_is_not_found(tmp_path, api, no_broker_publish):
         missing = stranger.get(f"/api/v1/jobs/{uuid.uuid4()}/{path}")
         assert theirs.status_code == missing.status_code == 404, path
         assert theirs.content == missing.content
+
+
+def _content(response) -> bytes:
+    return response.content if hasattr(response, "content") else _body(response)
+
+
+def test_text_pages__live_in_their_checkpoint_rows_and_are_served_as_before(
+    tmp_path, api, no_broker_publish, settings
+):
+    """Issue 12: a small text page has no file of its own (no fsync per page); its bytes commit
+    with its checkpoint row, and the result and ``/pages/{n}`` serve it unchanged."""
+    from conversion_jobs import storage
+    from conversion_jobs.models import PageCheckpoint
+
+    text_of = unique_text()
+    source = testdocs.make_pdf(tmp_path / "doc.pdf", pages=3, text_of=text_of)
+    job = submit(source, output="text")
+    assert execute(job) == "succeeded"
+
+    rows = list(PageCheckpoint.objects.filter(job_id=job.id).order_by("page_number"))
+    assert [r.page_number for r in rows] == [1, 2, 3]
+    assert all((r.artifact_key or "").startswith("inline:") and r.content for r in rows)
+    assert not (storage.path_of(f"pages/{job.id}")).exists()  # no page file was written
+    for row in rows:
+        assert hashlib.sha256(bytes(row.content)).hexdigest() == row.artifact_sha256
+        assert len(row.content) == row.artifact_size
+
+    client = api()
+    result = _body(client.get(f"/api/v1/jobs/{job.id}/result")).decode()
+    assert result.split("\f") == [bytes(r.content).decode() for r in rows]
+    assert all(text_of(n) in result for n in (1, 2, 3))
+    page = client.get(f"/api/v1/jobs/{job.id}/pages/2")
+    assert page.status_code == 200
+    assert page["Content-Type"] == "text/plain; charset=utf-8"
+    assert page["ETag"] == f'"{rows[1].artifact_sha256}"'
+    assert _content(page) == bytes(rows[1].content)
+
+
+def test_text_pages__above_the_inline_limit_are_files(tmp_path, api, no_broker_publish, settings):
+    from conversion_jobs import storage
+    from conversion_jobs.models import PageCheckpoint
+
+    settings.QUIRE = {**settings.QUIRE, "INLINE_PAGE_MAX_BYTES": 0}
+    source = testdocs.make_pdf(tmp_path / "doc.pdf", pages=2, text_of=unique_text())
+    job = submit(source, output="text")
+    assert execute(job) == "succeeded"
+    rows = list(PageCheckpoint.objects.filter(job_id=job.id).order_by("page_number"))
+    assert all(r.content is None and storage.path_of(r.artifact_key).exists() for r in rows)
+    page = api().get(f"/api/v1/jobs/{job.id}/pages/1")
+    assert _body(page) == storage.path_of(rows[0].artifact_key).read_bytes()
