@@ -153,6 +153,9 @@ def phase_celery(
             )
         publish_s = time.perf_counter() - t0
         noop_celery.app.pool.force_close_all()
+        # The next phase publishes through a fresh pool (Celery keeps the closed one otherwise).
+        noop_celery.app._pool = None
+        noop_celery.app.amqp._producer_pool = None
     finally:
         if quire_broker is not None:
             os.environ["CELERY_BROKER_URL"] = quire_broker
