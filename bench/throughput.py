@@ -56,6 +56,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as c
+import kombu.pools
 
 DB_NAME = "quire_tp"
 #: Quire / plain Celery conversion task, per converter reuse mode (DESIGN.md §14).
@@ -153,7 +154,8 @@ def phase_celery(
             )
         publish_s = time.perf_counter() - t0
         noop_celery.app.pool.force_close_all()
-        # The next phase publishes through a fresh pool (Celery keeps the closed one otherwise).
+        # The next phase publishes through a fresh pool (kombu and Celery keep the closed one).
+        kombu.pools.reset()
         noop_celery.app._pool = None
         noop_celery.app.amqp._producer_pool = None
     finally:

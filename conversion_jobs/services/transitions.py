@@ -590,7 +590,8 @@ WITH locked AS (
         error_code = NULL, generation = EXCLUDED.generation, updated_at = EXCLUDED.updated_at,
         content = EXCLUDED.content
 ), lease_end AS (
-    DELETE FROM worker_lease WHERE job_id IN (SELECT id FROM moved) AND token = %(token)s
+    DELETE FROM worker_lease
+    WHERE job_id = %(job)s AND token = %(token)s AND EXISTS (SELECT 1 FROM moved)
 ), attempt AS (
     UPDATE conversion_attempt SET
         outcome = 'succeeded', error_code = NULL, finished_at = now(),
@@ -602,7 +603,7 @@ WITH locked AS (
     RETURNING id
 ), cancels AS (
     UPDATE cancellation_request SET outcome = 'lost_to_completion', resolved_at = now()
-    WHERE job_id IN (SELECT id FROM moved) AND resolved_at IS NULL
+    WHERE job_id = %(job)s AND resolved_at IS NULL AND EXISTS (SELECT 1 FROM moved)
 ), audit AS (
     INSERT INTO execution_audit_event
         (job_id, seq, event_type, generation, attempt_id, actor, details, created_at,
