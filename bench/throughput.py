@@ -353,6 +353,20 @@ def phase_quire(
     return phase
 
 
+def _seed(stack: c.Stack, jobs: int) -> float:
+    import psycopg
+    from history import seed_history
+
+    t0 = time.perf_counter()
+    with psycopg.connect(stack.db_url, autocommit=True) as conn:
+        seed_history(conn.cursor(), jobs=jobs)
+    return time.perf_counter() - t0
+
+
+#: Quire with a million finished jobs in its tables / the same with empty tables (DESIGN §14).
+HISTORY_TARGET = 0.9
+
+
 def report(*, phases: list[Phase], load: str, layout: str, n: int) -> None:
     print()
     print(
@@ -398,6 +412,13 @@ def report(*, phases: list[Phase], load: str, layout: str, n: int) -> None:
                 f"ratio quire[{mode}] / celery no-op        "
                 f"{quire.per_s / by['celery no-op'].per_s:6.3f}   (no target)"
             )
+    for p in phases:
+        if "+" in p.name and p.name.split("+")[0] in by:
+            ratio = p.per_s / by[p.name.split("+")[0]].per_s
+            print(
+                f"ratio {p.name} / {p.name.split('+')[0]} (empty tables)   {ratio:6.3f}   "
+                f"target >= {HISTORY_TARGET}   {c.verdict(ratio >= HISTORY_TARGET)}"
+            )
     print(f"load average at end {c.load_average()}")
 
 
@@ -412,6 +433,13 @@ def main() -> int:
     parser.add_argument("--skip-baseline", action="store_true", help="no Celery phases")
     parser.add_argument(
         "--reuse", default="attempt", help="converter reuse modes, comma-separated: attempt,tenant"
+    )
+    parser.add_argument(
+        "--history",
+        type=int,
+        default=0,
+        help="also run the first reuse mode's Quire phase on a database holding this many "
+        "finished jobs (bench/history.py) and print its ratio to the empty-table phase",
     )
     parser.add_argument("--keep", action="store_true", help="keep the database, storage, logs")
     args = parser.parse_args()
@@ -468,6 +496,25 @@ def main() -> int:
                         )
                     )
                 print(f"quire[{mode}] phase done: {phases[-1].per_s:.1f}/s", flush=True)
+        if args.history:
+            mode = modes[0]
+            with c.quire_stack(
+                db_name=DB_NAME, keep=args.keep, QUIRE_CONVERTER_REUSE=mode
+            ) as stack:
+                seed_s = _seed(stack, args.history)
+                phase = phase_quire(
+                    stack=stack,
+                    pdfs=pdfs,
+                    reuse=mode,
+                    procs=procs,
+                    concurrency=concurrency,
+                    accept_threads=args.accept_threads,
+                    timeout=args.timeout,
+                )
+                phase.name = f"quire[{mode}]+{args.history // 1000}k"
+                phase.notes.append(f"{args.history} finished jobs seeded in {seed_s:.0f} s first")
+                phases.append(phase)
+                print(f"{phase.name} phase done: {phase.per_s:.1f}/s", flush=True)
     finally:
         import shutil
 
