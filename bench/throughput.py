@@ -32,8 +32,8 @@ printed separately. jobs/s = N / window. Printed: Quire / plain Celery (target >
 fresh sandboxed child per attempt, >= 0.6 with converter reuse within a tenant) and
 Quire / no-op.
 
-``--reuse``: the converter reuse modes to run a Quire phase in (each in a fresh database, its
-processes started with ``QUIRE_CONVERTER_REUSE=<mode>``). ``attempt`` is today's behaviour; the
+``--reuse``: the converter reuse modes to run a Quire phase in (each as its own tenant, its
+workers started with ``QUIRE_CONVERTER_REUSE=<mode>``). ``attempt`` is today's behaviour; the
 ``tenant`` mode is the hook for converter reuse within a tenant (issue 12 point 4): until that
 setting exists it runs exactly like ``attempt``.
 """
@@ -269,13 +269,13 @@ def _submit_file(path: Path, tenant: str) -> None:
         raise RuntimeError("a benchmark job was not new")
 
 
-def _accept_all(*, pdfs: list[Path], threads: int) -> float:
+def _accept_all(*, pdfs: list[Path], threads: int, tenant: str) -> float:
     from django.db import connection
 
     def batch(paths: list[Path]) -> None:
         try:
             for path in paths:
-                _submit_file(path, tenant="bench")
+                _submit_file(path, tenant=tenant)
         finally:
             connection.close()
 
@@ -292,16 +292,23 @@ def phase_quire(
     stack: c.Stack,
     pdfs: list[Path],
     reuse: str,
+    tenant: str,
     procs: int,
     concurrency: int,
     accept_threads: int,
     timeout: float,
 ) -> Phase:
+    """Accept ``pdfs`` as ``tenant``'s jobs, then start beat, sweeper and workers (converter reuse
+    mode ``reuse``) and time them to the last finish; everything counted is ``tenant``'s, so
+    phases can share a database (and its history). The processes are stopped at the end."""
     n = len(pdfs)
     phase = Phase(name=f"quire[{reuse}]", n=n)
-    accept_s = _accept_all(pdfs=pdfs, threads=accept_threads)
-    unpublished = c.sql_scalar(
-        stack.db_url, "SELECT count(*) FROM conversion_outbox WHERE published_at IS NULL"
+    accept_s = _accept_all(pdfs=pdfs, threads=accept_threads, tenant=tenant)
+    unpublished = _scalar(
+        stack.db_url,
+        "SELECT count(*) FROM conversion_outbox WHERE published_at IS NULL"
+        " AND job_id IN (SELECT id FROM conversion_job WHERE tenant = %(tenant)s)",
+        tenant,
     )
     phase.notes.append(
         f"accepted {n} jobs through the service layer in {accept_s:.1f} s "
@@ -312,16 +319,20 @@ def phase_quire(
     boot = time.time()
     cpu0 = _cpu()
     workers = [
-        stack.start("worker", ready=False, WORKER_CONCURRENCY=str(concurrency))
+        stack.start(
+            "worker", ready=False, WORKER_CONCURRENCY=str(concurrency), QUIRE_CONVERTER_REUSE=reuse
+        )
         for _ in range(procs)
     ]
     deadline = time.monotonic() + timeout
     terminal = 0
     while time.monotonic() < deadline:
         terminal = int(
-            c.sql_retry(
+            _scalar(
                 stack.db_url,
-                "SELECT count(*) FROM conversion_job WHERE finished_at IS NOT NULL",
+                "SELECT count(*) FROM conversion_job"
+                " WHERE finished_at IS NOT NULL AND tenant = %(tenant)s",
+                tenant,
             )
             or 0
         )
@@ -332,18 +343,27 @@ def phase_quire(
     phase.worker_cpu_s = sum(c.tree_cpu_s(w.pid) for w in workers)  # type: ignore[attr-defined]
     phase.machine_cpu_s, phase.rabbitmq_cpu_s = cpu1[0] - cpu0[0], cpu1[1] - cpu0[1]
     phase.done = terminal
+    stack.cluster.stop_all()  # type: ignore[attr-defined]
     import psycopg
 
+    params = {"tenant": tenant}
     with psycopg.connect(stack.db_url) as conn:
         first_start, attempts = conn.execute(
             "SELECT extract(epoch FROM min(started_at)), count(*) FROM conversion_attempt"
+            " WHERE job_id IN (SELECT id FROM conversion_job WHERE tenant = %(tenant)s)",
+            params,
         ).fetchone()
         last_finish, succeeded = conn.execute(
             "SELECT extract(epoch FROM max(finished_at)),"
             " count(*) FILTER (WHERE state = 'succeeded')"
-            " FROM conversion_job"
+            " FROM conversion_job WHERE tenant = %(tenant)s",
+            params,
         ).fetchone()
-        outbox = conn.execute("SELECT count(*) FROM conversion_outbox").fetchone()[0]
+        outbox = conn.execute(
+            "SELECT count(*) FROM conversion_outbox"
+            " WHERE job_id IN (SELECT id FROM conversion_job WHERE tenant = %(tenant)s)",
+            params,
+        ).fetchone()[0]
     phase.first_start, phase.last_finish = float(first_start), float(last_finish)
     phase.boot_to_last_s = phase.last_finish - boot
     phase.notes.append(
@@ -351,6 +371,22 @@ def phase_quire(
         f"{outbox} outbox rows"
     )
     return phase
+
+
+def _scalar(url: str, query: str, tenant: str) -> object:
+    """One value of ``query`` (parameter ``tenant``), retried while Postgres is unreachable."""
+    import psycopg
+
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            with psycopg.connect(url, autocommit=True) as conn:
+                row = conn.execute(query, {"tenant": tenant}).fetchone()
+                return row[0] if row else None
+        except psycopg.OperationalError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
 
 
 def _seed(stack: c.Stack, jobs: int) -> float:
@@ -451,67 +487,51 @@ def main() -> int:
     print(f"load average at start {load}", flush=True)
     phases: list[Phase] = []
     pdf_dir = Path(tempfile.mkdtemp(prefix="quire-tp-pdfs-"))
+    common = {"procs": procs, "concurrency": concurrency, "timeout": args.timeout}
     try:
-        for index, mode in enumerate(modes):
-            with c.quire_stack(
-                db_name=DB_NAME, keep=args.keep, QUIRE_CONVERTER_REUSE=mode
-            ) as stack:
-                if index == 0:
-                    pdfs = make_pdfs(args.n, pdf_dir)
-                if index == 0 and not args.skip_baseline:
-                    noop_args = [[str(uuid.uuid4()), "1"] for _ in range(args.n)]
-                    phases.append(
-                        phase_celery(
-                            stack=stack,
-                            name="celery no-op",
-                            task="bench.noop",
-                            queue="bench.noop",
-                            args=noop_args,
-                            procs=procs,
-                            concurrency=concurrency,
-                            timeout=args.timeout,
-                        )
+        # One database and vhost for every phase (this process's Django settings and Celery app
+        # are bound to them); each Quire phase has its own tenant and its own processes.
+        with c.quire_stack(db_name=DB_NAME, keep=args.keep) as stack:
+            pdfs = make_pdfs(args.n, pdf_dir)
+            if not args.skip_baseline:
+                noop_args = [[str(uuid.uuid4()), "1"] for _ in range(args.n)]
+                phases.append(
+                    phase_celery(
+                        stack=stack,
+                        name="celery no-op",
+                        task="bench.noop",
+                        queue="bench.noop",
+                        args=noop_args,
+                        **common,
                     )
-                    print(f"celery no-op phase done: {phases[-1].per_s:.1f}/s", flush=True)
-                    phases.append(
-                        phase_plain(
-                            stack=stack,
-                            pdfs=pdfs,
-                            procs=procs,
-                            concurrency=concurrency,
-                            timeout=args.timeout,
-                        )
-                    )
-                    print(f"plain celery phase done: {phases[-1].per_s:.1f}/s", flush=True)
+                )
+                print(f"celery no-op phase done: {phases[-1].per_s:.1f}/s", flush=True)
+                phases.append(phase_plain(stack=stack, pdfs=pdfs, **common))
+                print(f"plain celery phase done: {phases[-1].per_s:.1f}/s", flush=True)
+            for mode in modes:
                 with contextlib.suppress(KeyboardInterrupt):
                     phases.append(
                         phase_quire(
                             stack=stack,
                             pdfs=pdfs,
                             reuse=mode,
-                            procs=procs,
-                            concurrency=concurrency,
+                            tenant=f"bench-{mode}",
                             accept_threads=args.accept_threads,
-                            timeout=args.timeout,
+                            **common,
                         )
                     )
                 print(f"quire[{mode}] phase done: {phases[-1].per_s:.1f}/s", flush=True)
-        if args.history:
-            mode = modes[0]
-            with c.quire_stack(
-                db_name=DB_NAME, keep=args.keep, QUIRE_CONVERTER_REUSE=mode
-            ) as stack:
+            if args.history:
                 seed_s = _seed(stack, args.history)
                 phase = phase_quire(
                     stack=stack,
                     pdfs=pdfs,
-                    reuse=mode,
-                    procs=procs,
-                    concurrency=concurrency,
+                    reuse=modes[0],
+                    tenant="bench-history",
                     accept_threads=args.accept_threads,
-                    timeout=args.timeout,
+                    **common,
                 )
-                phase.name = f"quire[{mode}]+{args.history // 1000}k"
+                phase.name = f"quire[{modes[0]}]+{args.history // 1000}k"
                 phase.notes.append(f"{args.history} finished jobs seeded in {seed_s:.0f} s first")
                 phases.append(phase)
                 print(f"{phase.name} phase done: {phase.per_s:.1f}/s", flush=True)
