@@ -297,7 +297,7 @@ def main() -> int:
 
                     t0 = time.perf_counter()
                     with psycopg.connect(db_url, autocommit=True) as conn:
-                        seed_history(conn.cursor(), jobs=args.history)
+                        seed_history(conn.cursor(), jobs=args.history, vacuum=True)
                     print(
                         f"seeded {args.history} finished jobs in {time.perf_counter() - t0:.0f} s"
                     )

@@ -87,12 +87,14 @@ _STATEMENTS = [
 _MARKER = "tenant LIKE 'history-%%'"
 
 
-def seed_history(cursor: Any, *, jobs: int, salt: str = "") -> None:
-    """Insert ``jobs`` finished jobs and what hangs off them, then ANALYZE."""
+def seed_history(cursor: Any, *, jobs: int, salt: str = "", vacuum: bool = False) -> None:
+    """Insert ``jobs`` finished jobs and what hangs off them, then ANALYZE (``vacuum``: VACUUM
+    ANALYZE, needs an autocommit connection: history in production is old and vacuumed, so a
+    benchmark must not measure autovacuum's first pass over freshly inserted rows)."""
     for statement in _STATEMENTS:
         sql = statement.format(tenants=TENANTS)
         sql = sql.replace("worker_marker(j.tenant)", "j." + _MARKER).replace(
             "worker_marker(tenant)", _MARKER
         )
         cursor.execute(sql, {"n": jobs, "salt": salt})
-    cursor.execute("ANALYZE")
+    cursor.execute("VACUUM ANALYZE" if vacuum else "ANALYZE")

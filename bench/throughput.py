@@ -395,7 +395,7 @@ def _seed(stack: c.Stack, jobs: int) -> float:
 
     t0 = time.perf_counter()
     with psycopg.connect(stack.db_url, autocommit=True) as conn:
-        seed_history(conn.cursor(), jobs=jobs)
+        seed_history(conn.cursor(), jobs=jobs, vacuum=True)
     return time.perf_counter() - t0
 
 
