@@ -45,6 +45,12 @@ class NotAuthenticated(QuireError):
     status = 401
 
 
+class InvalidToken(NotAuthenticated):
+    """The bearer token is invalid, expired, or carries a claim that does not fit."""
+
+    code = "invalid_token"
+
+
 class PermissionDenied(QuireError):
     """The token does not carry the scope this operation needs."""
 
@@ -127,4 +133,11 @@ class CapacityExceeded(Rejected):
     """The service is at capacity."""
 
     code = "capacity_exceeded"
+    status = 503
+
+
+class IdentityProviderUnavailable(Rejected):
+    """The identity provider's keys cannot be fetched and none are cached: retry later."""
+
+    code = "identity_provider_unavailable"
     status = 503

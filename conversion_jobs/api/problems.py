@@ -9,6 +9,7 @@ from rest_framework import exceptions as drf
 from rest_framework.response import Response
 
 from conversion_jobs.exceptions import (
+    InvalidToken,
     NotAuthenticated,
     NotFound,
     PermissionDenied,
@@ -43,8 +44,15 @@ def problem_response(error: QuireError) -> Response:
     if isinstance(error, Rejected):
         response["Retry-After"] = str(error.retry_after)
     if isinstance(error, NotAuthenticated):
-        response["WWW-Authenticate"] = 'Bearer realm="quire"'
+        response["WWW-Authenticate"] = www_authenticate(error)
     return response
+
+
+def www_authenticate(error: NotAuthenticated) -> str:
+    """RFC 6750 §3: a rejected token says so; a missing one gets the bare challenge."""
+    if isinstance(error, InvalidToken):
+        return 'Bearer realm="quire", error="invalid_token"'
+    return 'Bearer realm="quire"'
 
 
 def _from_drf(exc: drf.APIException) -> QuireError:
