@@ -60,13 +60,18 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    # Outermost: any 4xx/5xx answer not yet a problem becomes one (conversion_jobs/api/middleware).
+    "conversion_jobs.api.middleware.ProblemResponseMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
+CSRF_FAILURE_VIEW = "conversion_jobs.api.problems.csrf_failure"
+X_FRAME_OPTIONS = "DENY"
 
 ROOT_URLCONF = "project.urls"
 WSGI_APPLICATION = "project.wsgi.application"

@@ -6,8 +6,8 @@ from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from conversion_jobs.api import health
-from conversion_jobs.api.problems import json_problem
-from conversion_jobs.exceptions import NotFound, QuireError
+from conversion_jobs.api.problems import error_from_django, json_problem
+from conversion_jobs.exceptions import Forbidden, InvalidRequest, NotFound, QuireError
 
 urlpatterns = [
     path("api/v1/", include("conversion_jobs.api.urls")),
@@ -18,6 +18,16 @@ urlpatterns = [
     path("metrics", health.metrics_view),
     path("admin/", admin.site.urls),
 ]
+
+
+# Django's own error answers are problems too (every answer of the service is problem+json).
+def handler400(request: HttpRequest, exception: Exception | None = None) -> JsonResponse:
+    error = error_from_django(exception) if exception is not None else None
+    return json_problem(request, error or InvalidRequest())
+
+
+def handler403(request: HttpRequest, exception: Exception | None = None) -> JsonResponse:
+    return json_problem(request, Forbidden())
 
 
 def handler404(request: HttpRequest, exception: Exception | None = None) -> JsonResponse:

@@ -137,9 +137,7 @@ class JwksKeys:
             )
             return
         self._keys = {
-            key.key_id: key
-            for key in keys
-            if key.key_id and key.algorithm_name in JWKS_ALGORITHMS
+            key.key_id: key for key in keys if key.key_id and key.algorithm_name in JWKS_ALGORITHMS
         }
         self._fetched_at = now
 
@@ -178,8 +176,11 @@ def _decode_jwks(token: str, config: dict[str, Any]) -> dict[str, Any]:
 
 def _decode_shared_secret(token: str, config: dict[str, Any]) -> dict[str, Any]:
     required = ["sub", "tenant", "scope", "exp"]
-    required += [claim for claim, name in (("iss", "JWT_ISSUER"), ("aud", "JWT_AUDIENCE"))
-                 if config.get(name)]
+    required += [
+        claim
+        for claim, name in (("iss", "JWT_ISSUER"), ("aud", "JWT_AUDIENCE"))
+        if config.get(name)
+    ]
     return jwt.decode(
         token,
         config["JWT_KEY"],
