@@ -55,6 +55,7 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "rest_framework",
     "drf_spectacular",
+    "drf_spectacular_sidecar",  # Swagger UI from the package, never a CDN
     "django_celery_beat",
     "conversion_jobs",
 ]
@@ -148,6 +149,9 @@ SPECTACULAR_SETTINGS = {
     "DESCRIPTION": "Durable document conversion jobs.",
     "VERSION": "1.0.0",
     "SERVE_INCLUDE_SCHEMA": False,
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
 }
 
 # --- Quire ----------------------------------------------------------------------------------
