@@ -155,7 +155,11 @@ def _decode_jwks(token: str, config: dict[str, Any]) -> dict[str, Any]:
     except jwt.PyJWTError as exc:
         raise InvalidToken() from exc
     kid = header.get("kid")
-    if header.get("alg") not in JWKS_ALGORITHMS or not _fits(kid, max_len=256):
+    if (
+        header.get("alg") not in JWKS_ALGORITHMS
+        or not isinstance(kid, str)
+        or not _fits(kid, max_len=256)
+    ):
         raise InvalidToken("the token must be RS256 or ES256 and name its key (kid)")
     key = jwks_keys(
         config["JWT_JWKS_URL"],
