@@ -143,7 +143,7 @@ class JobCollectionView(QuireView):
         parameters=[
             OpenApiParameter("state", OpenApiTypes.STR, enum=State.values),
             OpenApiParameter("cursor", OpenApiTypes.STR),
-            OpenApiParameter("limit", OpenApiTypes.INT),
+            OpenApiParameter("limit", {"type": "integer", "minimum": 1, "maximum": 100}),
         ],
         responses={200: JobPageSerializer, **problems(*AUTHENTICATED)},
         summary="List the tenant's jobs, newest first",
