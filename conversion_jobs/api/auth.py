@@ -128,8 +128,9 @@ class JwksKeys:
         self.fetches += 1
         try:
             keys = self._client.get_signing_keys(refresh=True)
-        except jwt.PyJWKClientError as exc:
-            # PyJWKClientConnectionError (network, HTTP status) or a malformed / keyless set.
+        except (jwt.PyJWTError, ValueError) as exc:
+            # PyJWKClientConnectionError (network, HTTP status), PyJWKSetError / PyJWKClientError
+            # (a keyless or malformed set), ValueError (a body that is not JSON).
             log.warning(
                 "jwks refresh failed; keeping %d cached key(s)",
                 len(self._keys),
