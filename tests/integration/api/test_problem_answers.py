@@ -65,6 +65,9 @@ def test_metrics_without_its_token__is_problem_401(monkeypatch):
     response = Client().get("/metrics")
     problem(response, 401, "not_authenticated")
     assert response["WWW-Authenticate"].startswith("Bearer")
+    # Rewritten by the middleware: the security headers of the original answer stay.
+    assert response["X-Frame-Options"] == "DENY"
+    assert response["X-Content-Type-Options"] == "nosniff"
 
 
 @pytest.mark.django_db
