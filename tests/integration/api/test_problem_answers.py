@@ -76,3 +76,4 @@ def test_readiness_failure__is_problem_503_that_keeps_its_checks(monkeypatch):
     body = problem(Client().get("/health/ready"), 503, "service_unavailable")
     assert body["checks"]["broker"] is False
     assert body["checks"]["database"] is True
+    assert "mode" in body["sandbox"]  # every member of the readiness body is kept
