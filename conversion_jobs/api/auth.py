@@ -107,7 +107,6 @@ class JwksKeys:
         self._fetched_at = float("-inf")
         self._attempted_at = float("-inf")
         self._lock = threading.Lock()
-        self.fetches = 0
 
     def key_for(self, kid: str) -> jwt.PyJWK:
         with self._lock:
@@ -125,7 +124,6 @@ class JwksKeys:
 
     def _refresh(self, now: float) -> None:
         self._attempted_at = now
-        self.fetches += 1
         try:
             keys = self._client.get_signing_keys(refresh=True)
         except (jwt.PyJWTError, ValueError) as exc:
