@@ -314,8 +314,7 @@ def make_rtf_includepicture(path: Path, *, target: str, text: str = "linked pict
     """An RTF whose INCLUDEPICTURE field asks the reader to load ``target`` (a path or URL)."""
     escaped = target.replace("\\", "\\\\")
     field = (
-        '{\\field{\\*\\fldinst { INCLUDEPICTURE "' + escaped + '" \\\\* MERGEFORMAT }}'
-        "{\\fldrslt }}"
+        '{\\field{\\*\\fldinst { INCLUDEPICTURE "' + escaped + '" \\\\* MERGEFORMAT }}{\\fldrslt }}'
     )
     header = "{\\rtf1\\ansi\\deff0{\\fonttbl{\\f0 Helvetica;}}\\f0\\fs24\n"
     Path(path).write_text(header + text + "\\par\n" + field + "\\par\n}")
@@ -367,7 +366,7 @@ def make_odt_linked_image(path: Path, *, target: str, text: str = "linked pictur
         ' office:version="1.2"><office:body><office:text>'
         f"<text:p>{escape(text)}"
         '<draw:frame draw:name="p" text:anchor-type="as-char" svg:width="8cm" svg:height="8cm">'
-        f"<draw:image xlink:href={quoteattr(target)} xlink:type=\"simple\""
+        f'<draw:image xlink:href={quoteattr(target)} xlink:type="simple"'
         ' xlink:show="embed" xlink:actuate="onLoad"/></draw:frame></text:p>'
         "</office:text></office:body></office:document-content>"
     )
