@@ -54,6 +54,7 @@ from _common import (
     ROOT,
     _rabbitmqctl,
     base_env,
+    bench_db_name,
     drop_database,
     recreate_database,
     run,
@@ -473,7 +474,7 @@ def main() -> None:
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     print(f"load at start: {os.getloadavg()}", flush=True)
-    with service("quire_cx_pages", keep=args.keep) as svc:
+    with service(bench_db_name("quire_cx_pages"), keep=args.keep) as svc:
         if "throughput" not in skip:
             modes = ["on", "off"] if args.sandbox == "both" else [args.sandbox]
             rows = [
