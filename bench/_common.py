@@ -145,19 +145,17 @@ def gunicorn(
 REFERENCE_VHOST = os.environ.get("QUIRE_RMQ_VHOST", "quire")
 
 
-def isolated(name: str) -> str:
-    """``name`` suffixed with this checkout's vhost (``QUIRE_RMQ_VHOST=quire_<branch>``), so
-    parallel checkouts on one host never drop each other's benchmark databases."""
-    vhost = os.environ.get("QUIRE_RMQ_VHOST", "quire")
-    suffix = re.sub(r"[^a-z0-9_]", "_", vhost.lower()).removeprefix("quire").strip("_")
-    return f"{name}_{suffix}" if suffix else name
+def bench_db_name(base: str) -> str:
+    """``base``, suffixed with this checkout's vhost (``QUIRE_RMQ_VHOST=quire_<name>`` ->
+    ``<base>_<name>``) so parallel checkouts on one machine never share a bench database."""
+    vhost = os.environ.get("QUIRE_RMQ_VHOST", "")
+    suffix = vhost.removeprefix("quire").strip("_")
+    return f"{base}_{suffix}" if suffix else base
 
 
 def recreate_database(name: str) -> str:
-    """Drop and create ``name`` (``isolated``); returns its URL."""
+    """Drop and create ``name``; returns its URL."""
     import psycopg
-
-    name = isolated(name)
 
     if not re.fullmatch(r"[a-z_][a-z0-9_]*", name):
         raise ValueError("database name")
@@ -169,8 +167,6 @@ def recreate_database(name: str) -> str:
 
 def drop_database(name: str) -> None:
     import psycopg
-
-    name = isolated(name)
 
     with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
         conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")

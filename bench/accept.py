@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as c
 
-DB_NAME = "quire_bench"
+DB_NAME = c.bench_db_name("quire_bench")
 BASELINE_SETTINGS = "bench.baseline_app.settings"
 TARGETS = {"accepted_per_s": 600.0, "p99_ms": 100.0, "ratio": 0.4}  # DESIGN §14: ratio, p99
 

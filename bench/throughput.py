@@ -2,7 +2,8 @@
 otherwise write, and vs a Celery no-op; same broker settings, same PDFs, same run (issues 3, 12).
 
     .venv/bin/python bench/throughput.py [--n 2000] [--layout 1x2|2x1] [--accept-threads 4]
-                                         [--reuse attempt[,tenant]]
+                                         [--reuse attempt[,tenant]] [--history N]
+                                         [--sandbox both|on|off] [--child-starts 300]
 
 What runs:
 
@@ -32,6 +33,12 @@ printed separately. jobs/s = N / window. Printed: Quire / plain Celery (target >
 fresh sandboxed child per attempt, >= 0.6 with converter reuse within a tenant) and
 Quire / no-op.
 
+Converter sandbox (issue 10, docs/adr/0013-converter-sandbox.md): ``--sandbox both`` (default)
+adds a Quire phase with ``QUIRE_SANDBOX=off`` for the first reuse mode; the ratio on / off has a
+target of >= 0.9. Before the phases, ``--child-starts`` converter children are started in this
+process with each setting, and their start (spawn from the fork server + setup) and end (kill +
+reap + group check) times are printed as p50 / p99.
+
 ``--reuse``: the converter reuse modes to run a Quire phase in (each as its own tenant, its
 workers started with ``QUIRE_CONVERTER_REUSE=<mode>``). ``attempt`` is today's behaviour; the
 ``tenant`` mode is the hook for converter reuse within a tenant (issue 12 point 4): until that
@@ -58,7 +65,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as c
 import kombu.pools
 
-DB_NAME = "quire_tp"
+DB_NAME = c.bench_db_name("quire_tp")
+#: Quire with the converter sandbox on / off (issue 10, docs/adr/0013-converter-sandbox.md).
+TARGET_SANDBOX_RATIO = 0.9
 #: Quire / plain Celery conversion task, per converter reuse mode (DESIGN.md §14).
 TARGETS = {"attempt": 0.3, "tenant": 0.6}
 
@@ -297,12 +306,13 @@ def phase_quire(
     concurrency: int,
     accept_threads: int,
     timeout: float,
+    sandbox: str = "on",
 ) -> Phase:
     """Accept ``pdfs`` as ``tenant``'s jobs, then start beat, sweeper and workers (converter reuse
     mode ``reuse``) and time them to the last finish; everything counted is ``tenant``'s, so
     phases can share a database (and its history). The processes are stopped at the end."""
     n = len(pdfs)
-    phase = Phase(name=f"quire[{reuse}]", n=n)
+    phase = Phase(name=f"quire[{reuse}]" + ("" if sandbox == "on" else " sandbox off"), n=n)
     accept_s = _accept_all(pdfs=pdfs, threads=accept_threads, tenant=tenant)
     unpublished = _scalar(
         stack.db_url,
@@ -320,7 +330,11 @@ def phase_quire(
     cpu0 = _cpu()
     workers = [
         stack.start(
-            "worker", ready=False, WORKER_CONCURRENCY=str(concurrency), QUIRE_CONVERTER_REUSE=reuse
+            "worker",
+            ready=False,
+            WORKER_CONCURRENCY=str(concurrency),
+            QUIRE_CONVERTER_REUSE=reuse,
+            QUIRE_SANDBOX=sandbox,
         )
         for _ in range(procs)
     ]
@@ -403,6 +417,48 @@ def _seed(stack: c.Stack, jobs: int) -> float:
 HISTORY_TARGET = 0.9
 
 
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def child_starts(*, n: int, mode: str) -> str:
+    """Start ``n`` converter children (spawn + setup) and end them (kill + reap), sandbox
+    ``mode``; one line with p50 / p99 of each, in ms."""
+    if str(c.ROOT) not in sys.path:
+        sys.path.insert(0, str(c.ROOT))
+    from conversion_jobs.converters import Limits, sandbox, sessions
+    from conversion_jobs.converters.isolation import ChildSession
+
+    os.environ[sandbox.MODE_ENV] = mode
+    scratch = Path(tempfile.mkdtemp(prefix="quire-bench-starts-"))
+    sandbox.configure(work_dir=scratch / "work")
+    starts, ends = [], []
+    try:
+        # The fork server starts and preloads (its first answer comes after), not on the clock.
+        ChildSession().close()
+        for _ in range(n):
+            t0 = time.perf_counter()
+            session = ChildSession()
+            session.setup(limits=Limits(), scratch_dir=scratch, should_stop=lambda: False)
+            t1 = time.perf_counter()
+            session.close()
+            t2 = time.perf_counter()
+            starts.append((t1 - t0) * 1000)
+            ends.append((t2 - t1) * 1000)
+    finally:
+        sessions.release_all()
+        os.environ.pop(sandbox.MODE_ENV, None)
+        import shutil
+
+        shutil.rmtree(scratch, ignore_errors=True)
+    return (
+        f"child start (spawn + setup), sandbox {mode:<3}: p50 {_percentile(starts, 0.5):6.2f} ms"
+        f"  p99 {_percentile(starts, 0.99):6.2f} ms;  end (kill + reap): p50 "
+        f"{_percentile(ends, 0.5):6.2f} ms  p99 {_percentile(ends, 0.99):6.2f} ms  (n={n})"
+    )
+
+
 def report(*, phases: list[Phase], load: str, layout: str, n: int) -> None:
     print()
     print(
@@ -448,6 +504,14 @@ def report(*, phases: list[Phase], load: str, layout: str, n: int) -> None:
                 f"ratio quire[{mode}] / celery no-op        "
                 f"{quire.per_s / by['celery no-op'].per_s:6.3f}   (no target)"
             )
+    for mode in TARGETS:
+        on, off = by.get(f"quire[{mode}]"), by.get(f"quire[{mode}] sandbox off")
+        if on is not None and off is not None:
+            ratio = on.per_s / off.per_s
+            print(
+                f"ratio quire[{mode}] sandbox on / off   {ratio:6.3f}   target >= "
+                f"{TARGET_SANDBOX_RATIO}   {c.verdict(ratio >= TARGET_SANDBOX_RATIO)}"
+            )
     for p in phases:
         if "+" in p.name and p.name.split("+")[0] in by:
             ratio = p.per_s / by[p.name.split("+")[0]].per_s
@@ -478,6 +542,15 @@ def main() -> int:
         "finished jobs (bench/history.py) and print its ratio to the empty-table phase",
     )
     parser.add_argument("--keep", action="store_true", help="keep the database, storage, logs")
+    parser.add_argument(
+        "--sandbox",
+        choices=["both", "on", "off"],
+        default="both",
+        help="converter sandbox of the Quire phases (both: on, plus one phase with it off)",
+    )
+    parser.add_argument(
+        "--child-starts", type=int, default=300, help="converter child starts timed per setting"
+    )
     args = parser.parse_args()
     procs, concurrency = (int(x) for x in args.layout.split("x"))
     modes = [m for m in args.reuse.split(",") if m]
@@ -485,6 +558,10 @@ def main() -> int:
         parser.error(f"unknown reuse mode(s): {', '.join(sorted(unknown))}")
     load = c.load_average()
     print(f"load average at start {load}", flush=True)
+    sandboxes = ["on", "off"] if args.sandbox == "both" else [args.sandbox]
+    starts = [child_starts(n=args.child_starts, mode=m) for m in sandboxes if args.child_starts]
+    for line in starts:
+        print(line, flush=True)
     phases: list[Phase] = []
     pdf_dir = Path(tempfile.mkdtemp(prefix="quire-tp-pdfs-"))
     common = {"procs": procs, "concurrency": concurrency, "timeout": args.timeout}
@@ -517,10 +594,24 @@ def main() -> int:
                             reuse=mode,
                             tenant=f"bench-{mode}",
                             accept_threads=args.accept_threads,
+                            sandbox=sandboxes[0],
                             **common,
                         )
                     )
-                print(f"quire[{mode}] phase done: {phases[-1].per_s:.1f}/s", flush=True)
+                print(f"{phases[-1].name} phase done: {phases[-1].per_s:.1f}/s", flush=True)
+            if "off" in sandboxes and sandboxes[0] == "on":
+                phases.append(
+                    phase_quire(
+                        stack=stack,
+                        pdfs=pdfs,
+                        reuse=modes[0],
+                        tenant=f"bench-{modes[0]}-sandbox-off",
+                        accept_threads=args.accept_threads,
+                        sandbox="off",
+                        **common,
+                    )
+                )
+                print(f"{phases[-1].name} phase done: {phases[-1].per_s:.1f}/s", flush=True)
             if args.history:
                 seed_s = _seed(stack, args.history)
                 phase = phase_quire(
@@ -529,6 +620,7 @@ def main() -> int:
                     reuse=modes[0],
                     tenant="bench-history",
                     accept_threads=args.accept_threads,
+                    sandbox=sandboxes[0],
                     **common,
                 )
                 phase.name = f"quire[{modes[0]}]+{args.history // 1000}k"
@@ -540,6 +632,8 @@ def main() -> int:
 
         shutil.rmtree(pdf_dir, ignore_errors=True)
     report(phases=phases, load=load, layout=args.layout, n=args.n)
+    for line in starts:
+        print(line)
     return 0
 
 
