@@ -582,7 +582,7 @@ def submit_job(*, tenant: str = "bench", pages: int = 1, options: dict | None = 
     from conversion_jobs.converters import testdocs
     from conversion_jobs.services.acceptance import StagedUpload, conversion_job_accept
 
-    fh, staged = storage.staging_file()
+    fh, staged = storage.stage()
     fh.close()
     salt = uuid.uuid4().hex
     testdocs.make_pdf(staged, pages=pages, text_of=lambda n: f"Page {n} {salt}")

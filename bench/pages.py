@@ -167,7 +167,7 @@ def submit(path: Path, *, output: str, options: dict | None = None, tenant: str 
     from conversion_jobs import storage
     from conversion_jobs.services.acceptance import StagedUpload, conversion_job_accept
 
-    fh, staged = storage.staging_file()
+    fh, staged = storage.stage()
     with fh, open(path, "rb") as data:
         shutil.copyfileobj(data, fh)
     raw = path.read_bytes()

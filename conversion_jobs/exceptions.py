@@ -128,3 +128,10 @@ class CapacityExceeded(Rejected):
 
     code = "capacity_exceeded"
     status = 503
+
+
+class StorageUnavailable(QuireError):
+    """The artifact store is unavailable; nothing was accepted. Retry later."""
+
+    code = "storage_unavailable"
+    status = 503

@@ -16,6 +16,7 @@ from conversion_jobs.db import violated_constraint
 from conversion_jobs.exceptions import (
     IdempotencyKeyReused,
     InvalidRequest,
+    StorageUnavailable,
     UnsupportedMediaType,
     UnsupportedOutput,
 )
@@ -29,7 +30,7 @@ from conversion_jobs.states import LIVE_STATES, State
 
 @dataclass(frozen=True)
 class StagedUpload:
-    """An upload already streamed to the storage filesystem and hashed."""
+    """An upload already streamed to a local staged file and hashed."""
 
     path: Path
     sha256: str
@@ -142,7 +143,10 @@ def conversion_job_accept(
                 tenant=tenant, key=idempotency_key, fingerprint=fingerprint, job_id=duplicate
             )
         admission_check(tenant=tenant)
-        source_key = storage.promote_source(upload.path, upload.sha256)
+        try:
+            source_key = storage.put_source(upload.path, upload.sha256)
+        except storage.StorageError as exc:
+            raise StorageUnavailable() from exc
     finally:
         upload.path.unlink(missing_ok=True)
 

@@ -93,8 +93,8 @@ def conversion_jobs_purge_files_if_expired(*, batch: int) -> int:
         )[:batch]
     )
     for job_id, source_key, sha in jobs:
-        storage.delete_tree(f"results/{job_id}")
-        storage.delete_tree(f"pages/{job_id}")
+        storage.delete_prefix(f"results/{job_id}")
+        storage.delete_prefix(f"pages/{job_id}")
         # Sources are content-addressed and shared: delete only when no unexpired job uses it.
         if not ConversionJob.objects.filter(source_sha256=sha, expired_at__isnull=True).exists():
             storage.delete(source_key)

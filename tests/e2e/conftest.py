@@ -150,7 +150,7 @@ def submit(settings: Any, tmp_path: Path) -> Callable[..., Any]:
         src = tmp_path / f"{uuid.uuid4().hex}.pdf"
         salt = uuid.uuid4().hex
         testdocs.make_pdf(src, pages=pages, text_of=lambda n: f"Page {n} {salt}")
-        fh, staged = storage.staging_file()
+        fh, staged = storage.stage()
         with fh, open(src, "rb") as data:
             shutil.copyfileobj(data, fh)
         raw = src.read_bytes()
