@@ -168,6 +168,9 @@ QUIRE: dict[str, Any] = {
     # committed); far longer than any put-to-commit gap (a lease at most)
     "ORPHAN_GRACE_S": env_float("QUIRE_ORPHAN_GRACE_S", 3600.0),
     "WORK_DIR": Path(env_str("QUIRE_WORK_DIR", str(VAR_DIR / "work"))),
+    # the web's local scratch for uploads in flight on the S3 backend (the filesystem backend
+    # stages inside STORAGE_DIR, so storing an upload is a rename)
+    "UPLOAD_DIR": Path(env_str("QUIRE_UPLOAD_DIR", str(VAR_DIR / "uploads"))),
     # admission
     "MAX_UPLOAD_BYTES": env_int("QUIRE_MAX_UPLOAD_BYTES", 100 * 1024 * 1024),
     "TENANT_QUOTA": env_int("QUIRE_TENANT_QUOTA", 200),

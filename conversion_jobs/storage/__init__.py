@@ -62,7 +62,7 @@ def _config() -> tuple[Any, ...]:
             s3["ADDRESSING_STYLE"],
             s3["PREFIX"],
             float(s3["PRESIGN_TTL_S"]),
-            str(Path(quire["WORK_DIR"]) / "staging"),
+            str(quire["UPLOAD_DIR"]),
         )
     raise StorageError(f"unknown QUIRE_STORAGE {kind!r} (filesystem or s3)")
 

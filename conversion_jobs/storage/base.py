@@ -110,6 +110,7 @@ class Put:
 class StoredObject:
     key: str
     modified: float  # seconds since the epoch
+    size: int
 
 
 class ArtifactStore(ABC):

@@ -127,8 +127,11 @@ class FilesystemStore(ArtifactStore):
         for path in folder.rglob("*"):
             try:
                 if path.is_file():
+                    stat = path.stat()
                     yield StoredObject(
-                        key=path.relative_to(self.root).as_posix(), modified=path.stat().st_mtime
+                        key=path.relative_to(self.root).as_posix(),
+                        modified=stat.st_mtime,
+                        size=stat.st_size,
                     )
             except FileNotFoundError:  # deleted while we walked
                 continue

@@ -20,11 +20,11 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 from django.core.files import File
 
-from .base import ArtifactStore, Put, StorageError, StoredObject, check_key
+from .base import CHUNK, ArtifactStore, Put, StorageError, StoredObject, check_key
 from .filesystem import DIR_MODE, FILE_MODE
 
 PART = 8 * 1024 * 1024
@@ -81,8 +81,6 @@ class S3Store(ArtifactStore):
             multipart_chunksize=PART,
             max_concurrency=4,
             max_io_queue=4,
-            max_in_memory_upload_chunks=4,
-            max_in_memory_download_chunks=4,
         )
         self.backend = S3Storage(
             bucket_name=bucket,
@@ -104,6 +102,10 @@ class S3Store(ArtifactStore):
             ),
         )
         self._pool: ThreadPoolExecutor | None = None
+        # One client for every thread (boto3 clients are thread-safe; django-storages' resources
+        # are per thread and cost a session each).
+        self._client = self.backend.connection.meta.client
+        self._bucket = bucket
 
     # --- names ------------------------------------------------------------------------------
 
@@ -113,10 +115,6 @@ class S3Store(ArtifactStore):
     def _key(self, name: str) -> str:
         location = self.backend.location
         return name[len(location) + 1 :] if location else name
-
-    @property
-    def _client(self) -> Any:
-        return self.backend.connection.meta.client
 
     # --- writes -----------------------------------------------------------------------------
 
@@ -140,12 +138,18 @@ class S3Store(ArtifactStore):
                     path.unlink()
 
     def _upload(self, key: str, path: Path) -> None:
+        """One PUT for a small file; a multipart upload read from disk part by part above
+        ``PART`` (the transfer manager's threads cost more than they save on small objects)."""
         name = self._name(key)
         params = self.backend._get_write_parameters(name)
         with _errors():
-            self.backend.bucket.Object(name).upload_file(
-                str(path), ExtraArgs=params, Config=self.transfer
-            )
+            if os.stat(path).st_size < PART:
+                with open(path, "rb") as body:
+                    self._client.put_object(Bucket=self._bucket, Key=name, Body=body, **params)
+            else:
+                self._client.upload_file(
+                    str(path), self._bucket, name, ExtraArgs=params, Config=self.transfer
+                )
 
     def put_file(self, key: str, path: Path, *, wait: bool = True) -> Put:
         if wait:
@@ -173,15 +177,16 @@ class S3Store(ArtifactStore):
 
     def open(self, key: str) -> BinaryIO:
         with _errors(missing_is_not_found=True):
-            body = self._client.get_object(Bucket=self.backend.bucket_name, Key=self._name(key))
+            body = self._client.get_object(Bucket=self._bucket, Key=self._name(key))
         return body["Body"]  # type: ignore[no-any-return]
 
     def download(self, key: str, dest: Path) -> None:
-        with _errors(missing_is_not_found=True):
-            self._client.download_file(
-                self.backend.bucket_name, self._name(key), str(dest), Config=self.transfer
-            )
-        os.chmod(dest, FILE_MODE)
+        """One streaming GET into ``dest`` (created 0600)."""
+        body = self.open(key)
+        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+        with _errors(), body, os.fdopen(fd, "wb") as out:
+            for chunk in body.iter_chunks(CHUNK):
+                out.write(chunk)
 
     def exists(self, key: str) -> bool:
         with _errors():
@@ -196,7 +201,7 @@ class S3Store(ArtifactStore):
         with _errors():
             for start in range(0, len(names), 1000):
                 self._client.delete_objects(
-                    Bucket=self.backend.bucket_name,
+                    Bucket=self._bucket,
                     Delete={
                         "Objects": [{"Key": n} for n in names[start : start + 1000]],
                         "Quiet": True,
@@ -208,11 +213,13 @@ class S3Store(ArtifactStore):
         paginator = self._client.get_paginator("list_objects_v2")
         with _errors():
             for page in paginator.paginate(
-                Bucket=self.backend.bucket_name, Prefix=self._name(prefix) + "/"
+                Bucket=self._bucket, Prefix=self._name(prefix) + "/"
             ):
                 for item in page.get("Contents", []):
                     yield StoredObject(
-                        key=self._key(item["Key"]), modified=item["LastModified"].timestamp()
+                        key=self._key(item["Key"]),
+                        modified=item["LastModified"].timestamp(),
+                        size=int(item["Size"]),
                     )
 
     def presigned_url(self, key: str, *, filename: str, media_type: str) -> str | None:
