@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Iterator
@@ -185,8 +186,7 @@ class S3Store(ArtifactStore):
         body = self.open(key)
         fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
         with _errors(), body, os.fdopen(fd, "wb") as out:
-            for chunk in body.iter_chunks(CHUNK):
-                out.write(chunk)
+            shutil.copyfileobj(body, out, CHUNK)
 
     def exists(self, key: str) -> bool:
         with _errors():
