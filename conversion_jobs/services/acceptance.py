@@ -23,6 +23,7 @@ from conversion_jobs.exceptions import (
 from conversion_jobs.models import ConversionJob, ConversionOutbox, IdempotencyRecord
 from conversion_jobs.options import normalize_options, options_digest, request_fingerprint
 from conversion_jobs.services.admission import admission_check
+from conversion_jobs.services.artifacts import source_lock
 from conversion_jobs.services.audit import audit_event_append
 from conversion_jobs.services.dispatch import outbox_publish_after_commit
 from conversion_jobs.states import LIVE_STATES, State
@@ -152,6 +153,11 @@ def conversion_job_accept(
 
     try:
         with transaction.atomic():
+            # A deleter of this source (retention, the orphan sweep) may have decided nobody
+            # names it since we stored it: under the source's lock, it is there or we stop.
+            source_lock(sha256=upload.sha256, exclusive=False)
+            if not _source_present(source_key):
+                raise StorageUnavailable("the stored source vanished; retry")
             job = _insert_job(
                 tenant=tenant,
                 actor=actor,
@@ -182,6 +188,13 @@ def conversion_job_accept(
             tenant=tenant, key=idempotency_key, fingerprint=fingerprint, job_id=winner
         )
     return Acceptance(job=job, created=True, replayed=False)
+
+
+def _source_present(key: str) -> bool:
+    try:
+        return storage.exists(key)
+    except storage.StorageError as exc:
+        raise StorageUnavailable() from exc
 
 
 def _insert_job(

@@ -172,6 +172,10 @@ class ArtifactStore(ABC):
     def list(self, prefix: str) -> Iterator[StoredObject]:
         """Every object under ``prefix/`` with its last-modified time."""
 
+    @abstractmethod
+    def remove_stale_staging(self, *, older_than: float) -> int:
+        """Remove staged uploads (of crashed processes) last modified before ``older_than``."""
+
     def presigned_url(self, key: str, *, filename: str, media_type: str) -> str | None:
         """A short-lived URL a client may GET the object from, or None (stream it instead)."""
         return None

@@ -99,6 +99,9 @@ class FilesystemStore(ArtifactStore):
             self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="fsync")
         return self._pool
 
+    def remove_stale_staging(self, *, older_than: float) -> int:
+        return remove_older(self.root / "staging", older_than)
+
     # --- reads and deletes ------------------------------------------------------------------
 
     def open(self, key: str) -> BinaryIO:
@@ -135,6 +138,18 @@ class FilesystemStore(ArtifactStore):
                     )
             except FileNotFoundError:  # deleted while we walked
                 continue
+
+
+def remove_older(folder: Path, older_than: float) -> int:
+    removed = 0
+    for path in folder.glob("up-*") if folder.is_dir() else []:
+        try:
+            if path.stat().st_mtime < older_than:
+                path.unlink()
+                removed += 1
+        except FileNotFoundError:
+            continue
+    return removed
 
 
 def _move(src: Path, dest: Path, *, sync: bool) -> None:

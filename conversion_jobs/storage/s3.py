@@ -26,7 +26,7 @@ from typing import BinaryIO
 from django.core.files import File
 
 from .base import CHUNK, ArtifactStore, Put, StorageError, StoredObject, check_key
-from .filesystem import DIR_MODE, FILE_MODE
+from .filesystem import DIR_MODE, FILE_MODE, remove_older
 
 PART = 8 * 1024 * 1024
 STAGING_SWEEP_EVERY_S = 600.0
@@ -133,10 +133,10 @@ class S3Store(ArtifactStore):
         if now - self._staging_swept < STAGING_SWEEP_EVERY_S:
             return
         self._staging_swept = now
-        for path in self.staging_dir.glob("up-*"):
-            with contextlib.suppress(OSError):
-                if path.stat().st_mtime < now - STAGING_MAX_AGE_S:
-                    path.unlink()
+        self.remove_stale_staging(older_than=now - STAGING_MAX_AGE_S)
+
+    def remove_stale_staging(self, *, older_than: float) -> int:
+        return remove_older(self.staging_dir, older_than)
 
     def _upload(self, key: str, path: Path) -> None:
         """One PUT for a small file; a multipart upload read from disk part by part above
