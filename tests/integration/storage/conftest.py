@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 
+from tests.integration.execution.jobkit import fast_quire  # noqa: F401
+
 
 @pytest.fixture(params=["filesystem", "s3"])
 def backend(request: pytest.FixtureRequest, settings: Any) -> str:
@@ -27,3 +29,5 @@ def backend(request: pytest.FixtureRequest, settings: Any) -> str:
     else:
         settings.QUIRE = {**settings.QUIRE, "STORAGE": "filesystem"}
     return str(request.param)
+
+

@@ -181,3 +181,51 @@ def test_store__choice_follows_settings(settings):
         storage.store()
     settings.QUIRE = {**settings.QUIRE, "STORAGE": "filesystem"}
     assert storage.store().kind == "filesystem"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_results__redirect_to_a_short_lived_presigned_url_when_configured(
+    s3_server, settings, tmp_path, api, no_broker_publish, fast_quire
+):
+    import hashlib
+
+    from conversion_jobs.converters import testdocs
+    from tests.integration.execution.jobkit import execute, submit, unique_text
+
+    settings.QUIRE = {
+        **settings.QUIRE,
+        "STORAGE": "s3",
+        "S3": {
+            **settings.QUIRE["S3"],
+            "BUCKET": s3_server["QUIRE_S3_BUCKET"],
+            "ENDPOINT_URL": s3_server["QUIRE_S3_ENDPOINT_URL"],
+            "ADDRESSING_STYLE": "path",
+            "PREFIX": f"test-{uuid.uuid4().hex}",
+            "PRESIGN_TTL_S": 30.0,
+        },
+    }
+    job = submit(
+        testdocs.make_pdf(tmp_path / "d.pdf", pages=2, text_of=unique_text()), output="png"
+    )
+    assert execute(job) == "succeeded"
+    job.refresh_from_db()
+    client = api()
+
+    response = client.get(f"/api/v1/jobs/{job.id}/result")
+    assert response.status_code == 302
+    assert response["Cache-Control"] == "private, no-store"
+    assert response["ETag"] == f'"{job.result_sha256}"'
+    location = response["Location"]
+    assert location.startswith(s3_server["QUIRE_S3_ENDPOINT_URL"])
+    assert "X-Amz-Expires=30" in location
+    with urllib.request.urlopen(location, timeout=10) as fetched:  # noqa: S310
+        body = fetched.read()
+        assert fetched.headers["Content-Type"] == "application/zip"
+    assert hashlib.sha256(body).hexdigest() == job.result_sha256
+
+    page = client.get(f"/api/v1/jobs/{job.id}/pages/1")
+    assert page.status_code == 302
+    with urllib.request.urlopen(page["Location"], timeout=10) as fetched:  # noqa: S310
+        assert fetched.read().startswith(b"\x89PNG")
+    cached = client.get(f"/api/v1/jobs/{job.id}/result", HTTP_IF_NONE_MATCH=response["ETag"])
+    assert cached.status_code == 304
