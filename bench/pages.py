@@ -57,8 +57,11 @@ from _common import (
     drop_database,
     recreate_database,
     run,
+    s3_server,
     start_procfile,
+    storage_in_process,
     throwaway_vhost,
+    verdict,
 )
 
 PUBLISHER = (
@@ -208,10 +211,12 @@ def unique_pdf(path: Path, pages: int) -> Path:
 # -- 1. throughput --------------------------------------------------------------------------------
 
 
-def throughput(svc: Service, *, pages: int, split: int, outputs: list[str]) -> list[dict]:
+def throughput(
+    svc: Service, *, pages: int, split: int, outputs: list[str], **worker_env: str
+) -> list[dict]:
     import pages_converter
 
-    worker = svc.worker(concurrency=2)
+    worker = svc.worker(concurrency=2, **worker_env)
     warm = [submit(unique_pdf(svc.scratch / f"warm{i}.pdf", 2), output="png") for i in range(2)]
     wait_terminal([j.id for j in warm])
     rows = []
@@ -428,12 +433,31 @@ def main() -> None:
     parser.add_argument("--outputs", default="text,png")
     parser.add_argument("--skip", default="")
     parser.add_argument("--keep", action="store_true")
+    parser.add_argument(
+        "--storage",
+        choices=["filesystem", "s3"],
+        default="filesystem",
+        help="s3: run the throughput phase again with the artifacts in S3 and print the ratio",
+    )
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     print(f"load at start: {os.getloadavg()}", flush=True)
     with service("quire_cx_pages", keep=args.keep) as svc:
         if "throughput" not in skip:
-            throughput(svc, pages=args.pages, split=args.split, outputs=args.outputs.split(","))
+            outputs = args.outputs.split(",")
+            fs = throughput(svc, pages=args.pages, split=args.split, outputs=outputs)
+            if args.storage == "s3":
+                with s3_server(svc.scratch) as env, storage_in_process(env):
+                    print("same again with the artifacts in S3 (SeaweedFS):", flush=True)
+                    s3 = throughput(svc, pages=args.pages, split=args.split, outputs=outputs, **env)
+                for a, b in zip(fs, s3, strict=True):
+                    ratio = b["service_pages_s"] / a["service_pages_s"]
+                    print(
+                        f"storage {a['output']}: filesystem {a['service_pages_s']:.1f} pages/s, "
+                        f"s3 {b['service_pages_s']:.1f} pages/s, ratio s3/filesystem "
+                        f"{ratio:.2f}   target >= 0.8   {verdict(ratio >= 0.8)}",
+                        flush=True,
+                    )
         if "rss" not in skip:
             peak_rss(svc, pages=args.rss_pages)
         if "docx" not in skip:

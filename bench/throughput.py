@@ -185,9 +185,19 @@ def _accept_all(*, n: int, threads: int) -> float:
 
 
 def phase_quire(
-    *, stack: c.Stack, n: int, procs: int, concurrency: int, accept_threads: int, timeout: float
+    *,
+    stack: c.Stack,
+    n: int,
+    procs: int,
+    concurrency: int,
+    accept_threads: int,
+    timeout: float,
+    name: str = "quire",
+    env: dict[str, str] | None = None,
 ) -> Phase:
-    phase = Phase(name="quire", n=n)
+    """``env``: extra settings of every Quire process of the phase (e.g. the S3 store)."""
+    env = env or {}
+    phase = Phase(name=name, n=n)
     accept_s = _accept_all(n=n, threads=accept_threads)
     unpublished = c.sql_scalar(
         stack.db_url, "SELECT count(*) FROM conversion_outbox WHERE published_at IS NULL"
@@ -196,12 +206,12 @@ def phase_quire(
         f"accepted {n} jobs through the service layer in {accept_s:.1f} s "
         f"({n / accept_s:.0f}/s, {accept_threads} threads); outbox rows unpublished: {unpublished}"
     )
-    stack.start("beat")
-    stack.start("sweeper")
+    stack.start("beat", **env)
+    stack.start("sweeper", **env)
     boot = time.time()
     cpu0 = _cpu()
     workers = [
-        stack.start("worker", ready=False, WORKER_CONCURRENCY=str(concurrency))
+        stack.start("worker", ready=False, WORKER_CONCURRENCY=str(concurrency), **env)
         for _ in range(procs)
     ]
     deadline = time.monotonic() + timeout
@@ -242,6 +252,15 @@ def phase_quire(
     return phase
 
 
+def _reset(stack: c.Stack) -> None:
+    """Stop the phase's processes and empty the job tables, so the next phase starts alike."""
+    import psycopg
+
+    stack.cluster.stop_all()  # type: ignore[attr-defined]
+    with psycopg.connect(stack.db_url, autocommit=True) as conn:
+        conn.execute("TRUNCATE conversion_job, conversion_outbox CASCADE")
+
+
 def report(*, phases: list[Phase], load: str, layout: str, n: int) -> None:
     print()
     print(
@@ -271,6 +290,13 @@ def report(*, phases: list[Phase], load: str, layout: str, n: int) -> None:
         for note in p.notes:
             print(f"  {p.name}: {note}")
     by = {p.name: p for p in phases}
+    if "quire" in by and "quire s3" in by:
+        ratio = by["quire s3"].per_s / by["quire"].per_s
+        print()
+        print(
+            f"ratio quire s3 / quire filesystem   {ratio:6.3f}   target >= 0.8   "
+            f"{c.verdict(ratio >= 0.8)}"
+        )
     if "quire" in by and "celery no-op" in by:
         ratio = by["quire"].per_s / by["celery no-op"].per_s
         print()
@@ -291,6 +317,12 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per phase")
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument("--keep", action="store_true", help="keep the database, storage, logs")
+    parser.add_argument(
+        "--storage",
+        choices=["filesystem", "s3"],
+        default="filesystem",
+        help="s3: run the Quire phase again with the artifacts in S3 (SeaweedFS), print the ratio",
+    )
     args = parser.parse_args()
     procs, concurrency = (int(x) for x in args.layout.split("x"))
     load = c.load_average()
@@ -319,6 +351,22 @@ def main() -> int:
                     timeout=args.timeout,
                 )
             )
+            if args.storage == "s3":
+                print(f"quire phase done: {phases[-1].per_s:.1f}/s", flush=True)
+                _reset(stack)
+                with c.s3_server(stack.storage) as env, c.storage_in_process(env):
+                    phases.append(
+                        phase_quire(
+                            stack=stack,
+                            n=args.n,
+                            procs=procs,
+                            concurrency=concurrency,
+                            accept_threads=args.accept_threads,
+                            timeout=args.timeout,
+                            name="quire s3",
+                            env=env,
+                        )
+                    )
     report(phases=phases, load=load, layout=args.layout, n=args.n)
     return 0
 
