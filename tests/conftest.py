@@ -39,16 +39,27 @@ def storage_kind() -> str:
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """The S3 server of this session, as the environment a Quire process needs to use it."""
-    if os.environ.get("QUIRE_S3_ENDPOINT_URL"):
+    from tests import s3server, services
+
+    plan = services.service_plan(
+        {**os.environ, "QUIRE_STORAGE": "s3"}, docker_available=services.docker_available()
+    )
+    if plan.s3 == "env":
         yield {k: v for k, v in os.environ.items() if k.startswith(("QUIRE_S3_", "AWS_"))}
         return
-    from tests import s3server
-
+    if plan.s3 == "container":
+        container, env = services.s3_container(tmp_path_factory.mktemp("s3container"))
+        os.environ.update({k: v for k, v in env.items() if k.startswith("AWS_")})
+        yield env
+        container.stop()
+        return
     try:
         server = s3server.start(tmp_path_factory.mktemp("s3server"))
     except Exception as exc:  # a missing service is never a skip
         pytest.fail(f"QUIRE_STORAGE=s3 but no S3 server could be started: {exc}")
-    os.environ.update(server.env())  # credentials for this process's clients and its children
+    # credentials for this process's clients and its children (not QUIRE_STORAGE: the profile
+    # stays what the run chose)
+    os.environ.update({k: v for k, v in server.env().items() if k.startswith("AWS_")})
     yield server.env()
     server.stop()
 

@@ -144,9 +144,7 @@ def start(data_dir: Path, *, host: str = "127.0.0.1", timeout: float = 60) -> S3
     ]
     (data_dir / "data").mkdir(exist_ok=True, mode=0o700)
     log = open(data_dir / "weed.log", "wb")
-    proc = subprocess.Popen(
-        argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     server = S3Server(
         endpoint_url=f"http://{host}:{s3}",
         bucket=BUCKET,

@@ -29,5 +29,3 @@ def backend(request: pytest.FixtureRequest, settings: Any) -> str:
     else:
         settings.QUIRE = {**settings.QUIRE, "STORAGE": "filesystem"}
     return str(request.param)
-
-
