@@ -129,6 +129,9 @@ def start(data_dir: Path, *, host: str = "127.0.0.1", timeout: float = 60) -> S3
         f"-filer.port={filer}",
         f"-filer.port.grpc={filer_g}",
         f"-filer.localSocket={data_dir / 'filer.sock'}",
+        # objects up to 1 MiB (pages, small sources and results) live in the filer's store: one
+        # hop fewer per request (measured: PUT 14.6 -> 8.5 ms on the loaded 2-core host)
+        "-filer.saveToFilerLimit=1048576",
         f"-s3.port={s3}",
         f"-s3.port.grpc={s3_g}",
         f"-s3.localSocket={data_dir / 's3.sock'}",
