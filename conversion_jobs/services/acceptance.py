@@ -145,7 +145,7 @@ def conversion_job_accept(
             )
         admission_check(tenant=tenant)
         try:
-            source_key = storage.put_source(upload.path, upload.sha256)
+            source_key, uploaded = storage.put_source(upload.path, upload.sha256)
         except storage.StorageError as exc:
             raise StorageUnavailable() from exc
     finally:
@@ -153,11 +153,13 @@ def conversion_job_accept(
 
     try:
         with transaction.atomic():
-            # A deleter of this source (retention, the orphan sweep) may have decided nobody
-            # names it since we stored it: under the source's lock, it is there or we stop.
-            source_lock(sha256=upload.sha256, exclusive=False)
-            if not _source_present(source_key):
-                raise StorageUnavailable("the stored source vanished; retry")
+            # We reused an object a deleter (retention, the orphan sweep) may have judged unused
+            # since: under the source's lock it is still there, or we stop. An object we just
+            # uploaded needs no check: deleters leave objects younger than the grace alone.
+            if not uploaded:
+                source_lock(sha256=upload.sha256, exclusive=False)
+                if not _source_present(source_key):
+                    raise StorageUnavailable("the stored source vanished; retry")
             job = _insert_job(
                 tenant=tenant,
                 actor=actor,

@@ -42,16 +42,26 @@ def source_lock(*, sha256: str, exclusive: bool) -> None:
         cursor.execute(f"SELECT {function}(%s, %s)", [SOURCE_LOCK_CLASS, objid])
 
 
-def source_delete_if_unused(*, sha256: str, key: str, live_only: bool) -> bool:
+def source_delete_if_unused(
+    *, sha256: str, key: str, live_only: bool, grace_s: float | None = None
+) -> bool:
     """Delete source ``key`` if no job still needs it: with ``live_only`` (retention) no
-    unexpired job, otherwise (orphans) no unpurged job. Returns whether it was deleted."""
+    unexpired job, otherwise (orphans) no unpurged job. An object younger than the grace period
+    is kept: an acceptance that uploaded it may be about to commit without the lock (the orphan
+    sweep takes it later if it stays unnamed). Returns whether it was deleted."""
+    grace_s = grace_s if grace_s is not None else float(settings.QUIRE["ORPHAN_GRACE_S"])
     with transaction.atomic():
         source_lock(sha256=sha256, exclusive=True)
         users = ConversionJob.objects.filter(source_sha256=sha256)
-        users = users.filter(expired_at__isnull=True) if live_only else users.filter(
-            purged_at__isnull=True
+        users = (
+            users.filter(expired_at__isnull=True)
+            if live_only
+            else users.filter(purged_at__isnull=True)
         )
         if users.exists():
+            return False
+        found = storage.store().stat(key)
+        if found is None or found.modified > time.time() - grace_s:
             return False
         storage.delete(key)  # inside the lock: no acceptance can start naming it meanwhile
         return True
@@ -75,18 +85,22 @@ def artifacts_remove_orphans(*, grace_s: float | None = None, batch: int | None 
             if len(keys) >= batch:
                 break
         if keys:
-            removed += _remove_unnamed(prefix, keys, old)
+            removed += _remove_unnamed(prefix, keys, old, grace_s)
     removed += storage.store().remove_stale_staging(older_than=cutoff)
     if removed:
         log.info("orphaned artifacts removed", extra={"objects": removed})
     return removed
 
 
-def _remove_unnamed(prefix: str, keys: list[str], parsed: list[storage.ParsedKey]) -> int:
+def _remove_unnamed(
+    prefix: str, keys: list[str], parsed: list[storage.ParsedKey], grace_s: float
+) -> int:
     removed = 0
     if prefix == "sources":
         for key, p in zip(keys, parsed, strict=True):
-            removed += source_delete_if_unused(sha256=p.sha256 or "", key=key, live_only=False)
+            removed += source_delete_if_unused(
+                sha256=p.sha256 or "", key=key, live_only=False, grace_s=grace_s
+            )
         return removed
     by_job: dict[uuid.UUID, list[str]] = defaultdict(list)
     for key, p in zip(keys, parsed, strict=True):

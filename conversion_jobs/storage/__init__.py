@@ -117,14 +117,15 @@ def abandon(puts: list[Put]) -> None:
     store().abandon(puts)
 
 
-def put_source(staged: Path, sha256: str) -> str:
-    """Content-addressed: an object with the same bytes is reused, never uploaded twice. The
-    caller removes ``staged`` afterwards."""
+def put_source(staged: Path, sha256: str) -> tuple[str, bool]:
+    """Content-addressed: an object with the same bytes is reused, never uploaded twice.
+    Returns the key and whether this call uploaded it. The caller removes ``staged``."""
     key = source_key(sha256)
     target = store()
-    if not target.exists(key):
-        target.put_file(key, staged)
-    return key
+    if target.exists(key):
+        return key, False
+    target.put_file(key, staged)
+    return key, True
 
 
 def open_object(key: str) -> BinaryIO:

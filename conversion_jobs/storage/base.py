@@ -161,6 +161,10 @@ class ArtifactStore(ABC):
     def exists(self, key: str) -> bool: ...
 
     @abstractmethod
+    def stat(self, key: str) -> StoredObject | None:
+        """The object's size and last-modified time, or None if there is none."""
+
+    @abstractmethod
     def delete(self, key: str) -> None:
         """Delete the object; a missing object is not an error."""
 

@@ -114,6 +114,13 @@ class FilesystemStore(ArtifactStore):
     def exists(self, key: str) -> bool:
         return self.path_of(key).is_file()
 
+    def stat(self, key: str) -> StoredObject | None:
+        try:
+            found = self.path_of(key).stat()
+        except FileNotFoundError:
+            return None
+        return StoredObject(key=key, modified=found.st_mtime, size=found.st_size)
+
     def delete(self, key: str) -> None:
         self.path_of(key).unlink(missing_ok=True)
 

@@ -190,12 +190,17 @@ class S3Store(ArtifactStore):
             shutil.copyfileobj(body, out, CHUNK)
 
     def exists(self, key: str) -> bool:
+        return self.stat(key) is not None
+
+    def stat(self, key: str) -> StoredObject | None:
         try:
             with _errors(missing_is_not_found=True):
-                self._client.head_object(Bucket=self._bucket, Key=self._name(key))
+                head = self._client.head_object(Bucket=self._bucket, Key=self._name(key))
         except FileNotFoundError:
-            return False
-        return True
+            return None
+        return StoredObject(
+            key=key, modified=head["LastModified"].timestamp(), size=int(head["ContentLength"])
+        )
 
     def delete(self, key: str) -> None:
         with _errors():
@@ -217,9 +222,7 @@ class S3Store(ArtifactStore):
     def list(self, prefix: str) -> Iterator[StoredObject]:
         paginator = self._client.get_paginator("list_objects_v2")
         with _errors():
-            for page in paginator.paginate(
-                Bucket=self._bucket, Prefix=self._name(prefix) + "/"
-            ):
+            for page in paginator.paginate(Bucket=self._bucket, Prefix=self._name(prefix) + "/"):
                 for item in page.get("Contents", []):
                     yield StoredObject(
                         key=self._key(item["Key"]),

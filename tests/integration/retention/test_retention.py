@@ -38,7 +38,7 @@ def _with_files(make_job, *, finished_ago: timedelta, sha: str):
 
 @pytest.mark.django_db(transaction=True)
 def test_retention__expires_old_and_keeps_young(make_job, settings):
-    settings.QUIRE = {**settings.QUIRE, "RESULT_RETENTION_S": 3600}
+    settings.QUIRE = {**settings.QUIRE, "RESULT_RETENTION_S": 3600, "ORPHAN_GRACE_S": 0}
     old = _with_files(make_job, finished_ago=timedelta(hours=2), sha="a" * 64)
     young = _with_files(make_job, finished_ago=timedelta(minutes=5), sha="b" * 64)
 
@@ -64,7 +64,7 @@ def test_retention__expires_old_and_keeps_young(make_job, settings):
 
 @pytest.mark.django_db(transaction=True)
 def test_retention__crash_between_rows_and_files_is_finished_by_next_sweep(make_job, settings):
-    settings.QUIRE = {**settings.QUIRE, "RESULT_RETENTION_S": 60}
+    settings.QUIRE = {**settings.QUIRE, "RESULT_RETENTION_S": 60, "ORPHAN_GRACE_S": 0}
     job = _with_files(make_job, finished_ago=timedelta(hours=1), sha="c" * 64)
 
     # The first sweep dies after committing the rows, before touching a file.
@@ -83,7 +83,7 @@ def test_retention__crash_between_rows_and_files_is_finished_by_next_sweep(make_
 
 @pytest.mark.django_db(transaction=True)
 def test_retention__shared_source_kept_while_an_unexpired_job_uses_it(make_job, settings):
-    settings.QUIRE = {**settings.QUIRE, "RESULT_RETENTION_S": 3600}
+    settings.QUIRE = {**settings.QUIRE, "RESULT_RETENTION_S": 3600, "ORPHAN_GRACE_S": 0}
     old = _with_files(make_job, finished_ago=timedelta(hours=2), sha="d" * 64)
     make_job(state="queued", source_sha256="d" * 64, output="png")
     retention.retention_apply()
@@ -126,7 +126,7 @@ def test_retention__expired_job_leaves_the_content_identity(
 ):
     """A resubmission of an expired succeeded job's document is new work, not a duplicate of a
     job whose result is gone; an operator retry of an expired failed job is refused."""
-    settings.QUIRE = {**settings.QUIRE, "RESULT_RETENTION_S": 60}
+    settings.QUIRE = {**settings.QUIRE, "RESULT_RETENTION_S": 60, "ORPHAN_GRACE_S": 0}
     client = api()
     done_doc, failed_doc = pdf_file(salt="done"), pdf_file(salt="failed")
     ids = []

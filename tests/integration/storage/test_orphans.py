@@ -97,7 +97,7 @@ def test_source_lock__a_deleter_waits_for_the_accepting_transaction(backend, mak
 
     def delete() -> None:
         holding.wait(10)
-        outcome["deleted"] = source_delete_if_unused(sha256=sha, key=key, live_only=True)
+        outcome["deleted"] = source_delete_if_unused(sha256=sha, key=key, live_only=True, grace_s=0)
         connection.close()
 
     threads = [threading.Thread(target=accept), threading.Thread(target=delete)]
@@ -111,6 +111,18 @@ def test_source_lock__a_deleter_waits_for_the_accepting_transaction(backend, mak
         t.join(20)
     assert outcome == {"deleted": False}
     assert storage.exists(key)
+
+
+def test_source_delete__an_object_younger_than_the_grace_is_kept(backend):
+    """An acceptance that just uploaded a source commits without the lock: deleters leave
+    young objects alone, whoever names them."""
+    sha = "7a" * 32
+    key = _put(storage.source_key(sha))
+    assert source_delete_if_unused(sha256=sha, key=key, live_only=True) is False
+    assert storage.exists(key)
+    time.sleep(1.1)
+    assert source_delete_if_unused(sha256=sha, key=key, live_only=True, grace_s=0) is True
+    assert not storage.exists(key)
 
 
 def test_accept__store_unreachable_is_503_and_nothing_is_written(
