@@ -6,28 +6,23 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from django.conf import settings
 from django.core.files.uploadedfile import SimpleUploadedFile
 
 from conversion_jobs import storage
 from conversion_jobs.converters import testdocs
-from tests.integration.api.conftest import problem, row_counts, submit
+from tests.integration.api.conftest import (
+    problem,
+    row_counts,
+    staged_uploads,
+    stored_objects,
+    submit,
+)
 
 LIMIT = 100_000
 
 
-def _stored() -> list[storage.StoredObject]:
-    return [o for prefix in ("sources", "pages", "results") for o in storage.list_objects(prefix)]
-
-
-def _staged() -> list[Path]:
-    """Staged uploads (the store's staging area on the filesystem, the web's work dir on S3)."""
-    dirs = (Path(settings.QUIRE["STORAGE_DIR"]) / "staging", Path(settings.QUIRE["UPLOAD_DIR"]))
-    return [p for d in dirs if d.exists() for p in d.rglob("*") if p.is_file()]
-
-
 def _storage_files() -> list[Any]:
-    return [*_stored(), *_staged()]
+    return [*stored_objects(), *staged_uploads()]
 
 
 def _blob(path: Path, size: int) -> Path:
@@ -66,7 +61,7 @@ def test_submit__at_size_limit_is_accepted(api, tmp_path, settings_quire, no_bro
     response = submit(api(), path)
     assert response.status_code == 202, response.content
     assert response.json()["source"]["size"] == LIMIT
-    assert _staged() == []
+    assert staged_uploads() == []
     sources = list(storage.list_objects("sources"))
     assert len(sources) == 1
     assert sources[0].size == LIMIT
