@@ -198,3 +198,10 @@ class DatabaseUnavailable(Rejected):
 
     code = "database_unavailable"
     status = 503
+
+
+class StorageUnavailable(QuireError):
+    """The artifact store is unavailable (nothing was accepted or served): retry later."""
+
+    code = "storage_unavailable"
+    status = 503
