@@ -243,7 +243,19 @@ CELERY_RESULT_BACKEND = None
 CELERY_TASK_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_TASK_DEFAULT_DELIVERY_MODE = "persistent"
-CELERY_TASK_PUBLISH_RETRY = False  # the outbox retries; a publish never blocks a request
+# Every publish without its own policy (beat's sweeps, the outbox) goes through kombu's
+# Connection.ensure: on a dead connection it reconnects once, revives the producer's channel and
+# publishes again. Without it a long-lived producer (beat caches one for its lifetime) keeps
+# publishing on the socket the broker closed, forever (docs/adr/0015-publishers-reconnect.md).
+# One immediate retry, bounded by the connect timeout: a publish never blocks for long, and
+# anything more is the outbox sweeper's job.
+CELERY_TASK_PUBLISH_RETRY = True
+CELERY_TASK_PUBLISH_RETRY_POLICY = {
+    "max_retries": 1,
+    "interval_start": 0,
+    "interval_step": 0,
+    "interval_max": 0,
+}
 CELERY_BROKER_CONNECTION_TIMEOUT = env_float("QUIRE_BROKER_CONNECT_TIMEOUT_S", 2.0)
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BROKER_HEARTBEAT = 10
