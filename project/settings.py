@@ -174,6 +174,10 @@ QUIRE: dict[str, Any] = {
     "SWEEP_BATCH": env_int("QUIRE_SWEEP_BATCH", 500),
     "SWEEP_INTERVAL_S": env_float("QUIRE_SWEEP_INTERVAL_S", 1.0),
     "LONG_POLL_MAX_S": 30,
+    # sweep health (DESIGN §12): a sweep is overdue past FACTOR x its interval since its last
+    # success; one that never succeeded also gets the start-up grace, counted from the install.
+    "SWEEP_OVERDUE_FACTOR": env_float("QUIRE_SWEEP_OVERDUE_FACTOR", 10.0),
+    "SWEEP_STARTUP_GRACE_S": env_float("QUIRE_SWEEP_STARTUP_GRACE_S", 60.0),
     # retention
     "RESULT_RETENTION_S": env_float("QUIRE_RESULT_RETENTION_S", 7 * 86400),
     "OUTBOX_RETENTION_S": env_float("QUIRE_OUTBOX_RETENTION_S", 86400),

@@ -45,14 +45,29 @@ def _broker_ok() -> bool:
         return False
 
 
+def _sweeps_overdue() -> list[dict[str, object]] | None:
+    """The overdue sweeps (empty: all on time), or None when they cannot be read."""
+    from conversion_jobs.services.sweep_health import sweeps_overdue
+
+    try:
+        return [
+            {"sweep": o.sweep, "age_s": o.age_s, "allowed_s": o.allowed_s} for o in sweeps_overdue()
+        ]
+    except Exception:
+        return None
+
+
 def ready(request: HttpRequest) -> JsonResponse:
     checks = {"database": _database_ok()}
     checks["migrations"] = checks["database"] and _migrations_ok()
     checks["broker"] = _broker_ok()
+    overdue = _sweeps_overdue() if checks["migrations"] else None
+    checks["sweeps"] = overdue == []
     ok = all(checks.values())
-    return JsonResponse(
-        {"status": "ok" if ok else "unavailable", "checks": checks}, status=200 if ok else 503
-    )
+    body: dict[str, object] = {"status": "ok" if ok else "unavailable", "checks": checks}
+    if overdue:
+        body["overdue_sweeps"] = overdue
+    return JsonResponse(body, status=200 if ok else 503)
 
 
 def metrics_view(request: HttpRequest) -> HttpResponse:
