@@ -262,6 +262,10 @@ CELERY_TASK_PUBLISH_RETRY_POLICY = {
 }
 CELERY_BROKER_CONNECTION_TIMEOUT = env_float("QUIRE_BROKER_CONNECT_TIMEOUT_S", 2.0)
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# Consumers (workers, the sweeper, Flower's event capture) and beat's first connection retry
+# for as long as the broker is away; Celery's default gives up after 100 attempts (~50 min) and
+# the worker exits. Publishes are bounded separately (CELERY_TASK_PUBLISH_RETRY_POLICY).
+CELERY_BROKER_CONNECTION_MAX_RETRIES = None
 CELERY_BROKER_HEARTBEAT = 10
 CELERY_WORKER_DETECT_QUORUM_QUEUES = True
 CELERY_WORKER_SEND_TASK_EVENTS = env_bool("QUIRE_TASK_EVENTS", True)
