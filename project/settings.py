@@ -60,6 +60,8 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    # First, so a database lost in any later middleware or view is a 503, not a 500.
+    "conversion_jobs.api.problems.DatabaseUnavailableMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -160,6 +162,8 @@ QUIRE: dict[str, Any] = {
     "GLOBAL_CAPACITY": env_int("QUIRE_GLOBAL_CAPACITY", 2000),
     "RETRY_AFTER_MIN_S": env_int("QUIRE_RETRY_AFTER_MIN_S", 1),
     "RETRY_AFTER_MAX_S": env_int("QUIRE_RETRY_AFTER_MAX_S", 300),
+    # Retry-After of a 503 database_unavailable
+    "DB_UNAVAILABLE_RETRY_AFTER_S": env_int("QUIRE_DB_UNAVAILABLE_RETRY_AFTER_S", 5),
     "POLICY_VERSION": env_int("QUIRE_POLICY_VERSION", 1),
     # execution
     "MAX_ATTEMPTS": env_int("QUIRE_MAX_ATTEMPTS", 5),

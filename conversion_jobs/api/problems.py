@@ -4,16 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.conf import settings
 from django.http import HttpRequest, JsonResponse
 from rest_framework import exceptions as drf
 from rest_framework.response import Response
 
 from conversion_jobs.exceptions import (
+    DatabaseUnavailable,
     NotAuthenticated,
     NotFound,
     PermissionDenied,
     QuireError,
-    Rejected,
+    RetryLater,
 )
 
 PROBLEM = "application/problem+json"
@@ -30,7 +32,7 @@ def problem_body(error: QuireError) -> dict[str, Any]:
     # A 404 must be byte-identical whatever the cause: it carries no detail of its own.
     if not isinstance(error, NotFound):
         body["detail"] = error.detail
-    if isinstance(error, Rejected):
+    if isinstance(error, RetryLater):
         body["retry_after"] = error.retry_after
     for key, value in error.extra.items():
         if key not in body and key != "retry_after":
@@ -40,7 +42,7 @@ def problem_body(error: QuireError) -> dict[str, Any]:
 
 def problem_response(error: QuireError) -> Response:
     response = Response(problem_body(error), status=error.status, content_type=PROBLEM)
-    if isinstance(error, Rejected):
+    if isinstance(error, RetryLater):
         response["Retry-After"] = str(error.retry_after)
     if isinstance(error, NotAuthenticated):
         response["WWW-Authenticate"] = 'Bearer realm="quire"'
@@ -67,9 +69,22 @@ def _from_drf(exc: drf.APIException) -> QuireError:
     return error
 
 
+def database_unavailable() -> DatabaseUnavailable:
+    return DatabaseUnavailable(retry_after=settings.QUIRE["DB_UNAVAILABLE_RETRY_AFTER_S"])
+
+
+def is_database_outage(exc: BaseException) -> bool:
+    """A lost or refused database connection (not a query error such as a constraint)."""
+    from django.db import InterfaceError, OperationalError
+
+    return isinstance(exc, OperationalError | InterfaceError)
+
+
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
     from django.http import Http404
 
+    if is_database_outage(exc):
+        return problem_response(database_unavailable())
     if isinstance(exc, QuireError):
         return problem_response(exc)
     if isinstance(exc, Http404):
@@ -82,6 +97,42 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
 def json_problem(request: HttpRequest, error: QuireError) -> JsonResponse:
     """For plain Django views and handlers (outside DRF)."""
     response = JsonResponse(problem_body(error), status=error.status, content_type=PROBLEM)
-    if isinstance(error, Rejected):
+    if isinstance(error, RetryLater):
         response["Retry-After"] = str(error.retry_after)
     return response
+
+
+class DatabaseUnavailableMiddleware:
+    """Any view (DRF or plain Django, under WSGI or ASGI) that loses the database answers
+    ``503 database_unavailable`` with ``Retry-After`` instead of a 500 (DRF views get the same
+    answer from :func:`exception_handler`). Django closes the broken connection at the end of
+    the request and reconnects on the next one, so service resumes by itself."""
+
+    sync_capable = True
+    async_capable = True
+
+    def __init__(self, get_response: Any) -> None:
+        from asgiref.sync import iscoroutinefunction, markcoroutinefunction
+
+        self.get_response = get_response
+        if iscoroutinefunction(get_response):
+            markcoroutinefunction(self)
+
+    def __call__(self, request: HttpRequest) -> Any:
+        from asgiref.sync import iscoroutinefunction
+
+        if iscoroutinefunction(self):
+            return self.__acall__(request)
+        return self.get_response(request)
+
+    async def __acall__(self, request: HttpRequest) -> Any:
+        return await self.get_response(request)
+
+    def process_exception(self, request: HttpRequest, exception: Exception) -> JsonResponse | None:
+        if not is_database_outage(exception):
+            return None
+        from django.db import connections
+
+        for conn in connections.all(initialized_only=True):
+            conn.close_if_unusable_or_obsolete()
+        return json_problem(request, database_unavailable())

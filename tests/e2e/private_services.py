@@ -263,9 +263,7 @@ class PrivatePostgres:
 
     def destroy(self) -> None:
         try:
-            self._run(
-                str(self.bindir / "pg_ctl"), "-D", str(self.data), "-m", "immediate", "stop"
-            )
+            self._run(str(self.bindir / "pg_ctl"), "-D", str(self.data), "-m", "immediate", "stop")
         except Exception:  # noqa: S110  (already stopped)
             pass
         shutil.rmtree(self.base, ignore_errors=True)

@@ -82,8 +82,10 @@ def test_broker_outage__every_process_reconnects_and_every_accepted_job_succeeds
     cluster.sweeper(**on_node(node, "sweeper"))
     beat = cluster.beat(**on_node(node, "beat"))
     harness.wait_until(
-        lambda: web.ready().status_code == 200
-        and not SweepStatus.objects.filter(interval_s__lt=1, last_success_at=None).exists(),
+        lambda: (
+            web.ready().status_code == 200
+            and not SweepStatus.objects.filter(interval_s__lt=1, last_success_at=None).exists()
+        ),
         timeout=60,
         what="/health/ready 200 and the one-tick sweeps running",
     )
@@ -95,16 +97,20 @@ def test_broker_outage__every_process_reconnects_and_every_accepted_job_succeeds
     ).json()["id"]
     long_job = web.submit(pages=30, options={"_test_fault": SLOW}).json()["id"]
     timer = harness.wait_until(
-        lambda: ConversionJob.objects.filter(id=retry_job, state="retry_wait")
-        .values_list("next_attempt_at", flat=True)
-        .first(),
+        lambda: (
+            ConversionJob.objects.filter(id=retry_job, state="retry_wait")
+            .values_list("next_attempt_at", flat=True)
+            .first()
+        ),
         timeout=60,
         what="the retry job waiting on its timer",
     )
     running = harness.wait_until(
-        lambda: ConversionAttempt.objects.filter(job_id=long_job, finished_at__isnull=True)
-        .values_list("worker", flat=True)
-        .first(),
+        lambda: (
+            ConversionAttempt.objects.filter(job_id=long_job, finished_at__isnull=True)
+            .values_list("worker", flat=True)
+            .first()
+        ),
         timeout=60,
         what="the long job running",
     )
@@ -160,9 +166,9 @@ def test_broker_outage__every_process_reconnects_and_every_accepted_job_succeeds
     )
     recovered_in = time.monotonic() - back_at
     for job_id in every:
-        assert (
-            ConversionAttempt.objects.filter(job_id=job_id, outcome="succeeded").count() == 1
-        ), job_id
+        assert ConversionAttempt.objects.filter(job_id=job_id, outcome="succeeded").count() == 1, (
+            job_id
+        )
     # The retry fired after the timer; the expired lease was recovered into a new generation.
     retried = ConversionAttempt.objects.filter(job_id=retry_job).order_by("number")
     assert [(a.generation, a.outcome) for a in retried] == [

@@ -32,7 +32,12 @@ class Web:
         return {"Authorization": f"Bearer {token(tenant=self.tenant)}"}
 
     def submit(
-        self, *, pages: int = 1, options: dict[str, Any] | None = None, timeout: float = 10
+        self,
+        *,
+        pages: int = 1,
+        options: dict[str, Any] | None = None,
+        idempotency_key: str | None = None,
+        timeout: float = 10,
     ) -> requests.Response:
         """POST /api/v1/jobs with a fresh PDF of ``pages`` pages (unique text: never a
         duplicate of an earlier submission)."""
@@ -46,7 +51,10 @@ class Web:
             data["options"] = json.dumps(options)
         return requests.post(
             f"{self.base}/api/v1/jobs",
-            headers=self.headers,
+            headers={
+                **self.headers,
+                **({"Idempotency-Key": idempotency_key} if idempotency_key else {}),
+            },
             files={"file": ("doc.pdf", pdf, "application/pdf")},
             data=data,
             timeout=timeout,

@@ -23,11 +23,11 @@ def _leaf_errors() -> list[type[errors.QuireError]]:
         cls = todo.pop()
         found.append(cls)
         todo.extend(cls.__subclasses__())
-    return [c for c in found if c is not errors.Rejected]
+    return [c for c in found if c not in (errors.Rejected, errors.RetryLater)]
 
 
 def _make(cls: type[errors.QuireError]) -> errors.QuireError:
-    if issubclass(cls, errors.Rejected):
+    if issubclass(cls, errors.RetryLater):
         return cls(retry_after=7)
     return cls()
 
@@ -69,6 +69,7 @@ def test_problem_body__detail_defaults_to_docstring():
     [
         (errors.TenantQuotaExceeded, 429, "tenant_quota_exceeded"),
         (errors.CapacityExceeded, 503, "capacity_exceeded"),
+        (errors.DatabaseUnavailable, 503, "database_unavailable"),
     ],
 )
 def test_problem_response__rejection_carries_retry_after(cls, status, code):
