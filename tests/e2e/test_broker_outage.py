@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from datetime import datetime
 
 import pytest
+import requests
 from django.db import connection
 
 from conversion_jobs.models import (
@@ -26,11 +27,12 @@ from conversion_jobs.models import (
     WorkerLease,
 )
 from tests.e2e import harness
-from tests.e2e.private_services import PrivateRabbitMQ
+from tests.e2e.private_services import PrivateRabbitMQ, free_port
 from tests.e2e.webproc import start_web
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
+MONITOR = ("quire_monitor", "quire-monitor-dev")
 OUTAGE_S = 15.0
 RECOVERY_BUDGET_S = 30.0
 SLOW = {"kind": "slow", "seconds": 0.4}
@@ -73,14 +75,40 @@ def states(ids) -> dict:
     return dict(ConversionJob.objects.filter(id__in=ids).values_list("id", "state"))
 
 
+def start_flower(cluster, node: PrivateRabbitMQ, tmp_path) -> tuple[harness.Proc, int]:
+    """The Procfile's flower as the monitor user, with the node's management API."""
+    user, password = MONITOR
+    port = free_port()
+    proc = cluster.start(
+        "flower",
+        CELERY_BROKER_URL=f"amqp://{user}:{password}@127.0.0.1:{node.port}/{harness.VHOST}",
+        FLOWER_PORT=str(port),
+        FLOWER_BASIC_AUTH="operator:flower-test-password",
+        FLOWER_BROKER_API=f"http://{user}:{password}@127.0.0.1:{node.mgmt_port}/api/",
+        QUIRE_VAR_DIR=str(tmp_path),
+    )
+    return proc, port
+
+
+def flower_saw_success(port: int, job_id: str) -> bool:
+    """Flower lists a succeeded ``run_conversion`` of ``job_id`` (from the workers' events)."""
+    tasks = requests.get(
+        f"http://127.0.0.1:{port}/api/tasks",
+        auth=("operator", "flower-test-password"),
+        timeout=5,
+    ).json()
+    return any(t.get("state") == "SUCCESS" and job_id in str(t.get("args")) for t in tasks.values())
+
+
 def test_broker_outage__every_process_reconnects_and_every_accepted_job_succeeds(
-    cluster, rabbitmq_node, settings
+    cluster, rabbitmq_node, tmp_path
 ):
     node = rabbitmq_node
     web = start_web(cluster, **on_node(node, "web"))
     workers = [cluster.ready(cluster.worker(**on_node(node, "worker"))) for _ in range(3)]
     cluster.sweeper(**on_node(node, "sweeper"))
     beat = cluster.beat(**on_node(node, "beat"))
+    flower = start_flower(cluster, node, tmp_path)
     harness.wait_until(
         lambda: (
             web.ready().status_code == 200
@@ -90,6 +118,7 @@ def test_broker_outage__every_process_reconnects_and_every_accepted_job_succeeds
         what="/health/ready 200 and the one-tick sweeps running",
     )
 
+    done_before = web.submit().json()["id"]
     # A job whose retry timer will fall due during the outage, and a long job whose worker dies
     # during it (its lease expires while nothing can be published).
     retry_job = web.submit(
@@ -115,6 +144,11 @@ def test_broker_outage__every_process_reconnects_and_every_accepted_job_succeeds
         what="the long job running",
     )
     owner = cluster.owner_of(running)
+    harness.wait_until(
+        lambda: flower_saw_success(flower[1], done_before),
+        timeout=60,
+        what="flower to show a task run before the outage",
+    )
 
     # --- the outage -------------------------------------------------------------------------
     node.stop_app()
@@ -200,9 +234,18 @@ def test_broker_outage__every_process_reconnects_and_every_accepted_job_succeeds
         )
         assert (row.publish_attempts, row.last_error_code) == (1, None)
         assert (row.published_at - row.created_at).total_seconds() < 2
-    survivors = [p for p in [web.proc, *workers, beat] if p is not owner]
+    # Flower's event capture reconnected too: it shows a task that ran after the outage.
+    flower_proc, flower_port = flower
+    harness.wait_until(
+        lambda: flower_saw_success(flower_port, fresh.json()["id"]),
+        timeout=60,
+        what="flower to show a task run after the outage",
+    )
+    flower_back_s = time.monotonic() - back_at
+    survivors = [p for p in [web.proc, *workers, beat, flower_proc] if p is not owner]
     assert all(p.popen.poll() is None for p in survivors), cluster.tails()
     print(
         f"outage {(up_at - down_at).total_seconds():.1f}s, {len(answers)} submissions "
-        f"({len(accepted)} accepted), all succeeded {recovered_in:.1f}s after the broker's return"
+        f"({len(accepted)} accepted), all succeeded {recovered_in:.1f}s after the broker's return; "
+        f"flower showed a new task {flower_back_s:.1f}s after it"
     )
