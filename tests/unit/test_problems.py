@@ -116,3 +116,22 @@ def test_exception_handler__drf_errors_become_problems(exc, status, code):
 
 def test_exception_handler__unknown_exception_is_left_to_django():
     assert exception_handler(RuntimeError("boom"), {}) is None
+
+
+def test_exception_handler__lost_database_is_503_database_unavailable_with_retry_after(settings):
+    from django.db import InterfaceError, OperationalError
+
+    settings.QUIRE = {**settings.QUIRE, "DB_UNAVAILABLE_RETRY_AFTER_S": 7}
+    for exc in (OperationalError("connection refused"), InterfaceError("connection closed")):
+        response = exception_handler(exc, {})
+        assert response is not None
+        assert response.status_code == 503
+        assert response.data["code"] == "database_unavailable"
+        assert response["Retry-After"] == "7"
+        assert "connection" not in json.dumps(response.data)  # no driver detail leaks
+
+
+def test_exception_handler__a_query_error_is_not_an_outage():
+    from django.db import IntegrityError
+
+    assert exception_handler(IntegrityError("duplicate key"), {}) is None
