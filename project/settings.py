@@ -273,6 +273,10 @@ CELERY_BROKER_CONNECTION_MAX_RETRIES = None
 CELERY_BROKER_HEARTBEAT = 10
 CELERY_WORKER_DETECT_QUORUM_QUEUES = True
 CELERY_WORKER_SEND_TASK_EVENTS = env_bool("QUIRE_TASK_EVENTS", True)
+# The sweeper turns remote control off (Procfile): its replies would be published as the
+# publisher user, which may not declare reply.celery.pidbox, so Flower's periodic inspect
+# broadcasts made it log ACCESS_REFUSED. It sends no events or heartbeats either.
+CELERY_WORKER_ENABLE_REMOTE_CONTROL = env_bool("QUIRE_REMOTE_CONTROL", True)
 CELERY_WORKER_ENABLE_SOFT_SHUTDOWN_ON_IDLE = True
 CELERY_WORKER_SOFT_SHUTDOWN_TIMEOUT = env_float("QUIRE_SOFT_SHUTDOWN_S", 10.0)
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
