@@ -57,14 +57,33 @@ def _sweeps_overdue() -> list[dict[str, object]] | None:
         return None
 
 
+def sandbox_status():  # type: ignore[no-untyped-def]
+    """The converter sandbox as this host can set it up (DESIGN §7.8; cached 30 s)."""
+    from django.conf import settings
+
+    from conversion_jobs.converters import sandbox
+
+    sandbox.configure(work_dir=settings.QUIRE["WORK_DIR"])
+    return sandbox.probe()
+
+
 def ready(request: HttpRequest) -> JsonResponse:
+    """Ready = database, migrations, broker, a converter sandbox that can be set up on this
+    host (or one an operator explicitly turned off: ready, and the body says so), and no sweep
+    overdue (``overdue_sweeps`` names them; services/sweep_health.py)."""
     checks = {"database": _database_ok()}
     checks["migrations"] = checks["database"] and _migrations_ok()
     checks["broker"] = _broker_ok()
+    sandbox = sandbox_status()
+    checks["sandbox"] = sandbox.available or not sandbox.enabled
     overdue = _sweeps_overdue() if checks["migrations"] else None
     checks["sweeps"] = overdue == []
     ok = all(checks.values())
-    body: dict[str, object] = {"status": "ok" if ok else "unavailable", "checks": checks}
+    body: dict[str, object] = {
+        "status": "ok" if ok else "unavailable",
+        "checks": checks,
+        "sandbox": sandbox.as_dict(),
+    }
     if overdue:
         body["overdue_sweeps"] = overdue
     return JsonResponse(body, status=200 if ok else 503)
@@ -75,7 +94,7 @@ def metrics_view(request: HttpRequest) -> HttpResponse:
     from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
     from prometheus_client import REGISTRY as DEFAULT_REGISTRY
 
-    from conversion_jobs.observability.gauges import DatabaseGauges
+    from conversion_jobs.observability.gauges import DatabaseGauges, SandboxGauges
 
     token = os.environ.get("QUIRE_METRICS_TOKEN")
     if token:
@@ -89,5 +108,9 @@ def metrics_view(request: HttpRequest) -> HttpResponse:
         multiprocess.MultiProcessCollector(registry)
     else:
         registry = DEFAULT_REGISTRY
-    body = generate_latest(registry) + generate_latest(DatabaseGauges.registry())
+    body = (
+        generate_latest(registry)
+        + generate_latest(DatabaseGauges.registry())
+        + generate_latest(SandboxGauges.registry())
+    )
     return HttpResponse(body, content_type=CONTENT_TYPE_LATEST)

@@ -231,6 +231,7 @@ def test_health__ready_with_database_and_broker_up(client):
         "database": True,
         "migrations": True,
         "broker": True,
+        "sandbox": True,
         "sweeps": True,
     }
 
