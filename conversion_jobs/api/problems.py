@@ -73,7 +73,7 @@ def _from_drf(exc: drf.APIException) -> QuireError:
     if isinstance(exc, drf.NotFound):
         return NotFound()
     if isinstance(exc, drf.ParseError):
-        return MalformedBody(str(exc.detail))
+        return MalformedBody()
     error = QuireError(str(exc.detail))
     error.status = exc.status_code
     error.code = {
