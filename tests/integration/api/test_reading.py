@@ -232,6 +232,7 @@ def test_health__ready_with_database_and_broker_up(client):
         "migrations": True,
         "broker": True,
         "sandbox": True,
+        "sweeps": True,
     }
 
 
