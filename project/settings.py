@@ -174,6 +174,10 @@ QUIRE: dict[str, Any] = {
     "SWEEP_BATCH": env_int("QUIRE_SWEEP_BATCH", 500),
     "SWEEP_INTERVAL_S": env_float("QUIRE_SWEEP_INTERVAL_S", 1.0),
     "LONG_POLL_MAX_S": 30,
+    # waiting clients (ADR 0016): the SSE event stream
+    "SSE_HEARTBEAT_S": env_float("QUIRE_SSE_HEARTBEAT_S", 15.0),
+    "SSE_MAX_S": env_float("QUIRE_SSE_MAX_S", 300.0),
+    "SSE_RETRY_MS": env_int("QUIRE_SSE_RETRY_MS", 1000),
     # retention
     "RESULT_RETENTION_S": env_float("QUIRE_RESULT_RETENTION_S", 7 * 86400),
     "OUTBOX_RETENTION_S": env_float("QUIRE_OUTBOX_RETENTION_S", 86400),
@@ -289,6 +293,8 @@ LOGGING = {
     "root": {"handlers": ["console"], "level": env_str("QUIRE_LOG_LEVEL", "INFO")},
     "loggers": {
         "django.request": {"level": "ERROR"},
-        "gunicorn.access": {"level": "WARNING"},
+        # the server's own access log writes query strings: project.web.AccessLog replaces it
+        "uvicorn.access": {"level": "WARNING"},
+        "quire.access": {"level": env_str("QUIRE_ACCESS_LOG_LEVEL", "INFO")},
     },
 }
