@@ -168,7 +168,7 @@ async def scenario(port: int, jobs: list[Any], changing: Any, pdf: bytes) -> dic
             unique = pdf.replace(b"%%EOF", b"%" + uuid.uuid4().hex.encode() + b"\n%%EOF")
             status, _, seconds = await request(port, submission(token, unique))
             results.append((status, seconds))
-            await asyncio.sleep(random.uniform(0.05, 0.15))  # noqa: S311
+            await asyncio.sleep(random.uniform(0.05, 0.15))
         return results
 
     async def changing_job() -> float:
@@ -231,8 +231,8 @@ def test_a_thousand_long_polls_and_two_hundred_stalled_clients_starve_nothing(
 
     probes = out["probes"]
     report = (
-        f"health p50 {percentile(probes, 50) * 1000:.1f} ms, p99 {percentile(probes, 99) * 1000:.1f}"
-        f" ms; submissions max {max(s for _, s in out['submissions']) * 1000:.0f} ms; change lag "
+        f"health p50 {percentile(probes, 50) * 1000:.1f} ms, "
+        f"p99 {percentile(probes, 99) * 1000:.1f} ms; submissions max {max(s for _, s in out['submissions']) * 1000:.0f} ms; change lag "
         f"{out['change_lag'] * 1000:.1f} ms; stalled open {out['stalled_open']}, dropped meanwhile "
         f"{out['stalled_dropped_meanwhile']}"
     )
