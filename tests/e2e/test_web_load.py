@@ -77,10 +77,14 @@ def get(path: str, token: str | None = None, **headers: str) -> bytes:
 def submission(token: str, pdf: bytes) -> bytes:
     boundary = uuid.uuid4().hex
     body = (
-        f'--{boundary}\r\nContent-Disposition: form-data; name="output"\r\n\r\ntext\r\n'
-        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="d.pdf"\r\n'
-        "Content-Type: application/pdf\r\n\r\n"
-    ).encode() + pdf + f"\r\n--{boundary}--\r\n".encode()
+        (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="output"\r\n\r\ntext\r\n'
+            f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="d.pdf"\r\n'
+            "Content-Type: application/pdf\r\n\r\n"
+        ).encode()
+        + pdf
+        + f"\r\n--{boundary}--\r\n".encode()
+    )
     head = (
         "POST /api/v1/jobs HTTP/1.1\r\nHost: 127.0.0.1\r\n"
         f"Authorization: Bearer {token}\r\n"
@@ -134,9 +138,7 @@ async def scenario(port: int, jobs: list[Any], changing: Any, pdf: bytes) -> dic
     async def long_poll(job: Any) -> tuple[int, float]:
         async with gate:
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(
-                get(f"/api/v1/jobs/{job.id}?wait={WAIT_S}", token, If_None_Match='"v1"')
-            )
+            writer.write(get(f"/api/v1/jobs/{job.id}?wait={WAIT_S}", token, If_None_Match='"v1"'))
             await writer.drain()
         started = time.perf_counter()
         try:
@@ -232,7 +234,8 @@ def test_a_thousand_long_polls_and_two_hundred_stalled_clients_starve_nothing(
     probes = out["probes"]
     report = (
         f"health p50 {percentile(probes, 50) * 1000:.1f} ms, "
-        f"p99 {percentile(probes, 99) * 1000:.1f} ms; submissions max {max(s for _, s in out['submissions']) * 1000:.0f} ms; change lag "
+        f"p99 {percentile(probes, 99) * 1000:.1f} ms; "
+        f"submissions max {max(s for _, s in out['submissions']) * 1000:.0f} ms; change lag "
         f"{out['change_lag'] * 1000:.1f} ms; stalled open {out['stalled_open']}, dropped meanwhile "
         f"{out['stalled_dropped_meanwhile']}"
     )
