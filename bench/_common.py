@@ -207,13 +207,14 @@ def throwaway_vhost(*, user: str, password: str) -> Iterator[str]:
     try:
         _rabbitmqctl("set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
         perms = None
+        source = os.environ.get("QUIRE_RMQ_VHOST", "quire")  # where apply.sh granted them
         for line in _rabbitmqctl("list_user_permissions", user).splitlines():
             cols = line.split("\t")
-            if cols and cols[0] == "quire":
+            if cols and cols[0] == source:
                 perms = cols[1:4]
         if perms is None:
             raise RuntimeError(
-                f"{user} has no permissions on vhost quire: run deploy/rabbitmq/apply.sh"
+                f"{user} has no permissions on vhost {source}: run deploy/rabbitmq/apply.sh"
             )
         _rabbitmqctl("set_permissions", "-p", vhost, "--", user, *perms)
         defs = json.loads((ROOT / "deploy" / "rabbitmq" / "definitions.json").read_text())
