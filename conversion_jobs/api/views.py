@@ -338,11 +338,6 @@ class EventStreamRenderer(JSONRenderer):
     format = "sse"
 
 
-def _wants_event_stream(request: Request) -> bool:
-    accept = request.headers.get("Accept", "")
-    return any(part.split(";")[0].strip() == "text/event-stream" for part in accept.split(","))
-
-
 class JobEventsView(QuireView):
     required_scopes = {"GET": "jobs:read"}
     renderer_classes = [JSONRenderer, EventStreamRenderer]
@@ -357,7 +352,8 @@ class JobEventsView(QuireView):
     )
     def get(self, request: Request, job_id: uuid.UUID) -> Response | HttpResponse:
         job = self.job(job_id)
-        if _wants_event_stream(request):
+        # Content negotiation chose: Accept: text/event-stream (or ?format=sse).
+        if request.accepted_renderer.format == EventStreamRenderer.format:
             return StreamEvents(
                 job_id=job.id,
                 tenant=self.principal.tenant,
