@@ -34,6 +34,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import shutil
 import sys
 import tempfile
@@ -47,7 +48,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as c
 
-DB_NAME = "quire_bench"
+#: One database per checkout (QUIRE_RMQ_VHOST names it): parallel checkouts on one host must not
+#: drop each other's benchmark database mid-run.
+DB_NAME = "quire_bench_" + re.sub(
+    r"[^a-z0-9_]", "_", os.environ.get("QUIRE_RMQ_VHOST", "quire").lower()
+)
 BASELINE_SETTINGS = "bench.baseline_app.settings"
 TARGETS = {"accepted_per_s": 600.0, "p99_ms": 80.0, "ratio": 0.5, "idle_ratio": 0.9}
 
