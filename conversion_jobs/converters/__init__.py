@@ -9,6 +9,7 @@ Importing this package is cheap and Django-free; pypdfium2, Pillow, img2pdf, tes
 LibreOffice are only ever used inside the child process.
 """
 
+from . import sandbox
 from .assemble import assemble_result
 from .base import OUTPUTS, Converter, Limits, PageArtifact, Prepared, limits_description
 from .errors import (
@@ -23,6 +24,7 @@ from .errors import (
 )
 from .isolation import TEST_FAULTS_ENV, kill_process_group, process_group_members, run_isolated
 from .registry import READ_AHEAD_PAGES, capabilities, converter_for
+from .sandbox import SandboxUnavailable
 from .sessions import release, warm
 from .sniff import sniff_media_type
 
@@ -41,6 +43,7 @@ __all__ = [
     "Limits",
     "PageArtifact",
     "Prepared",
+    "SandboxUnavailable",
     "UnsupportedConversion",
     "assemble_result",
     "capabilities",
@@ -50,6 +53,7 @@ __all__ = [
     "process_group_members",
     "release",
     "run_isolated",
+    "sandbox",
     "sniff_media_type",
     "warm",
 ]

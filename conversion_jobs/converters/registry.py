@@ -20,8 +20,8 @@ from .base import (
     Prepared,
 )
 from .errors import InvalidInput, UnsupportedConversion
-from .isolation import run_isolated, test_fault_from
-from .sessions import forget, open_session, session_for
+from .isolation import test_fault_from
+from .sessions import forget, fresh_child, open_session, session_for
 from .sniff import sniff_media_type
 
 _SUFFIX = {"text": ".txt", "png": ".png", "pdf": ".pdf"}
@@ -43,7 +43,10 @@ def _prepare_in_session(
     )
     try:
         return session.call(
-            op, {"path": str(source)}, timeout_s=limits.prepare_timeout_s, should_stop=should_stop
+            op,
+            {"path": str(session.document)},
+            timeout_s=limits.prepare_timeout_s,
+            should_stop=should_stop,
         )
     except BaseException:
         forget(session)
@@ -75,11 +78,6 @@ def _page_call(
     dest_dir.mkdir(parents=True, exist_ok=True)
     dest = _page_dest(dest_dir, page, output)
     dpi = int((options or {}).get("dpi") or DEFAULT_DPI)
-    args = {
-        "path": str(prepared.document),
-        "output": output,
-        "dpi": max(1, min(dpi, limits.max_dpi)),
-    }
     fault = test_fault_from(options)
     try:
         # The session of this document (the child keeps it open); a fresh child if an earlier
@@ -101,15 +99,24 @@ def _page_call(
         if not session.ahead:
             upcoming = [p for p in lookahead if p != page and 1 <= p <= prepared.page_count]
             pages = [page, *upcoming[: READ_AHEAD_PAGES - 1]]
+            session.folder("out")
+            if fault:
+                session.fault_records_to = dest_dir
+            # The child writes in its private directory; each page is handed out when read.
             session.read_ahead(
                 op,
-                [(p, str(_page_dest(dest_dir, p, output))) for p in pages],
-                args,
+                [(p, str(_page_dest(session.inside("out"), p, output))) for p in pages],
+                {
+                    "path": str(session.document),
+                    "output": output,
+                    "dpi": max(1, min(dpi, limits.max_dpi)),
+                },
                 timeout_s=limits.page_timeout_s,
                 should_stop=should_stop,
                 fault=fault,
             )
         result = session.next_page(page, timeout_s=limits.page_timeout_s, should_stop=should_stop)
+        session.hand_out(_page_dest(session.inside("out"), page, output), dest)
     except BaseException:
         # A killed or failed child may have left half an artifact; it must never be promoted.
         dest.unlink(missing_ok=True)
@@ -214,26 +221,24 @@ class OfficeConverter:
 
     def prepare(self, *, source, media_type, workdir, limits, should_stop) -> Prepared:
         _check_magic(source, media_type)
-        base = Path(workdir) / f"office-{uuid.uuid4().hex}"
-        failed = True
-        try:
-            result = run_isolated(
-                op="office_prepare",
-                args={"path": str(source), "media_type": media_type, "base": str(base)},
-                limits=limits,
+        # A fresh child converts to PDF in its private directory (LibreOffice's profile, the
+        # copy of the input): all of it goes with the child; the PDF is handed out first.
+        with fresh_child() as session:
+            session.setup(limits=limits, scratch_dir=workdir, should_stop=should_stop)
+            copy = session.hand_in(source)
+            result = session.call(
+                "office_prepare",
+                {
+                    "path": str(copy),
+                    "media_type": media_type,
+                    "base": str(session.inside("office")),
+                },
                 timeout_s=limits.prepare_timeout_s,
-                scratch_dir=workdir,
                 should_stop=should_stop,
             )
-            failed = False
-        finally:
-            # LibreOffice's leftovers (profile, copy of the input) go; its PDF stays on success.
-            leftovers = [base] if failed else [base / n for n in ("in", "profile", "home")]
-            for leftover in leftovers:
-                shutil.rmtree(leftover, ignore_errors=True)
-        return Prepared(
-            document=Path(result["document"]), media_type=PDF, page_count=result["page_count"]
-        )
+            document = Path(workdir) / f"office-{uuid.uuid4().hex}.pdf"
+            session.hand_out(Path(result["document"]), document)
+        return Prepared(document=document, media_type=PDF, page_count=result["page_count"])
 
     def convert_page(
         self, *, prepared, page, output, options, dest_dir, limits, should_stop, lookahead=()
