@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 import uuid
@@ -194,8 +195,6 @@ async def _sleep_on(event: asyncio.Event, remaining: float) -> None:
 
 
 def _sse(event: str, event_id: str, data: dict[str, Any]) -> bytes:
-    import json
-
     body = json.dumps(data, separators=(",", ":"))
     return f"id: {event_id}\nevent: {event}\ndata: {body}\n\n".encode()
 
