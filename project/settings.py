@@ -76,6 +76,7 @@ X_FRAME_OPTIONS = "DENY"
 
 ROOT_URLCONF = "project.urls"
 WSGI_APPLICATION = "project.wsgi.application"
+ASGI_APPLICATION = "project.asgi.application"  # what the Procfile serves (ADR 0016)
 TEMPLATES = [
     {
         "BACKEND": "django.template.backends.django.DjangoTemplates",
