@@ -2,8 +2,8 @@
 under gunicorn (Procfile ``web``; ADR 0016).
 
 Django's ASGI handler, with the sync parts of requests on a fixed set of threads
-(:class:`project.web.QuireASGIHandler`), wrapped in :class:`project.web.AccessLog`, which writes
-one content-free line per request.
+(:class:`project.web.QuireASGIHandler`), behind :class:`project.web.Liveness` (``/health/live``
+on the event loop) and :class:`project.web.AccessLog` (one content-free line per request).
 """
 
 import os
@@ -15,7 +15,7 @@ django.setup(set_prefix=False)
 
 from conversion_jobs.api import waiting  # noqa: E402  (needs configured Django)
 from conversion_jobs.observability import tracing  # noqa: E402
-from project.web import AccessLog, QuireASGIHandler  # noqa: E402
+from project.web import AccessLog, Liveness, QuireASGIHandler  # noqa: E402
 
 django_application = QuireASGIHandler()
 
@@ -24,4 +24,4 @@ tracing.instrument_web()
 # connection on it (conversion_jobs/api/waiting.py).
 waiting.listener.serving = True
 
-application = AccessLog(django_application)
+application = AccessLog(Liveness(django_application))

@@ -9,6 +9,7 @@
 * :class:`QuireASGIHandler` - Django's ASGI handler, with the sync parts of every request
   (middleware, DRF views, ORM) on a fixed set of ``WEB_THREADS`` long-lived threads per process
   instead of a new thread per request.
+* :class:`Liveness` - ``/health/live`` answered on the event loop, never behind a busy thread.
 * :class:`AccessLog` - one content-free line per request.
 
 Limits (environment; docs/OPERABILITY.md "Slow clients"):
@@ -162,6 +163,44 @@ class QuireASGIHandler(ASGIHandler):
         thread = min(self.threads, key=lambda t: t.pending)
         async with ThreadSensitiveContext(executor=thread):
             await self.handle(scope, receive, send)
+
+
+class Liveness:
+    """ASGI middleware: ``GET /health/live`` answered by the event loop itself, without Django.
+
+    Liveness means "this process serves": its event loop turns. Through Django it would also
+    wait for one of the request's sync threads, which a database outage can keep busy for
+    seconds (connect timeouts) - and a liveness probe that fails then makes the orchestrator
+    restart healthy web processes in the middle of somebody else's outage. The body is the one
+    ``conversion_jobs.api.health.live`` gives."""
+
+    BODY = b'{"status": "ok"}'
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if (
+            scope["type"] != "http"
+            or scope.get("path") != "/health/live"
+            or scope.get("method") not in ("GET", "HEAD")
+        ):
+            await self.app(scope, receive, send)
+            return
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(self.BODY)).encode()),
+                    (b"x-content-type-options", b"nosniff"),
+                    (b"cache-control", b"no-store"),
+                ],
+            }
+        )
+        body = self.BODY if scope["method"] == "GET" else b""
+        await send({"type": "http.response.body", "body": body})
 
 
 class AccessLog:

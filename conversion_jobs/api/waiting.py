@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -32,8 +33,13 @@ logger = logging.getLogger(__name__)
 
 CHANNEL = "quire_job_change"
 #: While the listener is connected, a waiter re-reads only when notified (or at its deadline).
-#: While it is not (Postgres restarting, SQLite), waiters poll this often.
+#: Without notifications at all (SQLite, a request served outside the server's loop) waiters
+#: poll every POLL_S; while a listener is reconnecting, a waiter that starts waiting polls every
+#: OUTAGE_POLL_S (jittered): the database is probably restarting, and a thousand waiters
+#: polling it fast would only queue on the web process's sync threads. The reconnect itself
+#: wakes every waiter once.
 POLL_S = 0.5
+OUTAGE_POLL_S = 2.0
 RECONNECT_MIN_S = 0.2
 RECONNECT_MAX_S = 5.0
 
@@ -108,7 +114,11 @@ class JobChangeListener:
 
     def poll_interval(self) -> float | None:
         """None while notifications are reliable; else how often waiters must re-read."""
-        return None if self.listening else POLL_S
+        if not self.enabled:
+            return POLL_S
+        if self.listening:
+            return None
+        return OUTAGE_POLL_S * random.uniform(0.75, 1.25)  # noqa: S311 (not security)
 
     def _wake(self, key: str | None = None) -> None:
         groups = [self._waiters.get(key, set())] if key else list(self._waiters.values())
@@ -141,7 +151,6 @@ class JobChangeListener:
                     extra={"error": type(exc).__name__},
                 )
             self.listening = False
-            self._wake()
             await asyncio.sleep(delay)
             delay = min(delay * 2, RECONNECT_MAX_S)
 
