@@ -70,12 +70,15 @@ def conversion_job_execute(*, job_id: uuid.UUID, generation: int) -> str:
         return _run(lease=lease, job=claim.job, heartbeat=heartbeat, workdir=workdir)
     finally:
         heartbeat.finish()
-        converters.release()  # this attempt's converter child and its process group end here
+        # This attempt's converter child and its process group end here, then its work dir
+        # goes; only then a spare child is started for the next attempt.
+        converters.release(spare=False)
         shutil.rmtree(workdir, ignore_errors=True)
         try:
             workdir.parent.rmdir()
         except OSError:
             pass
+        converters.warm()
 
 
 def _run(*, lease: Lease, job: ConversionJob, heartbeat: Heartbeat, workdir: Path) -> str:

@@ -97,8 +97,20 @@ class Worker(threading.Thread):
 
 
 def work_dir_entries() -> list[Path]:
+    """Everything in WORK_DIR except the skeleton of live converter sandboxes (their ``work``
+    and ``tmp`` directories, account files and, when WORK_DIR is under /tmp, the mount point
+    of ``work`` inside the sandbox's /tmp). A private directory or a file left by a converter
+    child in a sandbox counts."""
     root = Path(settings.QUIRE["WORK_DIR"])
-    return sorted(root.rglob("*")) if root.exists() else []
+    if not root.exists():
+        return []
+    skeleton = {root / ".sandbox"}
+    for box in (root / ".sandbox").glob("*"):
+        skeleton |= {box, box / "work", box / "tmp", box / "passwd", box / "group"}
+        work_inside = str(box / "work").lstrip("/").removeprefix("tmp/")
+        mount_point = box / "tmp" / work_inside
+        skeleton |= {mount_point, *mount_point.parents}
+    return sorted(p for p in root.rglob("*") if p not in skeleton)
 
 
 def result_files(job_id: uuid.UUID) -> list[Path]:
@@ -107,8 +119,11 @@ def result_files(job_id: uuid.UUID) -> list[Path]:
 
 
 def converter_children(job_id: uuid.UUID) -> list[int]:
-    """Live converter child processes working for ``job_id`` (their cwd is in its work dir)."""
-    job_dir = str(Path(settings.QUIRE["WORK_DIR"]).resolve() / str(job_id))
+    """Live converter child processes working for ``job_id``: their cwd is their private
+    directory, in the job's work dir (sandbox off) or in a converter sandbox under WORK_DIR
+    (the tests run one job at a time)."""
+    work_dir = Path(settings.QUIRE["WORK_DIR"]).resolve()
+    places = (str(work_dir / str(job_id)) + "/", str(work_dir / ".sandbox") + "/")
     found = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
@@ -118,7 +133,7 @@ def converter_children(job_id: uuid.UUID) -> list[int]:
                 name = fh.read().strip()
             if name != CHILD_NAME.encode():
                 continue
-            if os.readlink(f"/proc/{entry.name}/cwd").startswith(job_dir):
+            if os.readlink(f"/proc/{entry.name}/cwd").startswith(places):
                 found.append(int(entry.name))
         except OSError:
             continue
