@@ -78,6 +78,7 @@ X_FRAME_OPTIONS = "DENY"
 
 ROOT_URLCONF = "project.urls"
 WSGI_APPLICATION = "project.wsgi.application"
+ASGI_APPLICATION = "project.asgi.application"  # what the Procfile serves (ADR 0016)
 TEMPLATES = [
     {
         "BACKEND": "django.template.backends.django.DjangoTemplates",
@@ -217,6 +218,10 @@ QUIRE: dict[str, Any] = {
     # success; one that never succeeded also gets the start-up grace, counted from the install.
     "SWEEP_OVERDUE_FACTOR": env_float("QUIRE_SWEEP_OVERDUE_FACTOR", 10.0),
     "SWEEP_STARTUP_GRACE_S": env_float("QUIRE_SWEEP_STARTUP_GRACE_S", 60.0),
+    # waiting clients (ADR 0016): the SSE event stream
+    "SSE_HEARTBEAT_S": env_float("QUIRE_SSE_HEARTBEAT_S", 15.0),
+    "SSE_MAX_S": env_float("QUIRE_SSE_MAX_S", 300.0),
+    "SSE_RETRY_MS": env_int("QUIRE_SSE_RETRY_MS", 1000),
     # retention
     "RESULT_RETENTION_S": env_float("QUIRE_RESULT_RETENTION_S", 7 * 86400),
     "OUTBOX_RETENTION_S": env_float("QUIRE_OUTBOX_RETENTION_S", 86400),
@@ -357,6 +362,8 @@ LOGGING = {
     "root": {"handlers": ["console"], "level": env_str("QUIRE_LOG_LEVEL", "INFO")},
     "loggers": {
         "django.request": {"level": "ERROR"},
-        "gunicorn.access": {"level": "WARNING"},
+        # the server's own access log writes query strings: project.web.AccessLog replaces it
+        "uvicorn.access": {"level": "WARNING"},
+        "quire.access": {"level": env_str("QUIRE_ACCESS_LOG_LEVEL", "INFO")},
     },
 }
