@@ -28,7 +28,7 @@ from conversion_jobs.services import execution
 from conversion_jobs.services.checkpoints import (
     INLINE_PREFIX,
     CheckpointBatch,
-    page_artifact,
+    inline_content,
     page_checkpoint_record,
     page_checkpoints_by_page,
 )
@@ -150,8 +150,11 @@ def _convert(*, lease: Lease, job: ConversionJob, heartbeat: Heartbeat, workdir:
     limits = limits_from_settings()
     converter = converters.converter_for(job.source_media_type, job.output)
     stop = heartbeat.stop.is_set
+    # The converter reads a copy in the attempt's work directory, never the store itself.
+    source = workdir / "source"
+    storage.download(job.source_key, source)
     prepared = converter.prepare(
-        source=storage.path_of(job.source_key),
+        source=source,
         media_type=job.source_media_type,
         workdir=workdir,
         limits=limits,
@@ -197,6 +200,7 @@ def _convert_pages(
     batch: CheckpointBatch,
 ) -> str:
     stop = heartbeat.stop.is_set
+    local: dict[int, Path] = {}  # pages of this attempt: where their bytes are on this host
     # A resumed job never redoes a finished page.
     todo = [
         page
@@ -250,7 +254,9 @@ def _convert_pages(
                 )
                 break
             ext = "txt" if job.output == "text" else job.output
-            key = storage.page_key(job_id=lease.job_id, page=page, ext=f"g{lease.generation}.{ext}")
+            key = storage.page_key(
+                job_id=lease.job_id, page=page, generation=lease.generation, ext=ext
+            )
             sha, size = storage.sha256_file(artifact.path)
             checkpoint = PageCheckpoint(
                 job_id=lease.job_id,
@@ -269,7 +275,9 @@ def _convert_pages(
                 checkpoint.content = artifact.path.read_bytes()
                 batch.add(checkpoint, None)
             else:
-                batch.add(checkpoint, storage.place(artifact.path, key))
+                put = storage.put_file(key, artifact.path, wait=False)
+                local[page] = put.local
+                batch.add(checkpoint, put)
             break
     return _finalize(
         lease=lease,
@@ -279,7 +287,25 @@ def _convert_pages(
         batch=batch,
         prepared=prepared,
         workdir=workdir,
+        local=local,
     )
+
+
+def _page_source(checkpoint: Any, local: dict[int, Any], workdir: Path) -> Path | bytes:
+    """A done page's artifact for assembly: its bytes when inline in its row, else the local
+    file this attempt stored, else a copy fetched from the artifact store."""
+    content = inline_content(checkpoint)
+    if content is not None:
+        return content
+    return local.get(checkpoint.page_number) or _fetch(checkpoint.artifact_key, workdir)
+
+
+def _fetch(key: str, workdir: Path) -> Path:
+    folder = workdir / "stored-pages"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    dest = folder / key.rsplit("/", 1)[-1]
+    storage.download(key, dest)
+    return dest
 
 
 def _checkpoint(lease: Lease, **values: Any) -> Any:
@@ -295,12 +321,18 @@ def _finalize(
     batch: CheckpointBatch,
     prepared: Any,
     workdir: Path,
+    local: dict[int, Path],
 ) -> str:
     """Assemble the result from page artifacts and publish it with one fenced CAS; the pages
-    still waiting in ``batch`` are checkpointed in that same transaction."""
+    still waiting in ``batch`` are checkpointed in that same transaction. Pages an earlier
+    attempt converted are fetched from the store into the work directory first."""
     pending = {c.page_number: c for c in batch.pending}
     outcome = {**checkpoints, **pending}
-    done = [(p, page_artifact(outcome[p])) for p in pages if outcome[p].state == PageState.DONE]
+    done = [
+        (p, _page_source(outcome[p], local, workdir))
+        for p in pages
+        if outcome[p].state == PageState.DONE
+    ]
     failed = [p for p in pages if outcome[p].state == PageState.FAILED]
     if failed and (not done or not job.options.get("allow_partial", True)):
         batch.flush()
@@ -318,9 +350,9 @@ def _finalize(
             output=job.output, pages=done, dest=assembled, prepared_document=prepared.document
         )
     ext = {"text": "txt", "png": "zip", "pdf": "pdf"}[job.output]
-    key = storage.result_key(job_id=lease.job_id, ext=f"g{lease.generation}.{ext}")
+    key = storage.result_key(job_id=lease.job_id, generation=lease.generation, ext=ext)
     sha, size = storage.sha256_file(assembled)
-    storage.promote(assembled, key)
+    storage.put_file(key, assembled)
     batch.durable()  # the last pages are checkpointed by the publishing transaction
     state = State.PARTIAL if failed else State.SUCCEEDED
     won = db_retry(

@@ -109,7 +109,7 @@ def test_text_pages__live_in_their_checkpoint_rows_and_are_served_as_before(
     rows = list(PageCheckpoint.objects.filter(job_id=job.id).order_by("page_number"))
     assert [r.page_number for r in rows] == [1, 2, 3]
     assert all((r.artifact_key or "").startswith("inline:") and r.content for r in rows)
-    assert not (storage.path_of(f"pages/{job.id}")).exists()  # no page file was written
+    assert list(storage.list_objects(f"pages/{job.id}")) == []  # no page object was stored
     for row in rows:
         assert hashlib.sha256(bytes(row.content)).hexdigest() == row.artifact_sha256
         assert len(row.content) == row.artifact_size
@@ -134,6 +134,6 @@ def test_text_pages__above_the_inline_limit_are_files(tmp_path, api, no_broker_p
     job = submit(source, output="text")
     assert execute(job) == "succeeded"
     rows = list(PageCheckpoint.objects.filter(job_id=job.id).order_by("page_number"))
-    assert all(r.content is None and storage.path_of(r.artifact_key).exists() for r in rows)
+    assert all(r.content is None and storage.exists(r.artifact_key) for r in rows)
     page = api().get(f"/api/v1/jobs/{job.id}/pages/1")
-    assert _body(page) == storage.path_of(rows[0].artifact_key).read_bytes()
+    assert _body(page) == storage.open_object(rows[0].artifact_key).read()
