@@ -163,6 +163,10 @@ QUIRE: dict[str, Any] = {
     "POLICY_VERSION": env_int("QUIRE_POLICY_VERSION", 1),
     # execution
     "MAX_ATTEMPTS": env_int("QUIRE_MAX_ATTEMPTS", 5),
+    # Warm LibreOffice per worker process (ADR 0019): "warm" or "fresh" (a new one per document).
+    "OFFICE_ENGINE": env_str("QUIRE_OFFICE_ENGINE", "warm"),
+    "OFFICE_ENGINE_MAX_CONVERSIONS": env_int("QUIRE_OFFICE_ENGINE_MAX_CONVERSIONS", 50),
+    "OFFICE_ENGINE_MAX_RSS_MB": env_int("QUIRE_OFFICE_ENGINE_MAX_RSS_MB", 800),
     "HEARTBEAT_S": env_float("QUIRE_HEARTBEAT_S", 2.0),
     "LEASE_S": env_float("QUIRE_LEASE_S", 10.0),
     "PAGE_MAX_ATTEMPTS": env_int("QUIRE_PAGE_MAX_ATTEMPTS", 3),

@@ -62,6 +62,12 @@ def _op_office_prepare(**kwargs):
     return office_prepare(**kwargs)
 
 
+def _op_office_engine_convert(**kwargs):
+    from .officeengine import office_engine_convert
+
+    return office_engine_convert(**kwargs)
+
+
 def _op_probe(*, limits: Limits) -> dict:
     """For tests: what the isolated process looks like from inside."""
     return {
@@ -82,6 +88,7 @@ OPS = {
     "image_prepare": _op_image_prepare,
     "image_page": _op_image_page,
     "office_prepare": _op_office_prepare,
+    "office_engine_convert": _op_office_engine_convert,
     "probe": _op_probe,
 }
 PAGE_OPS = frozenset({"pdf_page", "image_page"})

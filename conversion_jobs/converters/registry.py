@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import functools
 import shutil
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from . import engines
 from .base import (
     DEFAULT_DPI,
     IMAGE_TYPES,
@@ -25,6 +27,12 @@ from .sessions import forget, open_session, session_for
 from .sniff import sniff_media_type
 
 _SUFFIX = {"text": ".txt", "png": ".png", "pdf": ".pdf"}
+
+
+def _observe_duration(media_type: str, engine: str, seconds: float) -> None:
+    from conversion_jobs.observability import metrics
+
+    metrics.CONVERSION_DURATION.labels(input=media_type, engine=engine).observe(seconds)
 
 
 def _check_magic(source: Path, media_type: str) -> None:
@@ -131,7 +139,9 @@ class PdfConverter:
     def available(self) -> bool:
         return True
 
-    def prepare(self, *, source, media_type, workdir, limits, should_stop) -> Prepared:
+    def prepare(
+        self, *, source, media_type, workdir, limits, should_stop, options=None
+    ) -> Prepared:
         _check_magic(source, media_type)
         result = _prepare_in_session(
             op="pdf_prepare", source=source, workdir=workdir, limits=limits, should_stop=should_stop
@@ -166,7 +176,9 @@ class ImageConverter:
     def available(self) -> bool:
         return True
 
-    def prepare(self, *, source, media_type, workdir, limits, should_stop) -> Prepared:
+    def prepare(
+        self, *, source, media_type, workdir, limits, should_stop, options=None
+    ) -> Prepared:
         _check_magic(source, media_type)
         result = _prepare_in_session(
             op="image_prepare",
@@ -212,25 +224,50 @@ class OfficeConverter:
     def available(self) -> bool:
         return soffice_available()
 
-    def prepare(self, *, source, media_type, workdir, limits, should_stop) -> Prepared:
+    def prepare(
+        self, *, source, media_type, workdir, limits, should_stop, options=None
+    ) -> Prepared:
         _check_magic(source, media_type)
+        options = options or {}
+        password = options.get("password")
+        fault = test_fault_from(options)
         base = Path(workdir) / f"office-{uuid.uuid4().hex}"
+        warm = engines.current_settings().warm
+        started = time.monotonic()
         failed = True
         try:
-            result = run_isolated(
-                op="office_prepare",
-                args={"path": str(source), "media_type": media_type, "base": str(base)},
-                limits=limits,
-                timeout_s=limits.prepare_timeout_s,
-                scratch_dir=workdir,
-                should_stop=should_stop,
-            )
+            if warm:
+                result = engines.convert(
+                    source=source,
+                    media_type=media_type,
+                    base=base,
+                    limits=limits,
+                    should_stop=should_stop,
+                    password=password,
+                    fault=fault,
+                )
+            else:
+                # A fresh LibreOffice per document; ``--convert-to`` cannot take a password, so
+                # an encrypted document is opened over UNO by a one-off engine in the same child.
+                args = {"path": str(source), "media_type": media_type, "base": str(base)}
+                if password is not None:
+                    args["password"] = password
+                result = run_isolated(
+                    op="office_prepare" if password is None else "office_engine_convert",
+                    args=args,
+                    limits=limits,
+                    timeout_s=limits.prepare_timeout_s,
+                    scratch_dir=workdir,
+                    should_stop=should_stop,
+                    fault=fault,
+                )
             failed = False
         finally:
             # LibreOffice's leftovers (profile, copy of the input) go; its PDF stays on success.
             leftovers = [base] if failed else [base / n for n in ("in", "profile", "home")]
             for leftover in leftovers:
                 shutil.rmtree(leftover, ignore_errors=True)
+        _observe_duration(media_type, "warm" if warm else "fresh", time.monotonic() - started)
         return Prepared(
             document=Path(result["document"]), media_type=PDF, page_count=result["page_count"]
         )

@@ -43,3 +43,19 @@ DEAD_LETTERS = Counter("quire_dead_letters", "Messages dead-lettered as poison")
 PAGES = Counter("quire_pages", "Pages converted by outcome", ["outcome"])
 TERMINAL = Counter("quire_jobs_finished", "Jobs that reached a terminal state", ["state"])
 RETENTION_PURGES = Counter("quire_retention_purges", "Rows and files purged by retention", ["kind"])
+ENGINE_STARTS = Counter("quire_engine_starts", "Warm engines started", ["engine"])
+ENGINE_RECYCLES = Counter(
+    "quire_engine_recycles", "Warm engines ended, by reason", ["engine", "reason"]
+)
+ENGINE_LIFE_CONVERSIONS = Histogram(
+    "quire_engine_conversions_per_life",
+    "Conversions a warm engine served before it was recycled",
+    ["engine"],
+    buckets=(0, 1, 2, 5, 10, 20, 50, 100, 200, 500),
+)
+CONVERSION_DURATION = Histogram(
+    "quire_conversion_duration_seconds",
+    "Time to prepare a document (e.g. the Office to PDF conversion) by input type",
+    ["input", "engine"],
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 180),
+)

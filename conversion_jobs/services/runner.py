@@ -22,6 +22,7 @@ from django.db import close_old_connections
 
 from conversion_jobs import converters, storage
 from conversion_jobs.converters import ConversionError, ConversionStopped, Limits
+from conversion_jobs.converters.engines import EngineSettings, configure
 from conversion_jobs.models import ConversionJob, PageCheckpoint, PageState
 from conversion_jobs.observability import tracing
 from conversion_jobs.services import execution
@@ -44,6 +45,15 @@ def worker_identity() -> str:
 
 def limits_from_settings() -> Limits:
     return Limits(**settings.QUIRE.get("CONVERTER_LIMITS", {}))
+
+
+def engine_settings_from_settings() -> EngineSettings:
+    return EngineSettings(
+        mode=settings.QUIRE["OFFICE_ENGINE"],
+        max_conversions=settings.QUIRE["OFFICE_ENGINE_MAX_CONVERSIONS"],
+        max_rss_bytes=settings.QUIRE["OFFICE_ENGINE_MAX_RSS_MB"] * 1024 * 1024,
+        scratch_dir=Path(settings.QUIRE["WORK_DIR"]) / ".engines",
+    )
 
 
 def conversion_job_execute(*, job_id: uuid.UUID, generation: int) -> str:
@@ -149,6 +159,7 @@ def _convert(*, lease: Lease, job: ConversionJob, heartbeat: Heartbeat, workdir:
     """``job``: the row as the claim read it back (options, source, output never change)."""
     options = _options_for_attempt(job.options, lease)
     limits = limits_from_settings()
+    configure(engine_settings_from_settings())
     converter = converters.converter_for(job.source_media_type, job.output)
     stop = heartbeat.stop.is_set
     prepared = converter.prepare(
@@ -157,6 +168,7 @@ def _convert(*, lease: Lease, job: ConversionJob, heartbeat: Heartbeat, workdir:
         workdir=workdir,
         limits=limits,
         should_stop=stop,
+        options=options,
     )
     if job.source_page_count != prepared.page_count:
         db_retry(

@@ -1,0 +1,189 @@
+"""The worker side of warm engines (ADR 0019; DESIGN §7.9).
+
+One warm LibreOffice per worker process: an *engine host*, a converter child forked by the
+process's fork server like any other (own session and process group, scrubbed environment,
+limits, watchdog), that keeps ``soffice`` and its UNO client running between attempts (see
+``officeengine``). It converts one document at a time (a lock) and is recycled — its whole
+process group killed with SIGKILL and its private directory removed — when:
+
+* it has served ``max_conversions`` conversions (``max_conversions``);
+* its engine's resident memory is above ``max_rss_bytes`` after a conversion (``memory``);
+* a conversion failed in any way, structured error included (``failure``), ran past its time
+  limit (``timeout``; the attempt is charged ``conversion_timeout``), was stopped by a
+  cancellation or a lost lease (``stopped``), or the host died (``crashed``);
+* it sat idle past ``MAX_IDLE_S`` (``idle``; its watchdog would end it anyway).
+
+The worker's death (even ``kill -9``) ends the fork server, whose children's watchdogs then kill
+their own groups: no ``soffice`` and no socket outlive the worker.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .base import Limits
+from .errors import ConversionError, ConversionStopped, ConversionTimeout
+from .isolation import ChildSession
+from .sessions import MAX_IDLE_S, fresh_child
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    #: ``warm``: Office documents go to the warm engine; ``fresh``: a new LibreOffice per document.
+    mode: str = "warm"
+    max_conversions: int = 50
+    max_rss_bytes: int = 800 * 1024 * 1024
+    #: where engine hosts keep their private directories (profile, temporary files)
+    scratch_dir: Path | None = None
+
+    @property
+    def warm(self) -> bool:
+        return self.mode == "warm" and self.scratch_dir is not None
+
+
+_settings = EngineSettings()
+
+
+def configure(settings: EngineSettings) -> None:
+    """Set this process's engine settings (the worker does it from Django settings)."""
+    global _settings
+    _settings = settings
+
+
+def current_settings() -> EngineSettings:
+    return _settings
+
+
+@dataclass
+class _Host:
+    session: ChildSession
+    owner_pid: int
+    conversions: int = 0
+    started_at: float = 0.0
+
+    def forked_away(self) -> bool:
+        """True in a forked copy of the process that started it: not ours to use or kill."""
+        return self.owner_pid != os.getpid()
+
+
+_lock = threading.Lock()
+_host: _Host | None = None
+
+
+def _observe(event: str, **labels: object) -> None:
+    """Metrics (prometheus_client only; this package stays Django-free)."""
+    from conversion_jobs.observability import metrics
+
+    if event == "start":
+        metrics.ENGINE_STARTS.labels(engine="libreoffice").inc()
+    elif event == "recycle":
+        metrics.ENGINE_RECYCLES.labels(engine="libreoffice", reason=labels["reason"]).inc()
+        metrics.ENGINE_LIFE_CONVERSIONS.labels(engine="libreoffice").observe(
+            float(labels["conversions"])  # type: ignore[arg-type]
+        )
+
+
+def _recycle(reason: str) -> None:
+    """End the current host (caller holds the lock)."""
+    global _host
+    host, _host = _host, None
+    if host is None:
+        return
+    host.session.close()
+    _observe("recycle", reason=reason, conversions=host.conversions)
+
+
+def _host_for(*, scratch_dir: Path, limits: Limits, should_stop: Callable[[], bool]) -> _Host:
+    global _host
+    if _host is not None and _host.forked_away():
+        _host = None  # a forked copy of this module: the parent's host is not ours
+    if _host is not None and (
+        _host.session.limits != limits or not _host.session.usable(max_idle_s=MAX_IDLE_S)
+    ):
+        _recycle("idle" if _host.session.limits == limits else "settings")
+    if _host is None:
+        scratch_dir.mkdir(parents=True, exist_ok=True)
+        session = fresh_child()
+        try:
+            session.setup(limits=limits, scratch_dir=scratch_dir, should_stop=should_stop)
+        except BaseException:
+            session.close()
+            raise
+        _host = _Host(session=session, owner_pid=os.getpid(), started_at=time.monotonic())
+        _observe("start")
+    return _host
+
+
+def convert(
+    *,
+    source: Path,
+    media_type: str,
+    base: Path,
+    limits: Limits,
+    should_stop: Callable[[], bool],
+    password: str | None = None,
+    fault: dict | None = None,
+) -> dict:
+    """Convert an Office document to ``base``/document.pdf with this process's warm engine.
+    Returns ``{"document", "page_count", "engine_rss", "engine_started"}``; raises the
+    conversion's ConversionError (the engine is then recycled)."""
+    settings = _settings
+    if settings.scratch_dir is None:
+        raise RuntimeError("warm engines are not configured")
+    with _lock:
+        host = _host_for(scratch_dir=settings.scratch_dir, limits=limits, should_stop=should_stop)
+        args: dict = {"path": str(source), "media_type": media_type, "base": str(base)}
+        if password is not None:
+            args["password"] = password
+        if fault is not None:
+            args["fault"] = fault
+        try:
+            result = host.session.call(
+                "office_engine_convert",
+                args,
+                timeout_s=limits.prepare_timeout_s,
+                should_stop=should_stop,
+            )
+        except ConversionTimeout:
+            _recycle("timeout")
+            raise
+        except ConversionStopped:
+            _recycle("stopped")
+            raise
+        except ConversionError as exc:
+            _recycle("crashed" if exc.retryable else "failure")
+            raise
+        except BaseException:
+            _recycle("failure")
+            raise
+        finally:
+            args.pop("password", None)
+        host.conversions += 1
+        if host.conversions >= settings.max_conversions:
+            _recycle("max_conversions")
+        elif int(result.get("engine_rss") or 0) > settings.max_rss_bytes:
+            _recycle("memory")
+        return result
+
+
+def host_pgid() -> int | None:
+    """The current engine host's process group (for tests and health), or None."""
+    with _lock:
+        return _host.session.pgid if _host is not None else None
+
+
+def stop(reason: str = "shutdown") -> None:
+    """End this process's engine (worker shutdown, tests)."""
+    with _lock:
+        if _host is not None and _host.forked_away():
+            return
+        _recycle(reason)
+
+
+atexit.register(stop)
