@@ -68,6 +68,12 @@ def _op_office_engine_convert(**kwargs):
     return office_engine_convert(**kwargs)
 
 
+def _op_office_engine_start(**kwargs):
+    from .officeengine import office_engine_start
+
+    return office_engine_start(**kwargs)
+
+
 def _op_probe(*, limits: Limits) -> dict:
     """For tests: what the isolated process looks like from inside."""
     return {
@@ -89,6 +95,7 @@ OPS = {
     "image_page": _op_image_page,
     "office_prepare": _op_office_prepare,
     "office_engine_convert": _op_office_engine_convert,
+    "office_engine_start": _op_office_engine_start,
     "probe": _op_probe,
 }
 PAGE_OPS = frozenset({"pdf_page", "image_page"})
@@ -118,9 +125,21 @@ def _start_watchdog(watch: _Watch, *, parent_pid: int) -> None:
                 or (busy_until is not None and now > busy_until)
                 or (busy_until is None and now - watch.idle_since > CHILD_IDLE_EXIT_S)
             ):
+                _before_group_kill()
                 os.killpg(0, signal.SIGKILL)
 
     threading.Thread(target=run, name="quire-watchdog", daemon=True).start()
+
+
+def _before_group_kill() -> None:
+    """What must go before this group dies and cannot clean up after itself: the warm engine's
+    sockets (see officeengine). Never lets an error stop the kill."""
+    module = sys.modules.get("conversion_jobs.converters.officeengine")
+    if module is not None:
+        try:
+            module.before_group_kill()
+        except Exception:  # noqa: S110
+            pass
 
 
 def _setup(*, directory: str, limits: dict) -> Limits:

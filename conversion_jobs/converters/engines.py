@@ -29,7 +29,7 @@ from pathlib import Path
 
 from .base import Limits
 from .errors import ConversionError, ConversionStopped, ConversionTimeout
-from .isolation import ChildSession
+from .isolation import ChildSession, process_group_members
 from .sessions import MAX_IDLE_S, fresh_child
 
 
@@ -64,6 +64,8 @@ def current_settings() -> EngineSettings:
 class _Host:
     session: ChildSession
     owner_pid: int
+    #: the engine's LibreOffice pipe sockets (removed after its group is killed)
+    sockets: tuple[str, ...] = ()
     conversions: int = 0
     started_at: float = 0.0
 
@@ -95,7 +97,15 @@ def _recycle(reason: str) -> None:
     host, _host = _host, None
     if host is None:
         return
+    from .officeengine import bound_sockets, remove_sockets
+
+    # A killed soffice leaves its sockets: note them (the host reported them; a host killed
+    # before its first answer is asked through /proc) and remove them once the group is dead.
+    sockets = set(host.sockets)
+    if not host.session.closed:
+        sockets.update(bound_sockets(process_group_members(host.session.pgid)))
     host.session.close()
+    remove_sockets(sorted(sockets))
     _observe("recycle", reason=reason, conversions=host.conversions)
 
 
@@ -117,6 +127,17 @@ def _host_for(*, scratch_dir: Path, limits: Limits, should_stop: Callable[[], bo
             raise
         _host = _Host(session=session, owner_pid=os.getpid(), started_at=time.monotonic())
         _observe("start")
+        try:
+            started = session.call(
+                "office_engine_start",
+                {},
+                timeout_s=limits.prepare_timeout_s,
+                should_stop=should_stop,
+            )
+        except BaseException:
+            _recycle("start_failed")
+            raise
+        _host.sockets = tuple(started["engine_sockets"])
     return _host
 
 

@@ -124,6 +124,7 @@ class _Engine:
         )
         self.started = time.monotonic()
         self._lingering = set(os.listdir(self.tmp))
+        self.sockets: list[str] = []
 
     def call(self, request: dict) -> dict:
         stdin: IO[bytes] | None = self.bridge.stdin
@@ -167,6 +168,49 @@ class _Engine:
         return total
 
 
+#: Where LibreOffice's ``pipe`` transport binds its Unix sockets (osl: fixed paths, not TMPDIR).
+_OSL_PIPE_DIRS = ("/tmp/OSL_PIPE_", "/var/tmp/OSL_PIPE_")  # noqa: S108
+
+
+def bound_sockets(pids: list[int]) -> list[str]:
+    """Paths of the LibreOffice pipe sockets that processes ``pids`` hold open. A killed soffice
+    cannot remove them, so whoever kills the engine removes these (``remove_sockets``)."""
+    by_inode: dict[str, str] = {}
+    try:
+        with open("/proc/net/unix") as fh:
+            next(fh, None)
+            for row in fh:
+                fields = row.split()
+                if len(fields) >= 8 and fields[7].startswith(_OSL_PIPE_DIRS):
+                    by_inode[fields[6]] = fields[7]
+    except OSError:
+        return []
+    paths = set()
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:[") and target[8:-1] in by_inode:
+                paths.add(by_inode[target[8:-1]])
+    return sorted(paths)
+
+
+def remove_sockets(paths: list[str]) -> None:
+    """Remove LibreOffice pipe sockets (only paths of that form)."""
+    for path in paths:
+        if any(path.startswith(d) and "/" not in path[len(d) :] for d in _OSL_PIPE_DIRS):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
@@ -194,6 +238,23 @@ def _group_pids() -> list[int]:
 _engine: _Engine | None = None
 
 
+def _start() -> _Engine:
+    """This host's engine, started in its private directory (the cwd) if it is not running:
+    returns once LibreOffice accepts UNO calls, with its sockets noted."""
+    global _engine
+    if _engine is None:
+        engine = _Engine(Path.cwd() / "engine")
+        engine.call({"op": "ping"})  # answered once the client is connected
+        engine.sockets = bound_sockets(_group_pids())
+        _engine = engine
+    return _engine
+
+
+def office_engine_start(*, limits: Limits) -> dict:
+    """Start the engine now; its sockets are what the worker removes after killing the host."""
+    return {"engine_sockets": _start().sockets}
+
+
 def office_engine_convert(
     *,
     path: str,
@@ -206,11 +267,8 @@ def office_engine_convert(
     """Convert ``path`` to ``base``/document.pdf with this host's warm engine (started on first
     use in the host's private directory, the cwd). Returns the PDF's path and page count, the
     engine's memory and whether this call started it."""
-    global _engine
     started = _engine is None
-    if _engine is None:
-        _engine = _Engine(Path.cwd() / "engine")
-    engine = _engine
+    engine = _start()
     inbox, outbox = engine.root / "in", engine.root / "out"
     for directory in (inbox, outbox):
         shutil.rmtree(directory, ignore_errors=True)
@@ -249,4 +307,11 @@ def office_engine_convert(
         "page_count": info["page_count"],
         "engine_rss": engine.rss_bytes(),
         "engine_started": started,
+        "engine_sockets": engine.sockets,
     }
+
+
+def before_group_kill() -> None:
+    """Called by the host's watchdog before it kills its own group (the worker died)."""
+    if _engine is not None:
+        remove_sockets(_engine.sockets or bound_sockets(_group_pids()))
