@@ -244,8 +244,12 @@ def main() -> int:
     limits: Limits | None = None
     while True:
         line = requests.readline()
-        if not line:
-            return 0  # the parent closed the session
+        if not line:  # the parent closed the session (or died)
+            engine = sys.modules.get("conversion_jobs.converters.officeengine")
+            if engine is not None and engine.running():
+                _before_group_kill()  # the engine's processes must not outlive their host
+                os.killpg(0, signal.SIGKILL)
+            return 0
         request = json.loads(line)
         watch.busy_until = time.monotonic() + float(request["timeout_s"]) + WATCHDOG_GRACE_S
         if request["op"] in STREAM_OPS and limits is not None:

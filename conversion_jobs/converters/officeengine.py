@@ -311,6 +311,11 @@ def office_engine_convert(
     }
 
 
+def running() -> bool:
+    """Whether this host started an engine (whose processes share its group)."""
+    return _engine is not None
+
+
 def before_group_kill() -> None:
     """Called by the host's watchdog before it kills its own group (the worker died)."""
     if _engine is not None:
