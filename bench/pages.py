@@ -59,6 +59,7 @@ from _common import (
     run,
     start_procfile,
     throwaway_vhost,
+    verdict,
 )
 
 PUBLISHER = (
@@ -419,6 +420,94 @@ def docx_overhead(svc: Service, *, runs: int) -> dict:
     return out
 
 
+# -- 4. warm LibreOffice engine (ADR 0019) --------------------------------------------------------
+
+
+def _rss_tree_kb(pid: int) -> int:
+    """Resident memory of ``pid``'s whole tree (worker, pool, fork server, engine host, soffice)."""
+    return sum(_status_kb(p, "VmRSS") for p in [pid, *_descendants(pid)])
+
+
+def _docx_batch(svc: Service, name: str, n: int) -> list:
+    return [submit(_docx(svc.scratch / f"{name}-{i}.docx"), output="pdf") for i in range(n)]
+
+
+def _rate(jobs: list) -> float:
+    bad = [(j.state, j.error_code) for j in jobs if j.state != "succeeded"]
+    if bad:
+        raise RuntimeError(f"docx jobs did not succeed: {bad[:3]}")
+    span = max(j.finished_at for j in jobs) - min(j.created_at for j in jobs)
+    return len(jobs) / span.total_seconds()
+
+
+def office_engine(svc: Service, *, runs: int, batch: int, rss_conversions: int) -> dict:
+    """Warm engine vs LibreOffice alone (fresh process), throughput engine off vs on with the
+    Procfile's worker, and the worker tree's RSS after 10 and after ``rss_conversions``."""
+    base = svc.scratch / "soffice-engine"
+    base.mkdir(parents=True, exist_ok=True)
+    fresh = [
+        soffice_alone(_docx(base / f"f{i}.docx"), profile=base / f"p{i}", outdir=base / "o")
+        for i in range(runs)
+    ]
+    alone = statistics.median(fresh)
+    # (a) end to end, one job at a time, warm engine
+    worker = svc.worker(concurrency=1, QUIRE_OFFICE_ENGINE="warm")
+    wait_terminal([j.id for j in _docx_batch(svc, "warmup", 2)])
+    times = []
+    for i in range(runs):
+        (done,) = wait_terminal([submit(_docx(svc.scratch / f"e2e{i}.docx"), output="pdf").id])
+        if done.state != "succeeded":
+            raise RuntimeError(f"docx job {done.state} {done.error_code}")
+        times.append((done.finished_at - done.created_at).total_seconds())
+    svc.stop(worker)
+    median = statistics.median(times)
+    p95 = sorted(times)[max(0, round(0.95 * len(times)) - 1)]
+    # (b) documents per second, the Procfile's worker (concurrency 2), engine off vs on
+    rates = {}
+    for mode in ("fresh", "warm"):
+        worker = svc.worker(concurrency=2, QUIRE_OFFICE_ENGINE=mode)
+        wait_terminal([j.id for j in _docx_batch(svc, f"warm-{mode}", 2)])
+        rates[mode] = _rate(wait_terminal([j.id for j in _docx_batch(svc, mode, batch)]))
+        svc.stop(worker)
+    # (c) RSS of the worker's tree with a warm engine after 10 and after rss_conversions
+    worker = svc.worker(concurrency=1, QUIRE_OFFICE_ENGINE="warm")
+    wait_terminal([j.id for j in _docx_batch(svc, "rss10", 10)])
+    rss_10 = _rss_tree_kb(worker.pid)
+    wait_terminal([j.id for j in _docx_batch(svc, "rssN", rss_conversions - 10)])
+    rss_n = _rss_tree_kb(worker.pid)
+    svc.stop(worker)
+    out = {
+        "soffice_fresh_s": fresh,
+        "service_warm_s": times,
+        "median_ratio": median / alone,
+        "p95_ratio": p95 / alone,
+        "docs_per_s": rates,
+        "throughput_ratio": rates["warm"] / rates["fresh"],
+        "rss_kb": {"after_10": rss_10, f"after_{rss_conversions}": rss_n},
+        "rss_ratio": rss_n / rss_10,
+    }
+    print(
+        f"warm engine, 5-page DOCX -> PDF end to end: median {median:.3f} s, p95 {p95:.3f} s; "
+        f"soffice alone fresh median {alone:.2f} s; median ratio {out['median_ratio']:.2f} "
+        f"(target <= 0.4) {verdict(out['median_ratio'] <= 0.4)}, p95 ratio "
+        f"{out['p95_ratio']:.2f} (target <= 0.6) {verdict(out['p95_ratio'] <= 0.6)}",
+        flush=True,
+    )
+    print(
+        f"{batch} DOCX -> PDF, Procfile worker (concurrency 2): engine off "
+        f"{rates['fresh']:.2f} docs/s, warm {rates['warm']:.2f} docs/s; ratio "
+        f"{out['throughput_ratio']:.2f} (target >= 2.5) {verdict(out['throughput_ratio'] >= 2.5)}",
+        flush=True,
+    )
+    print(
+        f"worker tree RSS with a warm engine: after 10 conversions {rss_10 / 1024:.0f} MB, after "
+        f"{rss_conversions} {rss_n / 1024:.0f} MB; ratio {out['rss_ratio']:.2f} (target <= 1.2) "
+        f"{verdict(out['rss_ratio'] <= 1.2)}",
+        flush=True,
+    )
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pages", type=int, default=200)
@@ -426,6 +515,9 @@ def main() -> None:
     parser.add_argument("--rss-pages", type=int, default=300)
     parser.add_argument("--docx-runs", type=int, default=3)
     parser.add_argument("--outputs", default="text,png")
+    parser.add_argument("--engine-runs", type=int, default=10)
+    parser.add_argument("--engine-batch", type=int, default=20)
+    parser.add_argument("--engine-rss", type=int, default=200)
     parser.add_argument("--skip", default="")
     parser.add_argument("--keep", action="store_true")
     args = parser.parse_args()
@@ -438,6 +530,10 @@ def main() -> None:
             peak_rss(svc, pages=args.rss_pages)
         if "docx" not in skip:
             docx_overhead(svc, runs=args.docx_runs)
+        if "engine" not in skip:
+            office_engine(
+                svc, runs=args.engine_runs, batch=args.engine_batch, rss_conversions=args.engine_rss
+            )
     print(f"load at end: {os.getloadavg()}", flush=True)
 
 
