@@ -175,6 +175,10 @@ def _rabbitmqctl(*args: str) -> str:
     return run(["rabbitmqctl", "--quiet", *args])
 
 
+#: The vhost whose permissions a throwaway vhost copies (parallel checkouts each have their own).
+TEMPLATE_VHOST = os.environ.get("QUIRE_RMQ_VHOST", "quire")
+
+
 @contextlib.contextmanager
 def throwaway_vhost(*, user: str, password: str) -> Iterator[str]:
     """A fresh vhost carrying ``deploy/rabbitmq/definitions.json`` (exchanges, quorum queue,
@@ -192,11 +196,11 @@ def throwaway_vhost(*, user: str, password: str) -> Iterator[str]:
         perms = None
         for line in _rabbitmqctl("list_user_permissions", user).splitlines():
             cols = line.split("\t")
-            if cols and cols[0] == "quire":
+            if cols and cols[0] == TEMPLATE_VHOST:
                 perms = cols[1:4]
         if perms is None:
             raise RuntimeError(
-                f"{user} has no permissions on vhost quire: run deploy/rabbitmq/apply.sh"
+                f"{user} has no permissions on vhost {TEMPLATE_VHOST}: run deploy/rabbitmq/apply.sh"
             )
         _rabbitmqctl("set_permissions", "-p", vhost, "--", user, *perms)
         defs = json.loads((ROOT / "deploy" / "rabbitmq" / "definitions.json").read_text())

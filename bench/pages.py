@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _common import (
     PYTHON,
     ROOT,
+    TEMPLATE_VHOST,
     _rabbitmqctl,
     base_env,
     drop_database,
@@ -122,7 +123,7 @@ def service(db_name: str, *, keep: bool = False, **settings_env: str) -> Iterato
             vhost = publisher_url.rsplit("/", 1)[1]
             for line in _rabbitmqctl("list_user_permissions", WORKER[0]).splitlines():
                 cols = line.split("\t")
-                if cols and cols[0] == "quire":
+                if cols and cols[0] == TEMPLATE_VHOST:
                     _rabbitmqctl("set_permissions", "-p", vhost, "--", WORKER[0], *cols[1:4])
             env = base_env(
                 DATABASE_URL=url,
@@ -523,7 +524,8 @@ def main() -> None:
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     print(f"load at start: {os.getloadavg()}", flush=True)
-    with service("quire_cx_pages", keep=args.keep) as svc:
+    suffix = "" if TEMPLATE_VHOST == "quire" else "_" + TEMPLATE_VHOST.removeprefix("quire_")
+    with service("quire_cx_pages" + suffix, keep=args.keep) as svc:
         if "throughput" not in skip:
             throughput(svc, pages=args.pages, split=args.split, outputs=args.outputs.split(","))
         if "rss" not in skip:

@@ -10,7 +10,15 @@ LibreOffice are only ever used inside the child process.
 """
 
 from .assemble import assemble_result
-from .base import OUTPUTS, Converter, Limits, PageArtifact, Prepared, limits_description
+from .base import (
+    OFFICE_TYPES,
+    OUTPUTS,
+    Converter,
+    Limits,
+    PageArtifact,
+    Prepared,
+    limits_description,
+)
 from .errors import (
     ConversionError,
     ConversionStopped,
@@ -27,6 +35,7 @@ from .sessions import release, warm
 from .sniff import sniff_media_type
 
 __all__ = [
+    "OFFICE_TYPES",
     "OUTPUTS",
     "READ_AHEAD_PAGES",
     "TEST_FAULTS_ENV",
