@@ -149,6 +149,7 @@ def convert(
     limits: Limits,
     should_stop: Callable[[], bool],
     password: str | None = None,
+    encrypted: bool | None = None,
     fault: dict | None = None,
 ) -> dict:
     """Convert an Office document to ``base``/document.pdf with this process's warm engine.
@@ -161,7 +162,7 @@ def convert(
         host = _host_for(scratch_dir=settings.scratch_dir, limits=limits, should_stop=should_stop)
         args: dict = {"path": str(source), "media_type": media_type, "base": str(base)}
         if password is not None:
-            args["password"] = password
+            args["password"], args["encrypted"] = password, encrypted
         if fault is not None:
             args["fault"] = fault
         try:

@@ -23,6 +23,12 @@ class EncryptedInput(ConversionError):
     code = "encrypted_input"
 
 
+class InvalidPassword(ConversionError):
+    """The document is encrypted and the password given does not open it."""
+
+    code = "invalid_password"
+
+
 class InvalidInput(ConversionError):
     """The input is damaged or not what it claims to be."""
 
@@ -65,6 +71,7 @@ ERRORS_BY_CODE: dict[str, type[ConversionError]] = {
     cls.code: cls
     for cls in (
         EncryptedInput,
+        InvalidPassword,
         InvalidInput,
         InputTooLarge,
         ConversionTimeout,

@@ -31,7 +31,13 @@ from pathlib import Path
 from typing import IO
 
 from .base import DOC, DOCX, ODT, PPTX, RTF, XLSX, Limits
-from .errors import ConverterCrashed, error_from_code
+from .errors import (
+    ConverterCrashed,
+    EncryptedInput,
+    InvalidInput,
+    InvalidPassword,
+    error_from_code,
+)
 from .pdfops import pdf_prepare
 
 _EXTENSIONS = {DOCX: ".docx", PPTX: ".pptx", XLSX: ".xlsx", ODT: ".odt", DOC: ".doc", RTF: ".rtf"}
@@ -262,6 +268,7 @@ def office_engine_convert(
     base: str,
     limits: Limits,
     password: str | None = None,
+    encrypted: bool | None = None,
     fault: dict | None = None,
 ) -> dict:
     """Convert ``path`` to ``base``/document.pdf with this host's warm engine (started on first
@@ -282,6 +289,7 @@ def office_engine_convert(
         for pid in _group_pids():
             if pid not in (os.getpid(), engine.bridge.pid):
                 os.kill(pid, 19)  # SIGSTOP
+    password_given = password is not None
     try:
         answer = engine.call(
             {"op": "convert", "source": str(source), "dest": str(produced), "password": password}
@@ -291,7 +299,7 @@ def office_engine_convert(
         shutil.rmtree(inbox, ignore_errors=True)
     try:
         if not answer.get("ok"):
-            raise error_from_code(answer.get("code", "converter_crashed"), answer.get("detail"))
+            raise _load_error(answer, password_given=password_given, encrypted=encrypted)
         if not produced.is_file() or produced.stat().st_size == 0:
             raise error_from_code("invalid_input", "LibreOffice produced no PDF")
         out_dir = Path(base)
@@ -309,6 +317,18 @@ def office_engine_convert(
         "engine_started": started,
         "engine_sockets": engine.sockets,
     }
+
+
+def _load_error(answer: dict, *, password_given: bool, encrypted: bool | None) -> Exception:
+    """The error for a failed conversion. LibreOffice only says "not loaded"; with a password
+    for a file that is (or may be, ``None``) encrypted, that is the wrong password."""
+    if answer.get("code") != "not_loaded":
+        return error_from_code(answer.get("code", "converter_crashed"), answer.get("detail"))
+    if password_given and encrypted is not False:
+        return InvalidPassword()
+    if encrypted:
+        return EncryptedInput()
+    return InvalidInput(answer.get("detail"))
 
 
 def running() -> bool:

@@ -21,10 +21,10 @@ from .base import (
     PageArtifact,
     Prepared,
 )
-from .errors import InvalidInput, UnsupportedConversion
+from .errors import EncryptedInput, InvalidInput, UnsupportedConversion
 from .isolation import run_isolated, test_fault_from
 from .sessions import forget, open_session, session_for
-from .sniff import sniff_media_type
+from .sniff import office_encrypted, sniff_media_type
 
 _SUFFIX = {"text": ".txt", "png": ".png", "pdf": ".pdf"}
 
@@ -43,16 +43,23 @@ def _check_magic(source: Path, media_type: str) -> None:
 
 
 def _prepare_in_session(
-    *, op: str, source: Path, workdir: Path, limits: Limits, should_stop: Callable[[], bool]
+    *,
+    op: str,
+    source: Path,
+    workdir: Path,
+    limits: Limits,
+    should_stop: Callable[[], bool],
+    password: str | None = None,
 ) -> dict:
     """Prepare in a fresh child that then stays open for this document's pages."""
     session = open_session(
         document=Path(source), scratch_dir=workdir, limits=limits, should_stop=should_stop
     )
+    args = {"path": str(source)}
+    if password is not None:
+        args["password"] = password
     try:
-        return session.call(
-            op, {"path": str(source)}, timeout_s=limits.prepare_timeout_s, should_stop=should_stop
-        )
+        return session.call(op, args, timeout_s=limits.prepare_timeout_s, should_stop=should_stop)
     except BaseException:
         forget(session)
         raise
@@ -73,6 +80,7 @@ def _page_call(
     limits: Limits,
     should_stop: Callable[[], bool],
     lookahead: Sequence[int] = (),
+    password: str | None = None,
 ) -> PageArtifact:
     """Convert ``page`` in the document's session. ``lookahead``: the pages the caller will ask
     for next, in order; they are requested with this one (up to READ_AHEAD_PAGES) and the child
@@ -88,6 +96,8 @@ def _page_call(
         "output": output,
         "dpi": max(1, min(dpi, limits.max_dpi)),
     }
+    if password is not None:  # a fresh child (after a failed page) opens the document again
+        args["password"] = password
     fault = test_fault_from(options)
     try:
         # The session of this document (the child keeps it open); a fresh child if an earlier
@@ -144,7 +154,12 @@ class PdfConverter:
     ) -> Prepared:
         _check_magic(source, media_type)
         result = _prepare_in_session(
-            op="pdf_prepare", source=source, workdir=workdir, limits=limits, should_stop=should_stop
+            op="pdf_prepare",
+            source=source,
+            workdir=workdir,
+            limits=limits,
+            should_stop=should_stop,
+            password=(options or {}).get("password"),
         )
         return Prepared(document=Path(source), media_type=PDF, page_count=result["page_count"])
 
@@ -163,6 +178,7 @@ class PdfConverter:
             limits=limits,
             should_stop=should_stop,
             lookahead=lookahead,
+            password=(options or {}).get("password"),
         )
 
 
@@ -230,6 +246,9 @@ class OfficeConverter:
         _check_magic(source, media_type)
         options = options or {}
         password = options.get("password")
+        encrypted = office_encrypted(Path(source))
+        if encrypted and password is None:
+            raise EncryptedInput()
         fault = test_fault_from(options)
         base = Path(workdir) / f"office-{uuid.uuid4().hex}"
         warm = engines.current_settings().warm
@@ -244,6 +263,7 @@ class OfficeConverter:
                     limits=limits,
                     should_stop=should_stop,
                     password=password,
+                    encrypted=encrypted,
                     fault=fault,
                 )
             else:
@@ -251,7 +271,7 @@ class OfficeConverter:
                 # an encrypted document is opened over UNO by a one-off engine in the same child.
                 args = {"path": str(source), "media_type": media_type, "base": str(base)}
                 if password is not None:
-                    args["password"] = password
+                    args["password"], args["encrypted"] = password, encrypted
                 result = run_isolated(
                     op="office_prepare" if password is None else "office_engine_convert",
                     args=args,

@@ -71,3 +71,56 @@ def _sniff_zip(path: Path) -> str | None:
     except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError):
         return None
     return None
+
+
+def office_encrypted(path: Path) -> bool | None:
+    """Whether an Office file is password-protected: True, False, or None when this cannot tell.
+
+    * ODF (ZIP with ``mimetype``): the manifest lists ``encryption-data`` for encrypted parts;
+    * OLE2: an encrypted OOXML file is an OLE2 container with ``EncryptedPackage``; a Word 97
+      ``.doc`` sets ``fEncrypted`` (0x0100) in its FIB. Only the first directory sectors are read.
+    Reads a few KB; never raises for a damaged file (None)."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if head.startswith(_ZIP_MAGICS):
+                return _odf_encrypted(path)
+            if head.startswith(_OLE2_MAGIC):
+                return _ole2_encrypted(fh)
+    except (OSError, ValueError, zipfile.BadZipFile):
+        return None
+    return False
+
+
+def _odf_encrypted(path: Path) -> bool:
+    with zipfile.ZipFile(path) as zf:
+        try:
+            info = zf.getinfo("META-INF/manifest.xml")
+        except KeyError:
+            return False
+        if info.file_size > 1 << 20:
+            raise ValueError("manifest too large")
+        return b"encryption-data" in zf.read(info)
+
+
+def _ole2_encrypted(fh) -> bool | None:
+    fh.seek(0)
+    header = fh.read(512)
+    sector = 1 << int.from_bytes(header[0x1E:0x20], "little")
+    first_dir = int.from_bytes(header[0x30:0x34], "little")
+    if sector not in (512, 4096):
+        return None
+    fh.seek((first_dir + 1) * sector)
+    directory = fh.read(4 * sector)  # directory sectors are usually contiguous; a few suffice
+    for offset in range(0, len(directory) - 127, 128):
+        entry = directory[offset : offset + 128]
+        length = int.from_bytes(entry[0x40:0x42], "little")
+        name = entry[: max(0, length - 2)].decode("utf-16-le", "replace")
+        if name in ("EncryptedPackage", "EncryptionInfo"):
+            return True
+        if name == "WordDocument":
+            start = int.from_bytes(entry[0x74:0x78], "little")
+            fh.seek((start + 1) * sector + 0x0A)
+            flags = int.from_bytes(fh.read(2), "little")
+            return bool(flags & 0x0100)
+    return None

@@ -5,8 +5,8 @@
 network), then answers one JSON request per line on stdin with one JSON line on stdout:
 
 * ``{"op": "convert", "source": path, "dest": path, "password": str|null}`` ->
-  ``{"ok": true}`` or ``{"ok": false, "code": ..., "detail": ...}`` (codes: ``invalid_input``,
-  ``invalid_password``, ``encrypted_input``);
+  ``{"ok": true}`` or ``{"ok": false, "code": ..., "detail": ...}`` (codes: ``not_loaded``,
+  ``invalid_input``);
 * ``{"op": "ping"}`` -> ``{"ok": true}``.
 
 The document is loaded hidden, read-only, without macros, links or previews, stored as PDF with
@@ -82,18 +82,17 @@ def convert(desktop, *, source: str, dest: str, password: str | None) -> dict:
         document = desktop.loadComponentFromURL(
             uno.systemPathToFileUrl(source), "_blank", 0, _props(**load)
         )
+        failure = "" if document is not None else "no document"
     except Exception as exc:  # an IOException or IllegalArgumentException: not loadable
-        name = type(exc).__name__
-        if password is not None:
-            return {"ok": False, "code": "invalid_password", "detail": name}
+        document, failure = None, type(exc).__name__
+    if document is None:
+        # LibreOffice says no more than "not loaded": whether for want of the right password is
+        # decided by the caller, which knows whether the file is encrypted (officeengine).
         return {
             "ok": False,
-            "code": "invalid_input",
-            "detail": f"LibreOffice could not load ({name})",
+            "code": "not_loaded",
+            "detail": f"LibreOffice could not load the document ({failure})",
         }
-    if document is None:
-        code = "invalid_password" if password is not None else "invalid_input"
-        return {"ok": False, "code": code, "detail": "LibreOffice could not load the document"}
     try:
         document.storeToURL(uno.systemPathToFileUrl(dest), _props(FilterName=_filter_for(document)))
     except Exception as exc:
