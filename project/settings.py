@@ -151,6 +151,8 @@ QUIRE: dict[str, Any] = {
     "JWT_KEY": env_str("QUIRE_JWT_KEY", "quire-dev-only-jwt-key-change-me-0123456789abcdef"),
     "JWT_ALGORITHM": "HS256",
     "PSEUDONYM_KEY": env_str("QUIRE_PSEUDONYM_KEY", "quire-dev-only-pseudonym-key-change-me"),
+    # seals document passwords at rest and keys their HMAC in the content identity (ADR 0019)
+    "PASSWORD_KEY": env_str("QUIRE_PASSWORD_KEY", "quire-dev-only-password-key-change-me"),
     # storage
     "STORAGE_DIR": Path(env_str("QUIRE_STORAGE_DIR", str(VAR_DIR / "storage"))),
     "WORK_DIR": Path(env_str("QUIRE_WORK_DIR", str(VAR_DIR / "work"))),

@@ -27,6 +27,8 @@ from .errors import (
     EncryptedInput,
     InputTooLarge,
     InvalidInput,
+    InvalidPassword,
+    PasswordRequired,
     UnsupportedConversion,
 )
 from .isolation import TEST_FAULTS_ENV, kill_process_group, process_group_members, run_isolated
@@ -47,8 +49,10 @@ __all__ = [
     "EncryptedInput",
     "InputTooLarge",
     "InvalidInput",
+    "InvalidPassword",
     "Limits",
     "PageArtifact",
+    "PasswordRequired",
     "Prepared",
     "UnsupportedConversion",
     "assemble_result",

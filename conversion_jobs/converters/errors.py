@@ -29,6 +29,12 @@ class InvalidPassword(ConversionError):
     code = "invalid_password"
 
 
+class PasswordRequired(ConversionError):
+    """The job's password can no longer be read (the service key changed); submit it again."""
+
+    code = "password_required"
+
+
 class InvalidInput(ConversionError):
     """The input is damaged or not what it claims to be."""
 
@@ -72,6 +78,7 @@ ERRORS_BY_CODE: dict[str, type[ConversionError]] = {
     for cls in (
         EncryptedInput,
         InvalidPassword,
+        PasswordRequired,
         InvalidInput,
         InputTooLarge,
         ConversionTimeout,

@@ -11,7 +11,7 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from conversion_jobs import converters, faults, storage
+from conversion_jobs import converters, faults, passwords, storage
 from conversion_jobs.db import violated_constraint
 from conversion_jobs.exceptions import (
     IdempotencyKeyReused,
@@ -126,6 +126,14 @@ def conversion_job_accept(
         if output not in converters.capabilities().get(media_type, []):
             raise UnsupportedOutput(f"{media_type} cannot be converted to {output} here")
         options = normalize_options(raw_options, output=output)
+        # The password leaves the options here: sealed for the worker, a keyed HMAC of it in
+        # the options (and so in the content identity and the fingerprint).
+        password = options.pop("password", None)
+        sealed = None
+        if password is not None:
+            options[passwords.IDENTITY_KEY] = passwords.identity(password)
+            sealed = passwords.seal(password)
+            del password
         digest = options_digest(options)
         fingerprint = request_fingerprint(
             source_sha256=upload.sha256, output=output, options=options
@@ -160,6 +168,7 @@ def conversion_job_accept(
                 traceparent=traceparent,
                 idempotency_key=idempotency_key,
                 fingerprint=fingerprint,
+                password_sealed=sealed,
             )
     except IntegrityError as exc:
         # Everything this submit wrote is rolled back; answer from whoever won.
@@ -193,6 +202,7 @@ def _insert_job(
     traceparent: str,
     idempotency_key: str | None,
     fingerprint: str,
+    password_sealed: str | None = None,
 ) -> ConversionJob:
     """The acceptance transaction's writes. A unique violation propagates: the caller's
     transaction rolls back whole and the caller answers from the winner."""
@@ -207,6 +217,7 @@ def _insert_job(
         output=output,
         options=options,
         options_digest=digest,
+        password_sealed=password_sealed,
         policy_version=settings.QUIRE["POLICY_VERSION"],
         max_attempts=settings.QUIRE["MAX_ATTEMPTS"],
         queued_at=timezone.now(),

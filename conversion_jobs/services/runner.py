@@ -25,6 +25,7 @@ from conversion_jobs.converters import ConversionError, ConversionStopped, Limit
 from conversion_jobs.converters.engines import EngineSettings, configure
 from conversion_jobs.models import ConversionJob, PageCheckpoint, PageState
 from conversion_jobs.observability import tracing
+from conversion_jobs.passwords import sealed_passwords_wipe, unseal
 from conversion_jobs.services import execution
 from conversion_jobs.services.checkpoints import (
     CheckpointBatch,
@@ -75,16 +76,24 @@ def conversion_job_execute(*, job_id: uuid.UUID, generation: int) -> str:
         Path(settings.QUIRE["WORK_DIR"]) / str(job_id) / f"{lease.attempt_id}-{lease.token.hex}"
     )
     workdir.mkdir(parents=True, mode=0o700)
+    outcome = "lost"
     try:
-        return _run(lease=lease, job=claim.job, heartbeat=heartbeat, workdir=workdir)
+        outcome = _run(lease=lease, job=claim.job, heartbeat=heartbeat, workdir=workdir)
+        return outcome
     finally:
         heartbeat.finish()
+        if claim.job.password_sealed is not None and outcome in _TERMINAL_OUTCOMES:
+            db_retry(lambda: sealed_passwords_wipe(job_id=job_id), deadline_s=lease_ttl_s())
         converters.release()  # this attempt's converter child and its process group end here
         shutil.rmtree(workdir, ignore_errors=True)
         try:
             workdir.parent.rmdir()
         except OSError:
             pass
+
+
+#: What ``_run`` returns when the job is now terminal (its sealed password is wiped at once).
+_TERMINAL_OUTCOMES = frozenset({"succeeded", "partial", "failed", "cancelled"})
 
 
 def _run(*, lease: Lease, job: ConversionJob, heartbeat: Heartbeat, workdir: Path) -> str:
@@ -158,6 +167,12 @@ def _options_for_attempt(options: dict[str, Any], lease: Lease) -> dict[str, Any
 def _convert(*, lease: Lease, job: ConversionJob, heartbeat: Heartbeat, workdir: Path) -> str:
     """``job``: the row as the claim read it back (options, source, output never change)."""
     options = _options_for_attempt(job.options, lease)
+    if job.password_sealed is not None:
+        password = unseal(job.password_sealed)
+        if password is None:  # the service key changed since acceptance
+            raise converters.PasswordRequired()
+        # In this attempt's memory only; the converter passes it to its child over a pipe.
+        options = {**options, "password": password}
     limits = limits_from_settings()
     configure(engine_settings_from_settings())
     converter = converters.converter_for(job.source_media_type, job.output)

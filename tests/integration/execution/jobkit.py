@@ -98,7 +98,11 @@ class Worker(threading.Thread):
 
 def work_dir_entries() -> list[Path]:
     root = Path(settings.QUIRE["WORK_DIR"])
-    return sorted(root.rglob("*")) if root.exists() else []
+    # ``.engines`` holds warm engines that outlive attempts (ADR 0019; tested on their own).
+    engines = root / ".engines"
+    if not root.exists():
+        return []
+    return sorted(p for p in root.rglob("*") if p != engines and engines not in p.parents)
 
 
 def result_files(job_id: uuid.UUID) -> list[Path]:
