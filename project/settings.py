@@ -169,6 +169,11 @@ QUIRE: dict[str, Any] = {
     "OFFICE_ENGINE": env_str("QUIRE_OFFICE_ENGINE", "warm"),
     "OFFICE_ENGINE_MAX_CONVERSIONS": env_int("QUIRE_OFFICE_ENGINE_MAX_CONVERSIONS", 50),
     "OFFICE_ENGINE_MAX_RSS_MB": env_int("QUIRE_OFFICE_ENGINE_MAX_RSS_MB", 800),
+    # Converter reuse (DESIGN §14): "attempt" (a fresh child per attempt) or "tenant" (a child
+    # may serve up to N consecutive attempts of one tenant; converters/sessions.py).
+    "CONVERTER_REUSE": env_str("QUIRE_CONVERTER_REUSE", "attempt"),
+    "CONVERTER_REUSE_MAX_ATTEMPTS": env_int("QUIRE_CONVERTER_REUSE_MAX_ATTEMPTS", 20),
+    "CONVERTER_REUSE_MAX_RSS_MB": env_int("QUIRE_CONVERTER_REUSE_MAX_RSS_MB", 512),
     "HEARTBEAT_S": env_float("QUIRE_HEARTBEAT_S", 2.0),
     "LEASE_S": env_float("QUIRE_LEASE_S", 10.0),
     "PAGE_MAX_ATTEMPTS": env_int("QUIRE_PAGE_MAX_ATTEMPTS", 3),

@@ -33,7 +33,7 @@ from .errors import (
 )
 from .isolation import TEST_FAULTS_ENV, kill_process_group, process_group_members, run_isolated
 from .registry import READ_AHEAD_PAGES, capabilities, converter_for
-from .sessions import release, warm
+from .sessions import ReuseSettings, begin_attempt, configure_reuse, release, warm
 from .sniff import sniff_media_type
 
 __all__ = [
@@ -54,9 +54,12 @@ __all__ = [
     "PageArtifact",
     "PasswordRequired",
     "Prepared",
+    "ReuseSettings",
     "UnsupportedConversion",
     "assemble_result",
+    "begin_attempt",
     "capabilities",
+    "configure_reuse",
     "converter_for",
     "kill_process_group",
     "limits_description",

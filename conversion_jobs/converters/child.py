@@ -85,7 +85,14 @@ def _op_probe(*, limits: Limits) -> dict:
         "django_loaded": any(name.split(".")[0] == "django" for name in sys.modules),
         "environ": sorted(os.environ),
         "cwd": os.getcwd(),
+        "open_document": _open_document(),
     }
+
+
+def _open_document() -> str | None:
+    pdfops = sys.modules.get("conversion_jobs.converters.pdfops")
+    key = pdfops._open["key"] if pdfops is not None else None
+    return key[0] if key else None
 
 
 OPS = {
@@ -129,6 +136,21 @@ def _start_watchdog(watch: _Watch, *, parent_pid: int) -> None:
                 os.killpg(0, signal.SIGKILL)
 
     threading.Thread(target=run, name="quire-watchdog", daemon=True).start()
+
+
+def _reset() -> None:
+    """Forget the attempt that ended (converter reuse within a tenant, sessions.py): close the
+    open document and leave its private directory, which the parent then removes. The next
+    ``setup`` gives the next attempt a new one."""
+    pdfops = sys.modules.get("conversion_jobs.converters.pdfops")
+    if pdfops is not None:
+        pdfops.close_document()
+    os.chdir("/")
+    os.environ["HOME"] = os.environ["TMPDIR"] = "/nonexistent"
+    tempfile.tempdir = None
+    import gc
+
+    gc.collect()
 
 
 def _before_group_kill() -> None:
@@ -214,6 +236,9 @@ def _answer(request: dict, limits: Limits | None) -> tuple[dict, Limits | None]:
     op, args = request["op"], request.get("args") or {}
     if op == "setup":
         return {"ok": True, "result": {"pid": os.getpid()}}, _setup(**args)
+    if op == "reset":
+        _reset()
+        return {"ok": True, "result": {"pid": os.getpid()}}, limits
     if limits is None:
         raise RuntimeError("a request before setup")
     return _run_op(op, args, fault=request.get("fault"), limits=limits), limits

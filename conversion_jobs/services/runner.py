@@ -26,6 +26,7 @@ from conversion_jobs.converters.engines import EngineSettings, configure
 from conversion_jobs.models import ConversionJob, PageCheckpoint, PageState
 from conversion_jobs.observability import tracing
 from conversion_jobs.passwords import sealed_passwords_wipe, unseal
+from conversion_jobs.pseudonym import pseudonym
 from conversion_jobs.services import execution
 from conversion_jobs.services.checkpoints import (
     CheckpointBatch,
@@ -46,6 +47,14 @@ def worker_identity() -> str:
 
 def limits_from_settings() -> Limits:
     return Limits(**settings.QUIRE.get("CONVERTER_LIMITS", {}))
+
+
+def reuse_settings_from_settings() -> converters.ReuseSettings:
+    return converters.ReuseSettings(
+        mode=settings.QUIRE["CONVERTER_REUSE"],
+        max_attempts=settings.QUIRE["CONVERTER_REUSE_MAX_ATTEMPTS"],
+        max_rss_bytes=settings.QUIRE["CONVERTER_REUSE_MAX_RSS_MB"] * 1024 * 1024,
+    )
 
 
 def engine_settings_from_settings() -> EngineSettings:
@@ -76,6 +85,9 @@ def conversion_job_execute(*, job_id: uuid.UUID, generation: int) -> str:
         Path(settings.QUIRE["WORK_DIR"]) / str(job_id) / f"{lease.attempt_id}-{lease.token.hex}"
     )
     workdir.mkdir(parents=True, mode=0o700)
+    converters.configure_reuse(reuse_settings_from_settings())
+    # The converter layer sees the tenant only as an opaque pseudonym (reuse within a tenant).
+    converters.begin_attempt(tenant=pseudonym("tenant", claim.job.tenant))
     outcome = "lost"
     try:
         outcome = _run(lease=lease, job=claim.job, heartbeat=heartbeat, workdir=workdir)
@@ -84,7 +96,8 @@ def conversion_job_execute(*, job_id: uuid.UUID, generation: int) -> str:
         heartbeat.finish()
         if claim.job.password_sealed is not None and outcome in _TERMINAL_OUTCOMES:
             db_retry(lambda: sealed_passwords_wipe(job_id=job_id), deadline_s=lease_ttl_s())
-        converters.release()  # this attempt's converter child and its process group end here
+        converters.release()  # this attempt's converter child ends here (or is kept, reset)
+        converters.begin_attempt(tenant=None)
         shutil.rmtree(workdir, ignore_errors=True)
         try:
             workdir.parent.rmdir()
