@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 
 from celery import Celery
-from celery.signals import worker_process_init
+from celery.signals import celeryd_after_setup, worker_process_init
 from celery.worker.consumer import Consumer
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "project.settings")
@@ -51,11 +51,35 @@ def _instrument_worker_process(**_: object) -> None:
     tracing.instrument_worker()
 
 
+@celeryd_after_setup.connect
+def _check_converter_sandbox(sender: str, instance: object, **_: object) -> None:
+    """A worker that would consume conversions checks the converter sandbox (DESIGN §7.8)
+    before it consumes anything. Off by the operator's switch: logged loudly, then it works
+    unsandboxed. On but impossible to set up: it does not consume the conversion queue at all
+    (the jobs stay queued for a worker that can sandbox them; none is claimed, failed or
+    lost), logs why, and the web's /health/ready says why."""
+    from django.conf import settings
+
+    from conversion_jobs.converters import sandbox
+
+    queues = instance.app.amqp.queues  # type: ignore[attr-defined]
+    if settings.CONVERSION_QUEUE not in queues.consume_from:
+        return
+    sandbox.configure(work_dir=settings.QUIRE["WORK_DIR"])
+    status = sandbox.announce()
+    if status.enabled and not status.available:
+        queues.deselect([settings.CONVERSION_QUEUE])
+
+
 @worker_process_init.connect
 def _start_converter_fork_server(**_: object) -> None:
     import threading
 
-    from conversion_jobs import converters
+    from django.conf import settings
 
+    from conversion_jobs import converters
+    from conversion_jobs.converters import sandbox
+
+    sandbox.configure(work_dir=settings.QUIRE["WORK_DIR"])
     # In the background: this hook runs under the pool's start-up timeout.
     threading.Thread(target=converters.warm, name="quire-warm", daemon=True).start()

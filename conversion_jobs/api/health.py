@@ -45,13 +45,28 @@ def _broker_ok() -> bool:
         return False
 
 
+def sandbox_status():  # type: ignore[no-untyped-def]
+    """The converter sandbox as this host can set it up (DESIGN §7.8; cached 30 s)."""
+    from django.conf import settings
+
+    from conversion_jobs.converters import sandbox
+
+    sandbox.configure(work_dir=settings.QUIRE["WORK_DIR"])
+    return sandbox.probe()
+
+
 def ready(request: HttpRequest) -> JsonResponse:
+    """Ready = database, migrations, broker, and a converter sandbox that can be set up on this
+    host (or one an operator explicitly turned off: ready, and the body says so)."""
     checks = {"database": _database_ok()}
     checks["migrations"] = checks["database"] and _migrations_ok()
     checks["broker"] = _broker_ok()
+    sandbox = sandbox_status()
+    checks["sandbox"] = sandbox.available or not sandbox.enabled
     ok = all(checks.values())
     return JsonResponse(
-        {"status": "ok" if ok else "unavailable", "checks": checks}, status=200 if ok else 503
+        {"status": "ok" if ok else "unavailable", "checks": checks, "sandbox": sandbox.as_dict()},
+        status=200 if ok else 503,
     )
 
 
@@ -60,7 +75,7 @@ def metrics_view(request: HttpRequest) -> HttpResponse:
     from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
     from prometheus_client import REGISTRY as DEFAULT_REGISTRY
 
-    from conversion_jobs.observability.gauges import DatabaseGauges
+    from conversion_jobs.observability.gauges import DatabaseGauges, SandboxGauges
 
     token = os.environ.get("QUIRE_METRICS_TOKEN")
     if token:
@@ -74,5 +89,9 @@ def metrics_view(request: HttpRequest) -> HttpResponse:
         multiprocess.MultiProcessCollector(registry)
     else:
         registry = DEFAULT_REGISTRY
-    body = generate_latest(registry) + generate_latest(DatabaseGauges.registry())
+    body = (
+        generate_latest(registry)
+        + generate_latest(DatabaseGauges.registry())
+        + generate_latest(SandboxGauges.registry())
+    )
     return HttpResponse(body, content_type=CONTENT_TYPE_LATEST)

@@ -9,6 +9,7 @@ Importing this package is cheap and Django-free; pypdfium2, Pillow, img2pdf, tes
 LibreOffice are only ever used inside the child process.
 """
 
+from . import sandbox
 from .assemble import assemble_result
 from .base import (
     OFFICE_TYPES,
@@ -33,6 +34,7 @@ from .errors import (
 )
 from .isolation import TEST_FAULTS_ENV, kill_process_group, process_group_members, run_isolated
 from .registry import READ_AHEAD_PAGES, capabilities, converter_for
+from .sandbox import SandboxUnavailable
 from .sessions import ReuseSettings, begin_attempt, configure_reuse, release, warm
 from .sniff import sniff_media_type
 
@@ -55,6 +57,7 @@ __all__ = [
     "PasswordRequired",
     "Prepared",
     "ReuseSettings",
+    "SandboxUnavailable",
     "UnsupportedConversion",
     "assemble_result",
     "begin_attempt",
@@ -66,6 +69,7 @@ __all__ = [
     "process_group_members",
     "release",
     "run_isolated",
+    "sandbox",
     "sniff_media_type",
     "warm",
 ]

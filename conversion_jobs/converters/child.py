@@ -215,7 +215,11 @@ def _inject_fault(fault: dict, *, op: str, args: dict) -> None:
             [sys.executable, "-c", "import time; time.sleep(3600)"],
             stdin=subprocess.DEVNULL,
         )
-        record = {"pgid": os.getpgid(0), "pids": [os.getpid(), grandchild.pid]}
+        record = {
+            "pgid": os.getpgid(0),
+            "pids": [os.getpid(), grandchild.pid],
+            "pidns": os.readlink("/proc/self/ns/pid"),  # pids translate outside (host_pid)
+        }
         dest = Path(args["dest"])
         (dest.parent / f"fault-hang-{args.get('page')}.json").write_text(json.dumps(record))
         while True:

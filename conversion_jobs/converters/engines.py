@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -101,12 +102,22 @@ def _recycle(reason: str) -> None:
 
     # A killed soffice leaves its sockets: note them (the host reported them; a host killed
     # before its first answer is asked through /proc) and remove them once the group is dead.
-    sockets = set(host.sockets)
-    if not host.session.closed:
+    sockets = set(_host_paths(host, host.sockets))
+    if not host.session.closed and host.session.proc.sandbox_root is None:
+        # (a sandbox has its own network namespace: its sockets are not listed here)
         sockets.update(bound_sockets(process_group_members(host.session.pgid)))
     host.session.close()
     remove_sockets(sorted(sockets))
     _observe("recycle", reason=reason, conversions=host.conversions)
+
+
+def _host_paths(host: _Host, paths: tuple[str, ...]) -> list[str]:
+    """Where the engine's socket paths are on this host: in a sandbox, its ``/tmp`` is the
+    sandbox's own directory."""
+    root = host.session.proc.sandbox_root
+    if root is None:
+        return list(paths)
+    return [str(root.tmp / Path(p).name) for p in paths if p.startswith("/tmp/")]  # noqa: S108
 
 
 def _host_for(*, scratch_dir: Path, limits: Limits, should_stop: Callable[[], bool]) -> _Host:
@@ -145,33 +156,41 @@ def convert(
     *,
     source: Path,
     media_type: str,
-    base: Path,
+    dest: Path,
     limits: Limits,
     should_stop: Callable[[], bool],
     password: str | None = None,
     encrypted: bool | None = None,
     fault: dict | None = None,
 ) -> dict:
-    """Convert an Office document to ``base``/document.pdf with this process's warm engine.
-    Returns ``{"document", "page_count", "engine_rss", "engine_started"}``; raises the
-    conversion's ConversionError (the engine is then recycled)."""
+    """Convert an Office document to the PDF ``dest`` with this process's warm engine. The
+    document is handed in as a copy in the host's private directory and the PDF handed out; both
+    are gone from the host before this returns. Returns ``{"page_count", "engine_rss",
+    "engine_started"}``; raises the conversion's ConversionError (the engine is then recycled)."""
     settings = _settings
     if settings.scratch_dir is None:
         raise RuntimeError("warm engines are not configured")
     with _lock:
         host = _host_for(scratch_dir=settings.scratch_dir, limits=limits, should_stop=should_stop)
-        args: dict = {"path": str(source), "media_type": media_type, "base": str(base)}
-        if password is not None:
-            args["password"], args["encrypted"] = password, encrypted
-        if fault is not None:
-            args["fault"] = fault
+        session = host.session
+        args: dict = {}
         try:
-            result = host.session.call(
+            args = {
+                "path": str(session.hand_in(source)),
+                "media_type": media_type,
+                "base": str(session.folder("out")),
+            }
+            if password is not None:
+                args["password"], args["encrypted"] = password, encrypted
+            if fault is not None:
+                args["fault"] = fault
+            result = session.call(
                 "office_engine_convert",
                 args,
                 timeout_s=limits.prepare_timeout_s,
                 should_stop=should_stop,
             )
+            session.hand_out(Path(result["document"]), dest)
         except ConversionTimeout:
             _recycle("timeout")
             raise
@@ -186,12 +205,27 @@ def convert(
             raise
         finally:
             args.pop("password", None)
+            if not session.closed:  # nothing of this document stays with the host
+                for folder in ("in", "out"):
+                    shutil.rmtree(session.inside(folder), ignore_errors=True)
         host.conversions += 1
         if host.conversions >= settings.max_conversions:
             _recycle("max_conversions")
         elif int(result.get("engine_rss") or 0) > settings.max_rss_bytes:
             _recycle("memory")
         return result
+
+
+def host_sockets() -> list[str]:
+    """The current engine's LibreOffice sockets, as paths on this host (tests, diagnostics)."""
+    with _lock:
+        return _host_paths(_host, _host.sockets) if _host is not None else []
+
+
+def host_private() -> Path | None:
+    """The current engine host's private directory on this host (tests, diagnostics)."""
+    with _lock:
+        return _host.session.private if _host is not None else None
 
 
 def host_pgid() -> int | None:

@@ -25,6 +25,7 @@ Test faults (honoured only when the *worker* process has QUIRE_ENABLE_TEST_FAULT
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -84,6 +85,10 @@ class ChildSession:
         #: pages asked for by read_ahead whose answers are still to be read, in order
         self.ahead: list[int] = []
         self._ahead_since = 0.0
+        #: the copy of the session's document in its private directory (``hand_in``)
+        self.document: Path | None = None
+        #: test faults only: where close() copies the child's fault records (pids translated)
+        self.fault_records_to: Path | None = None
 
     def usable(self, *, max_idle_s: float) -> bool:
         return (
@@ -99,8 +104,15 @@ class ChildSession:
         return self.proc.exited()
 
     def setup(self, *, limits: Limits, scratch_dir: Path, should_stop: Callable[[], bool]) -> None:
-        private = Path(scratch_dir) / f".isolated-{uuid.uuid4().hex}"
-        private.mkdir(parents=True)
+        """Give the child its private directory and limits. Sandboxed, the directory is in the
+        sandbox's writable area (the only place the child can see besides system files);
+        with the sandbox off it is ``scratch_dir/.isolated-<hex>``."""
+        root = self.proc.sandbox_root
+        name = f".isolated-{uuid.uuid4().hex}"
+        private = root.work / name if root is not None else Path(scratch_dir) / name
+        private.mkdir(parents=True, mode=0o700)
+        if root is not None and os.geteuid() == 0:
+            os.chown(private, root.uid, root.gid)
         self.private, self.limits = private, limits
         self.call(
             "setup",
@@ -108,6 +120,50 @@ class ChildSession:
             timeout_s=limits.page_timeout_s,
             should_stop=should_stop,
         )
+
+    def inside(self, *parts: str) -> Path:
+        """A path in the child's private directory (the same path inside and outside)."""
+        if self.private is None:
+            raise RuntimeError("the session is not set up")
+        return self.private.joinpath(*parts)
+
+    def folder(self, name: str) -> Path:
+        """A directory in the child's private directory that the child may write in."""
+        folder = self.inside(name)
+        if not folder.is_dir():
+            folder.mkdir(mode=0o700)
+            self._give_to_sandbox(folder)
+        return folder
+
+    def hand_in(self, source: Path) -> Path:
+        """A copy of ``source`` in the child's private directory, readable by the child: the
+        only way a document reaches a child (never by a path into the store)."""
+        folder = self.folder("in")
+        copy = folder / f"{uuid.uuid4().hex}{Path(source).suffix}"
+        shutil.copyfile(source, copy)
+        os.chmod(copy, 0o600)
+        self._give_to_sandbox(copy)
+        return copy
+
+    def hand_out(self, produced: Path, dest: Path) -> Path:
+        """Move a file the child wrote (in its private directory) to ``dest``, owned by this
+        process's user."""
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.replace(produced, dest)
+        except OSError as exc:
+            if exc.errno != errno.EXDEV:
+                raise
+            shutil.move(produced, dest)
+        if os.geteuid() == 0 and self.proc.sandbox_root is not None:
+            os.chown(dest, os.geteuid(), os.getegid())
+        return dest
+
+    def _give_to_sandbox(self, *paths: Path) -> None:
+        root = self.proc.sandbox_root
+        if root is not None and os.geteuid() == 0:
+            for path in paths:
+                os.chown(path, root.uid, root.gid)
 
     def call(
         self,
@@ -280,6 +336,8 @@ class ChildSession:
         if self.closed:
             return
         self.closed = True
+        if self.fault_records_to is not None and self.private is not None:
+            _export_fault_records(self.private, self.fault_records_to)
         self._kill()
         for stream in (self.proc.stdin, self.proc.stdout, self._stderr):
             if stream is not None:
@@ -315,6 +373,45 @@ def run_isolated(
     with fresh_child() as session:
         session.setup(limits=limits, scratch_dir=scratch_dir, should_stop=should_stop)
         return session.call(op, args, timeout_s=timeout_s, should_stop=should_stop, fault=fault)
+
+
+def _export_fault_records(private: Path, dest_dir: Path) -> None:
+    """Test faults only: copy the ``fault-*.json`` records a child wrote in its private
+    directory to ``dest_dir`` before the group is killed, with its pids translated from the
+    sandbox's pid namespace into ours (``host_pid``)."""
+    if os.environ.get(TEST_FAULTS_ENV) != "1":
+        return
+    for record_path in private.rglob("fault-*.json"):
+        try:
+            record = json.loads(record_path.read_text())
+        except (OSError, ValueError):
+            continue
+        pidns = record.get("pidns")
+        if pidns:
+            record["pids"] = [host_pid(pidns, pid) for pid in record["pids"]]
+            record["pgid"] = host_pid(pidns, record["pgid"])
+        dest_dir.mkdir(parents=True, exist_ok=True)
+        (dest_dir / record_path.name).write_text(json.dumps(record))
+
+
+def host_pid(pidns: str, ns_pid: int) -> int:
+    """The pid, as this process sees it, of process ``ns_pid`` of pid namespace ``pidns``
+    (``readlink /proc/<pid>/ns/pid``); 0 if there is none. Scans /proc: for tests and tools."""
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.readlink(f"/proc/{entry.name}/ns/pid") != pidns:
+                continue
+            with open(f"/proc/{entry.name}/status") as fh:
+                for line in fh:
+                    if line.startswith("NSpid:"):
+                        if int(line.split()[-1]) == ns_pid:
+                            return int(entry.name)
+                        break
+        except (OSError, ValueError):
+            continue
+    return 0
 
 
 def kill_process_group(pgid: int, *, leader: ForkedProcess | None = None) -> None:

@@ -208,9 +208,9 @@ def bound_sockets(pids: list[int]) -> list[str]:
 
 
 def remove_sockets(paths: list[str]) -> None:
-    """Remove LibreOffice pipe sockets (only paths of that form)."""
+    """Remove LibreOffice pipe sockets (only files named ``OSL_PIPE_*``)."""
     for path in paths:
-        if any(path.startswith(d) and "/" not in path[len(d) :] for d in _OSL_PIPE_DIRS):
+        if Path(path).name.startswith("OSL_PIPE_"):
             try:
                 os.unlink(path)
             except OSError:

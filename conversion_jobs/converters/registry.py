@@ -22,8 +22,8 @@ from .base import (
     Prepared,
 )
 from .errors import EncryptedInput, InvalidInput, UnsupportedConversion
-from .isolation import run_isolated, test_fault_from
-from .sessions import forget, open_session, session_for
+from .isolation import test_fault_from
+from .sessions import forget, fresh_child, open_session, session_for
 from .sniff import office_encrypted, sniff_media_type
 
 _SUFFIX = {"text": ".txt", "png": ".png", "pdf": ".pdf"}
@@ -55,11 +55,14 @@ def _prepare_in_session(
     session = open_session(
         document=Path(source), scratch_dir=workdir, limits=limits, should_stop=should_stop
     )
-    args = {"path": str(source)}
-    if password is not None:
-        args["password"] = password
+    secret = {"password": password} if password is not None else {}
     try:
-        return session.call(op, args, timeout_s=limits.prepare_timeout_s, should_stop=should_stop)
+        return session.call(
+            op,
+            {"path": str(session.document), **secret},
+            timeout_s=limits.prepare_timeout_s,
+            should_stop=should_stop,
+        )
     except BaseException:
         forget(session)
         raise
@@ -91,13 +94,8 @@ def _page_call(
     dest_dir.mkdir(parents=True, exist_ok=True)
     dest = _page_dest(dest_dir, page, output)
     dpi = int((options or {}).get("dpi") or DEFAULT_DPI)
-    args = {
-        "path": str(prepared.document),
-        "output": output,
-        "dpi": max(1, min(dpi, limits.max_dpi)),
-    }
-    if password is not None:  # a fresh child (after a failed page) opens the document again
-        args["password"] = password
+    # a fresh child (after a failed page) opens the document again: the password goes along
+    secret = {"password": password} if password is not None else {}
     fault = test_fault_from(options)
     try:
         # The session of this document (the child keeps it open); a fresh child if an earlier
@@ -119,15 +117,25 @@ def _page_call(
         if not session.ahead:
             upcoming = [p for p in lookahead if p != page and 1 <= p <= prepared.page_count]
             pages = [page, *upcoming[: READ_AHEAD_PAGES - 1]]
+            session.folder("out")
+            if fault:
+                session.fault_records_to = dest_dir
+            # The child writes in its private directory; each page is handed out when read.
             session.read_ahead(
                 op,
-                [(p, str(_page_dest(dest_dir, p, output))) for p in pages],
-                args,
+                [(p, str(_page_dest(session.inside("out"), p, output))) for p in pages],
+                {
+                    "path": str(session.document),
+                    "output": output,
+                    "dpi": max(1, min(dpi, limits.max_dpi)),
+                    **secret,
+                },
                 timeout_s=limits.page_timeout_s,
                 should_stop=should_stop,
                 fault=fault,
             )
         result = session.next_page(page, timeout_s=limits.page_timeout_s, should_stop=should_stop)
+        session.hand_out(_page_dest(session.inside("out"), page, output), dest)
     except BaseException:
         # A killed or failed child may have left half an artifact; it must never be promoted.
         dest.unlink(missing_ok=True)
@@ -250,47 +258,45 @@ class OfficeConverter:
         if encrypted and password is None:
             raise EncryptedInput()
         fault = test_fault_from(options)
-        base = Path(workdir) / f"office-{uuid.uuid4().hex}"
+        document = Path(workdir) / f"office-{uuid.uuid4().hex}.pdf"
         warm = engines.current_settings().warm
         started = time.monotonic()
-        failed = True
-        try:
-            if warm:
-                result = engines.convert(
-                    source=source,
-                    media_type=media_type,
-                    base=base,
-                    limits=limits,
-                    should_stop=should_stop,
-                    password=password,
-                    encrypted=encrypted,
-                    fault=fault,
-                )
-            else:
-                # A fresh LibreOffice per document; ``--convert-to`` cannot take a password, so
-                # an encrypted document is opened over UNO by a one-off engine in the same child.
-                args = {"path": str(source), "media_type": media_type, "base": str(base)}
+        if warm:
+            result = engines.convert(
+                source=source,
+                media_type=media_type,
+                dest=document,
+                limits=limits,
+                should_stop=should_stop,
+                password=password,
+                encrypted=encrypted,
+                fault=fault,
+            )
+        else:
+            # A fresh child converts to PDF in its private directory (LibreOffice's profile, the
+            # copy of the input): all of it goes with the child; the PDF is handed out first.
+            # ``--convert-to`` cannot take a password: an encrypted document is opened over UNO
+            # by a one-off engine in the same child.
+            with fresh_child() as session:
+                session.setup(limits=limits, scratch_dir=workdir, should_stop=should_stop)
+                copy = session.hand_in(source)
+                args = {
+                    "path": str(copy),
+                    "media_type": media_type,
+                    "base": str(session.inside("office")),
+                }
                 if password is not None:
                     args["password"], args["encrypted"] = password, encrypted
-                result = run_isolated(
-                    op="office_prepare" if password is None else "office_engine_convert",
-                    args=args,
-                    limits=limits,
+                result = session.call(
+                    "office_prepare" if password is None else "office_engine_convert",
+                    args,
                     timeout_s=limits.prepare_timeout_s,
-                    scratch_dir=workdir,
                     should_stop=should_stop,
                     fault=fault,
                 )
-            failed = False
-        finally:
-            # LibreOffice's leftovers (profile, copy of the input) go; its PDF stays on success.
-            leftovers = [base] if failed else [base / n for n in ("in", "profile", "home")]
-            for leftover in leftovers:
-                shutil.rmtree(leftover, ignore_errors=True)
+                session.hand_out(Path(result["document"]), document)
         _observe_duration(media_type, "warm" if warm else "fresh", time.monotonic() - started)
-        return Prepared(
-            document=Path(result["document"]), media_type=PDF, page_count=result["page_count"]
-        )
+        return Prepared(document=document, media_type=PDF, page_count=result["page_count"])
 
     def convert_page(
         self, *, prepared, page, output, options, dest_dir, limits, should_stop, lookahead=()

@@ -32,8 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .base import CHILD_IDLE_EXIT_S, Limits
+from .errors import ConversionError
 from .isolation import ChildSession
-from .zygote import stop_zygote
+from .zygote import current_zygote, stop_zygote
 
 MAX_IDLE_S = CHILD_IDLE_EXIT_S / 2
 
@@ -115,7 +116,7 @@ def _keep(session: ChildSession) -> bool:
         return False
     if session.private is not None:
         shutil.rmtree(session.private, ignore_errors=True)
-        session.private = None
+        session.private, session.document = None, None
     session.tenant, session.attempts = tenant, session.attempts + 1
     with _lock:
         stale, _kept = _kept, session
@@ -146,15 +147,27 @@ def fresh_child() -> ChildSession:
 
 
 def warm() -> None:
-    """Spawn the spare child now (it starts in the background) unless there is one."""
+    """Spawn the spare child now (it starts in the background) unless there is one. Does
+    nothing when no child can be started (e.g. the sandbox is unavailable): the next attempt
+    then reports why."""
     global _spare
     with _lock:
         _forked()
         if _spare is not None and _spare.usable(max_idle_s=MAX_IDLE_S):
             return
-        stale, _spare = _spare, ChildSession()
+        stale, _spare = _spare, None
     if stale is not None:
         stale.close()
+    spare: ChildSession | None
+    try:
+        spare = ChildSession()
+    except ConversionError:
+        return
+    with _lock:
+        if _spare is None:
+            _spare, spare = spare, None
+    if spare is not None:
+        spare.close()
 
 
 def _key(document: Path, limits: Limits) -> tuple:
@@ -178,7 +191,8 @@ def _take_thread_sessions(keep: tuple | None = None, document: Path | None = Non
 def open_session(
     *, document: Path, scratch_dir: Path, limits: Limits, should_stop: Callable[[], bool]
 ) -> ChildSession:
-    """A fresh, set-up child for ``document``; the calling thread's other sessions end."""
+    """A fresh, set-up child for ``document``; the calling thread's other sessions end. The
+    child gets a copy of the document in its private directory (``session.document``)."""
     key = _key(document, limits)
     with _lock:
         _forked()
@@ -188,6 +202,7 @@ def open_session(
     session = _take_kept(tenant=_attempt_tenant(), limits=limits) or fresh_child()
     try:
         session.setup(limits=limits, scratch_dir=scratch_dir, should_stop=should_stop)
+        session.document = session.hand_in(document)
     except BaseException:
         session.close()
         raise
@@ -227,9 +242,13 @@ def release(prepared=None, *, spare: bool = True) -> None:
     with _lock:
         _forked()
         taken = _take_thread_sessions(document=document)
+        idle = not _sessions
     for session in taken:
         if not (prepared is None and _keep(session)):
             session.close()
+    server = current_zygote()
+    if idle and server is not None:
+        server.clear_tmp()  # nothing of this attempt stays in the sandbox's /tmp
     if spare:
         warm()
 

@@ -40,6 +40,7 @@ import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -47,10 +48,13 @@ import time
 from pathlib import Path
 from typing import IO
 
+from . import sandbox
 from .base import EXIT_UNEXPECTED
 from .errors import ConverterCrashed
 
 _MAX_MESSAGE = 4096
+#: struct ucred: pid, uid, gid
+_UCRED = struct.Struct("iII")
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 #: A zygote that does not answer within this time is killed and replaced (a stuck fork server
 #: must not hang an attempt whose heartbeat would keep its lease alive).
@@ -75,12 +79,15 @@ def set_process_name(name: str) -> None:
         pass
 
 
-def _serve_child(fds: list[int], sock: socket.socket) -> None:
-    """In the forked child: become an isolated converter session; never returns."""
+def _serve_child(fds: list[int], sock: socket.socket, request: dict) -> None:
+    """In the forked child: become an isolated converter session (or, with ``argv``, exec that
+    program); never returns. The child answers the spawn itself, so the worker learns its pid as
+    the worker sees it (SCM_CREDENTIALS: translated out of the sandbox's pid namespace)."""
     code = EXIT_UNEXPECTED
     try:
-        sock.close()
         os.setsid()
+        _answer(sock, {"pid": os.getpid()})
+        sock.close()
         set_process_name(CHILD_NAME)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for target, fd in enumerate(fds):
@@ -88,6 +95,10 @@ def _serve_child(fds: list[int], sock: socket.socket) -> None:
         for fd in fds:
             if fd > 2:
                 os.close(fd)
+        argv = request.get("argv")
+        if argv:
+            os.chdir(request.get("cwd") or "/")
+            os.execvpe(argv[0], argv, request.get("env") or _child_env())  # noqa: S606
         from . import child
 
         child.serve()  # never returns
@@ -104,6 +115,7 @@ def serve(sock: socket.socket) -> int:
     from . import child
 
     set_process_name(ZYGOTE_NAME)
+    _answer(sock, {"hello": os.getpid()})  # the worker learns this process's pid (credentials)
     child.preload()
     # Everything imported so far is shared copy-on-write with every child; frozen, the cyclic
     # garbage collector never walks (and so never writes to, and copies) those objects.
@@ -123,12 +135,13 @@ def serve(sock: socket.socket) -> int:
                     os.close(fd)
                 _answer(sock, {"error": "spawn needs three file descriptors"})
                 continue
-            pid = os.fork()
-            if pid == 0:
-                _serve_child(fds, sock)
+            try:
+                if os.fork() == 0:
+                    _serve_child(fds, sock, request)
+            except OSError as exc:
+                _answer(sock, {"error": f"fork failed: {exc}"})
             for fd in fds:
                 os.close(fd)
-            _answer(sock, {"pid": pid})
         elif request["op"] == "reap":
             try:
                 _pid, status = os.waitpid(int(request["pid"]), 0)
@@ -145,13 +158,21 @@ class ZygoteGone(Exception):
 
 class ZygoteClient:
     """The worker's side: one zygote process, shared by the worker's threads (one request at a
-    time under a lock)."""
+    time under a lock). With the sandbox on (``sandbox.enabled()``) the zygote runs inside a
+    bubblewrap sandbox rooted at ``self.root`` (see sandbox.py); ``self.root`` is None when an
+    operator turned the sandbox off."""
 
     def __init__(self, *, env: dict[str, str]) -> None:
+        self.root = sandbox.SandboxRoot() if sandbox.enabled() else None
         parent_end, zygote_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # Every answer carries its sender's credentials, pid translated into our pid namespace.
+        parent_end.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        argv = [sys.executable, "-c", _ENTRY, str(zygote_end.fileno())]
+        if self.root is not None:
+            argv = sandbox.command(self.root, argv)
         try:
             self.proc = subprocess.Popen(  # noqa: S603
-                [sys.executable, "-c", _ENTRY, str(zygote_end.fileno())],
+                argv,
                 env=env,
                 cwd="/",
                 stdin=subprocess.DEVNULL,
@@ -159,39 +180,101 @@ class ZygoteClient:
                 start_new_session=True,
                 close_fds=True,
             )
+        except BaseException:
+            parent_end.close()
+            if self.root is not None:
+                self.root.remove()
+            raise
         finally:
             zygote_end.close()
         parent_end.settimeout(ANSWER_TIMEOUT_S)
         self._sock = parent_end
         self._lock = threading.Lock()
+        self._pid: int | None = None
 
-    def _call(self, request: dict, fds: tuple[int, ...] = ()) -> dict:
+    def _receive(self) -> tuple[dict, int]:
+        """The next message and the pid (ours) of its sender. Caller holds the lock."""
+        try:
+            data, ancillary, _flags, _addr = self._sock.recvmsg(
+                _MAX_MESSAGE, socket.CMSG_SPACE(_UCRED.size)
+            )
+        except OSError as exc:  # includes the answer timeout
+            self.kill()  # stuck or broken: the next spawn starts a new zygote
+            raise ZygoteGone(str(exc) or type(exc).__name__) from exc
+        if not data:
+            self.kill()
+            raise ZygoteGone("the zygote closed its socket")
+        sender = 0
+        for level, kind, payload in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+                sender = _UCRED.unpack(payload[: _UCRED.size])[0]
+        return json.loads(data), sender
+
+    def _greeted(self) -> None:
+        """Read the zygote's greeting once: its pid as we see it. Caller holds the lock."""
+        if self._pid is None:
+            answer, sender = self._receive()
+            if "hello" not in answer or not sender:
+                self.kill()
+                raise ZygoteGone("the zygote did not greet")
+            self._pid = sender
+
+    @property
+    def pid(self) -> int:
+        """The zygote process's pid (inside bwrap when sandboxed; ``proc`` is bwrap)."""
         with self._lock:
+            self._greeted()
+            return int(self._pid or 0)
+
+    def _call(self, request: dict, fds: tuple[int, ...] = ()) -> tuple[dict, int]:
+        """Send ``request``; the answer and the pid of the process that sent it."""
+        with self._lock:
+            self._greeted()
             try:
                 if fds:
                     socket.send_fds(self._sock, [json.dumps(request).encode()], list(fds))
                 else:
                     self._sock.send(json.dumps(request).encode())
-                data = self._sock.recv(_MAX_MESSAGE)
-            except OSError as exc:  # includes the answer timeout
-                self.proc.kill()  # stuck or broken: the next spawn starts a new zygote
-                self.proc.wait()
+            except OSError as exc:
+                self.kill()
                 raise ZygoteGone(str(exc) or type(exc).__name__) from exc
-        if not data:
-            raise ZygoteGone("the zygote closed its socket")
-        answer = json.loads(data)
+            answer, sender = self._receive()
         if "error" in answer:
             raise RuntimeError(answer["error"])
-        return answer
+        return answer, sender
 
-    def spawn(self, *, stdin: int, stdout: int, stderr: int) -> int:
-        return int(self._call({"op": "spawn"}, (stdin, stdout, stderr))["pid"])
+    def spawn(
+        self, *, stdin: int, stdout: int, stderr: int, argv: list[str] | None = None, **extra
+    ) -> tuple[int, int]:
+        """Fork a child; returns (its pid here, its pid in the zygote's namespace)."""
+        request = {"op": "spawn", "argv": argv, **extra}
+        answer, sender = self._call(request, (stdin, stdout, stderr))
+        if not sender:
+            raise ZygoteGone("the spawn answer carried no credentials")
+        return sender, int(answer["pid"])
 
-    def reap(self, pid: int) -> int | None:
-        return self._call({"op": "reap", "pid": pid})["returncode"]
+    def reap(self, ns_pid: int) -> int | None:
+        return self._call({"op": "reap", "pid": ns_pid})[0]["returncode"]
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def clear_tmp(self) -> None:
+        """Empty the sandbox's /tmp (call with no child of this zygote working)."""
+        if self.root is not None:
+            self.root.clear_tmp()
+
+    def kill(self) -> None:
+        """Kill the zygote at once (its whole process group: bwrap and the sandbox's pid 1 go,
+        and with them every process in the sandbox's pid namespace)."""
+        self._sock.close()
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
+        if self.root is not None:
+            self.root.remove()
 
     def close(self) -> None:
         """End the zygote (its children see it go and kill their own groups)."""
@@ -199,8 +282,9 @@ class ZygoteClient:
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+            self.kill()
+        if self.root is not None:
+            self.root.remove()
 
 
 def _child_env() -> dict[str, str]:
@@ -220,8 +304,17 @@ class ForkedProcess:
     """A converter child forked by the zygote: the parts of ``Popen`` that ChildSession uses.
     The zygote is its parent, so waiting for it goes through the zygote (``reap``)."""
 
-    def __init__(self, *, pid: int, zygote: ZygoteClient, stdin: IO[bytes], stdout: IO[bytes]):
-        self.pid, self._zygote = pid, zygote
+    def __init__(
+        self,
+        *,
+        pid: int,
+        ns_pid: int,
+        zygote: ZygoteClient,
+        stdin: IO[bytes],
+        stdout: IO[bytes],
+    ):
+        #: ``pid``: as this process sees it (kill, /proc); ``ns_pid``: inside the sandbox
+        self.pid, self.ns_pid, self._zygote = pid, ns_pid, zygote
         self.stdin: IO[bytes] | None = stdin
         self.stdout: IO[bytes] | None = stdout
         self.returncode: int | None = None
@@ -237,6 +330,11 @@ class ForkedProcess:
             return True
         return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] in (b"Z", b"X")
 
+    @property
+    def sandbox_root(self) -> sandbox.SandboxRoot | None:
+        """The sandbox this process lives in (None: the sandbox is off)."""
+        return self._zygote.root
+
     def orphaned(self) -> bool:
         """Its zygote is gone: the child was re-parented and ends itself (its watchdog)."""
         return not self._zygote.alive()
@@ -247,7 +345,7 @@ class ForkedProcess:
             returncode = None
             if not self.orphaned():
                 try:
-                    returncode = self._zygote.reap(self.pid)
+                    returncode = self._zygote.reap(self.ns_pid)
                 except ZygoteGone:
                     pass
             if returncode is None:
@@ -267,14 +365,28 @@ _zygote_pid = 0
 
 
 def zygote() -> ZygoteClient:
-    """This process's fork server, started on first use and again if it died."""
+    """This process's fork server, started on first use and again if it died. Raises
+    SandboxUnavailable when the sandbox is on but cannot be set up here."""
     global _zygote, _zygote_pid
     with _zygote_lock:
         if _zygote is None or _zygote_pid != os.getpid() or not _zygote.alive():
             if _zygote is not None and _zygote_pid == os.getpid():
                 _zygote.close()
+            _zygote = None
+            if sandbox.enabled():
+                status = sandbox.probe()
+                if not status.available:
+                    raise sandbox.SandboxUnavailable(status.reason)
             _zygote, _zygote_pid = ZygoteClient(env=_child_env()), os.getpid()
         return _zygote
+
+
+def current_zygote() -> ZygoteClient | None:
+    """This process's fork server if it has one running (never starts one)."""
+    with _zygote_lock:
+        if _zygote is not None and _zygote_pid == os.getpid() and _zygote.alive():
+            return _zygote
+        return None
 
 
 def stop_zygote() -> None:
@@ -286,18 +398,35 @@ def stop_zygote() -> None:
         _zygote = None
 
 
-def spawn(*, stderr: int) -> ForkedProcess:
-    """Fork a fresh converter child from the zygote, with new pipes for its stdin and stdout."""
+def spawn(
+    *,
+    stderr: int,
+    argv: list[str] | None = None,
+    env: dict[str, str] | None = None,
+    cwd: str | None = None,
+) -> ForkedProcess:
+    """Fork a fresh child from the zygote, with new pipes for its stdin and stdout.
+
+    Without ``argv`` the child is a converter session (``child.serve``). With ``argv`` it
+    executes that program (``env``, ``cwd`` inside the sandbox; default: the scrubbed converter
+    environment and ``/``): the way to run a long-lived process, such as a warm engine, in the
+    worker's sandbox. Either way it is in its own session and process group, killed with
+    ``isolation.kill_process_group(proc.pid, leader=proc)`` and reaped through the zygote."""
     child_in, parent_out = os.pipe()
     parent_in, child_out = os.pipe()
+    extra = {"env": env, "cwd": cwd} if argv else {}
     try:
         for tries_left in (1, 0):
             server = zygote()
             try:
-                pid = server.spawn(stdin=child_in, stdout=child_out, stderr=stderr)
+                pid, ns_pid = server.spawn(
+                    stdin=child_in, stdout=child_out, stderr=stderr, argv=argv, **extra
+                )
                 break
             except ZygoteGone:
                 if not tries_left:
+                    if sandbox.enabled() and not sandbox.probe(fresh=True).available:
+                        raise sandbox.SandboxUnavailable(sandbox.probe().reason) from None
                     raise ConverterCrashed("the converter fork server is not available") from None
     except BaseException:
         os.close(parent_out)
@@ -308,6 +437,7 @@ def spawn(*, stderr: int) -> ForkedProcess:
         os.close(child_out)
     return ForkedProcess(
         pid=pid,
+        ns_pid=ns_pid,
         zygote=server,
         stdin=os.fdopen(parent_out, "wb", buffering=0),
         stdout=os.fdopen(parent_in, "rb", buffering=0),

@@ -66,3 +66,28 @@ class DatabaseGauges(Collector):
         registry = CollectorRegistry(auto_describe=False)
         registry.register(cls())
         return registry
+
+
+class SandboxGauges(Collector):
+    """The converter sandbox on this host, at scrape time (the probe is cached 30 s)."""
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        from conversion_jobs.api.health import sandbox_status
+
+        status = sandbox_status()
+        yield GaugeMetricFamily(
+            "quire_sandbox_enabled",
+            "1 unless an operator turned the converter sandbox off (QUIRE_SANDBOX=off)",
+            value=1 if status.enabled else 0,
+        )
+        yield GaugeMetricFamily(
+            "quire_sandbox_available",
+            "1 if the converter sandbox can be set up on this host",
+            value=1 if status.available else 0,
+        )
+
+    @classmethod
+    def registry(cls) -> CollectorRegistry:
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(cls())
+        return registry

@@ -70,6 +70,7 @@ def conversion_job_execute(*, job_id: uuid.UUID, generation: int) -> str:
     """Claim and run one delivery. Returns what happened (for logs and tests): ``duplicate``,
     ``succeeded``, ``partial``, ``failed``, ``retry_wait``, ``cancelled`` or ``lost``."""
     close_old_connections()
+    converters.sandbox.configure(work_dir=settings.QUIRE["WORK_DIR"])
     claim = db_retry(
         lambda: execution.conversion_job_claim(
             job_id=job_id, generation=generation, worker=worker_identity()

@@ -237,7 +237,12 @@ def test_health__live(client):
 def test_health__ready_with_database_and_broker_up(client):
     response = client.get("/health/ready")
     assert response.status_code == 200, response.content
-    assert response.json()["checks"] == {"database": True, "migrations": True, "broker": True}
+    assert response.json()["checks"] == {
+        "database": True,
+        "migrations": True,
+        "broker": True,
+        "sandbox": True,
+    }
 
 
 @pytest.mark.django_db

@@ -41,6 +41,20 @@ def convert_all(source: Path, workdir: Path, *, output: str, options=None, limit
     return prepared, artifacts
 
 
+def child_area(scratch: Path) -> Path:
+    """Where this process's converter children keep their private directories: the sandbox's
+    writable area (sandboxed) or ``scratch`` (sandbox off). Their command lines mention it."""
+    from conversion_jobs.converters import zygote
+
+    root = zygote.zygote().root
+    return root.work if root is not None else scratch
+
+
+def private_dirs(scratch: Path) -> list[Path]:
+    """The converter children's private directories (see ``child_area``)."""
+    return sorted(child_area(scratch).glob(".isolated-*"))
+
+
 def processes_mentioning(needle: str) -> list[int]:
     """Live processes whose command line contains ``needle``."""
     found = []

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from convhelpers import Stopwatch, alive, never, prepare, processes_mentioning
+from convhelpers import Stopwatch, alive, child_area, never, prepare, processes_mentioning
 
 from conversion_jobs.converters import (
     TEST_FAULTS_ENV,
@@ -20,8 +20,10 @@ from conversion_jobs.converters import (
     Limits,
     process_group_members,
     run_isolated,
+    sandbox,
     testdocs,
 )
+from conversion_jobs.converters.isolation import host_pid
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -50,7 +52,9 @@ def _page(pdf_job, tmp_path, page, *, fault=None, limits=None, should_stop=never
 
 
 def _hang_record(tmp_path, page):
-    return json.loads((tmp_path / "out" / f"fault-hang-{page}.json").read_text())
+    record = json.loads((tmp_path / "out" / f"fault-hang-{page}.json").read_text())
+    assert record["pgid"] and all(record["pids"])  # translated to our pids (host_pid)
+    return record
 
 
 def test_probe__own_group_limits_no_django_no_secrets(tmp_path, monkeypatch):
@@ -149,13 +153,33 @@ converter.convert_page(prepared=prepared, page=1, output="text",
     limits=Limits(page_timeout_s=600), should_stop=lambda: False)
 """
     worker = subprocess.Popen(
-        [sys.executable, "-c", script], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        env={
+            **os.environ,
+            "PYTHONPATH": str(REPO),
+            sandbox.ROOT_ENV: str(sandbox.sandbox_dirs_parent().parent),
+        },
     )
-    record_path = tmp_path / "out" / "fault-hang-1.json"
+    # The worker is killed before it could hand the record out: read it where the child wrote
+    # it (its private directory, in the worker's sandbox when sandboxed) and translate its pids.
+    pattern = (
+        "*/work/.isolated-*/out/fault-hang-1.json"
+        if sandbox.enabled()
+        else "out/.isolated-*/out/fault-hang-1.json"
+    )
+    base = sandbox.sandbox_dirs_parent() if sandbox.enabled() else tmp_path
     deadline = time.monotonic() + 15
-    while not record_path.exists() and time.monotonic() < deadline:
+    found: list[Path] = []
+    while not found and time.monotonic() < deadline:
+        found = [
+            p for p in base.glob(pattern) if str(worker.pid) in str(p) or not sandbox.enabled()
+        ]
         time.sleep(0.05)
-    record = json.loads(record_path.read_text())
+    record = json.loads(found[0].read_text())
+    record["pids"] = [host_pid(record["pidns"], pid) for pid in record["pids"]]
+    record["pgid"] = host_pid(record["pidns"], record["pgid"])
+    assert record["pgid"] and all(record["pids"])
     child_stat = Path(f"/proc/{record['pids'][0]}/stat").read_bytes()
     zygote = int(child_stat[child_stat.rfind(b")") + 2 :].split()[1])  # the child's parent
     assert Path(f"/proc/{zygote}/comm").read_text().strip() == "quire-zygote"
@@ -177,8 +201,10 @@ def test_libreoffice__stop_kills_soffice_and_its_forks(tmp_path):
     source = testdocs.make_docx(tmp_path / "in.docx", paragraphs=["text"] * 200)
     seen: list[int] = []
 
+    area = str(child_area(tmp_path) / ".isolated-")
+
     def should_stop():
-        running = processes_mentioning(str(tmp_path))
+        running = processes_mentioning(area)
         if any(
             b"soffice" in Path(f"/proc/{pid}/cmdline").read_bytes() for pid in running if alive(pid)
         ):
@@ -199,7 +225,7 @@ def test_libreoffice__stop_kills_soffice_and_its_forks(tmp_path):
         )
     assert seen
     assert not any(alive(pid) for pid in seen)
-    assert processes_mentioning(str(tmp_path)) == []
+    assert processes_mentioning(area) == []
 
 
 def test_libreoffice__timeout_leaves_no_process(tmp_path):
@@ -207,6 +233,7 @@ def test_libreoffice__timeout_leaves_no_process(tmp_path):
     from conversion_jobs.converters.base import DOCX
 
     source = testdocs.make_docx(tmp_path / "in.docx", paragraphs=["text"])
+    area = str(child_area(tmp_path) / ".isolated-")
     with pytest.raises(ConversionTimeout):
         converter_for(DOCX, "text").prepare(
             source=source,
@@ -215,7 +242,7 @@ def test_libreoffice__timeout_leaves_no_process(tmp_path):
             limits=Limits(prepare_timeout_s=0.7),
             should_stop=never,
         )
-    assert processes_mentioning(str(tmp_path)) == []
+    assert processes_mentioning(area) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.docx"]
 
 
@@ -227,7 +254,8 @@ def test_fork_server__a_stuck_zygote_is_replaced(tmp_path, monkeypatch):
     monkeypatch.setattr(zygote, "ANSWER_TIMEOUT_S", 1.0)
     zygote.stop_zygote()
     first = zygote.zygote()
-    os.kill(first.proc.pid, signal.SIGSTOP)
+    stuck = first.pid  # the fork server itself (sandboxed, first.proc is bwrap)
+    os.kill(stuck, signal.SIGSTOP)
     try:
         started = time.monotonic()
         info = run_isolated(
@@ -236,7 +264,7 @@ def test_fork_server__a_stuck_zygote_is_replaced(tmp_path, monkeypatch):
         assert time.monotonic() - started < 6
     finally:
         if first.proc.poll() is None:
-            os.kill(first.proc.pid, signal.SIGCONT)
+            os.kill(stuck, signal.SIGCONT)
     assert first.proc.poll() is not None  # the stuck one was killed
     second = zygote.zygote()
     assert second is not first and second.alive()

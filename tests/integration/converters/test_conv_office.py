@@ -1,9 +1,9 @@
 """LibreOffice headless conversions (real soffice; the first start may take ~10 s)."""
 
 import pypdfium2 as pdfium
-from convhelpers import convert_all
+from convhelpers import convert_all, private_dirs
 
-from conversion_jobs.converters import Limits, assemble_result, testdocs
+from conversion_jobs.converters import Limits, assemble_result, release, testdocs
 
 SLOW_START = Limits(page_timeout_s=30, prepare_timeout_s=120)
 
@@ -18,9 +18,14 @@ def test_docx_to_text__contains_source_text(tmp_path):
     text = "\f".join(a.path.read_text(encoding="utf-8") for a in artifacts)
     assert "Quire converts documents" in text
     assert "Second paragraph here" in text
-    # The private LibreOffice profile and the copy of the input are gone.
-    office_dir = prepared.document.parent.parent
-    assert sorted(p.name for p in office_dir.iterdir()) == ["out"]
+    # LibreOffice's PDF was handed out; its profile and the copy of the input went with its
+    # child's private directory.
+    assert prepared.document.parent == tmp_path and prepared.document.name.startswith("office-")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["in.docx", "pages", prepared.document.name]
+    )
+    release()  # the PDF's session ends with the attempt: nothing of LibreOffice's run is left
+    assert private_dirs(tmp_path) == []
 
 
 def test_docx_to_pdf__pages_and_subset(tmp_path):

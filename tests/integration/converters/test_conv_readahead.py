@@ -43,7 +43,7 @@ def test_read_ahead__the_child_converts_the_next_pages_before_they_are_asked_for
     assert first.path.read_text() == "Page 1 of the Quire test document"
     session = _session(doc, tmp_path)
     assert session.ahead == plan[1:]
-    later = tmp_path / "attempt" / "page-0010.txt"
+    later = session.inside("out", "page-0010.txt")  # the child's private directory
     deadline = time.monotonic() + 5
     while not later.exists() and time.monotonic() < deadline:
         time.sleep(0.01)

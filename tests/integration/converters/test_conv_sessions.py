@@ -1,12 +1,13 @@
 """One long-lived converter child per document and attempt: reuse, respawn, release, spare."""
 
 import os
+import signal
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from convhelpers import alive, never, prepare
+from convhelpers import alive, never, prepare, private_dirs
 
 from conversion_jobs.converters import (
     ConversionTimeout,
@@ -60,7 +61,7 @@ def _child(doc, tmp_path, limits=LIMITS):
 
 
 def _private_dirs(tmp_path):
-    return sorted((tmp_path / "attempt").glob(".isolated-*"))
+    return private_dirs(tmp_path / "attempt")
 
 
 def _written_bytes(pid):
@@ -194,10 +195,11 @@ def test_fork_server_killed__its_child_ends_itself_and_the_next_page_gets_a_new_
 
     pid = _child(doc, tmp_path)
     server = zygote.zygote()
-    server.proc.kill()
+    os.kill(server.pid, signal.SIGKILL)  # the fork server itself (sandboxed, server.proc is bwrap)
     server.proc.wait()
     deadline = time.monotonic() + 3
-    while alive(pid) and time.monotonic() < deadline:  # its watchdog sees the parent gone
+    # Sandboxed, the whole pid namespace dies with it; otherwise its watchdog sees it gone.
+    while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not alive(pid)
     artifact = _convert(doc, tmp_path, 2)
