@@ -53,10 +53,17 @@ def _attempt(tmp_path: Path, name: str, *, tenant: str, options=None) -> dict:
         document=prepared.document, scratch_dir=workdir, limits=FAST, should_stop=never
     )
     probe = session.call("probe", {}, timeout_s=10, should_stop=never)
-    private = session.private
+    private, document, pid = session.private, session.document, session.pgid
     sessions.release()
     sessions.begin_attempt(tenant=None)
-    return {"pid": probe["pid"], "probe": probe, "private": private, "failure": failure}
+    # pid: as this host sees it (a sandboxed child has other pids inside)
+    return {
+        "pid": pid,
+        "probe": probe,
+        "private": private,
+        "document": document,
+        "failure": failure,
+    }
 
 
 def _alive(pid: int) -> bool:
@@ -76,7 +83,8 @@ def test_same_tenant_reuses__nothing_of_the_previous_attempt_is_visible(tmp_path
     # private directory, the earlier document no longer open.
     assert not first["private"].exists()
     assert second["probe"]["cwd"] != first["probe"]["cwd"]
-    assert second["probe"]["open_document"] == str(tmp_path / "a2" / "in.pdf")
+    assert second["probe"]["open_document"] == str(second["document"])
+    assert not first["document"].exists()
     assert str(tmp_path / "a1") not in str(second["probe"])
 
 
