@@ -210,10 +210,12 @@ def unique_pdf(path: Path, pages: int) -> Path:
 # -- 1. throughput --------------------------------------------------------------------------------
 
 
-def throughput(svc: Service, *, pages: int, split: int, outputs: list[str]) -> list[dict]:
+def throughput(
+    svc: Service, *, pages: int, split: int, outputs: list[str], sandbox: str = "on"
+) -> list[dict]:
     import pages_converter
 
-    worker = svc.worker(concurrency=2)
+    worker = svc.worker(concurrency=2, QUIRE_SANDBOX=sandbox)
     warm = [submit(unique_pdf(svc.scratch / f"warm{i}.pdf", 2), output="png") for i in range(2)]
     wait_terminal([j.id for j in warm])
     rows = []
@@ -237,6 +239,7 @@ def throughput(svc: Service, *, pages: int, split: int, outputs: list[str]) -> l
         service_pps = pages / elapsed
         rows.append(
             {
+                "sandbox": sandbox,
                 "output": output,
                 "direct_pages_s": direct["pages_s"],
                 "service_pages_s": service_pps,
@@ -245,13 +248,36 @@ def throughput(svc: Service, *, pages: int, split: int, outputs: list[str]) -> l
             }
         )
         print(
-            f"throughput {output}: direct {direct['pages_s']:.1f} pages/s, service "
-            f"{service_pps:.1f} pages/s ({split} jobs {rows[-1]['jobs']}), "
+            f"throughput {output}, sandbox {sandbox}: direct {direct['pages_s']:.1f} pages/s, "
+            f"service {service_pps:.1f} pages/s ({split} jobs {rows[-1]['jobs']}), "
             f"ratio {rows[-1]['ratio']:.2f}",
             flush=True,
         )
     svc.stop(worker)
     return rows
+
+
+#: Sandboxed page throughput within 5 % of unsandboxed (issue 10).
+TARGET_SANDBOX_RATIO = 0.95
+
+
+def sandbox_ratios(rows: list[dict]) -> None:
+    """Per output: service pages/s sandboxed / unsandboxed, and the same for the service /
+    direct ratios (which cancel the drift of a shared machine between the two runs)."""
+    by = {(row["sandbox"], row["output"]): row for row in rows}
+    for output in dict.fromkeys(row["output"] for row in rows):
+        on, off = by.get(("on", output)), by.get(("off", output))
+        if on is None or off is None:
+            continue
+        raw = on["service_pages_s"] / off["service_pages_s"]
+        normalised = on["ratio"] / off["ratio"]
+        verdict = "met" if normalised >= TARGET_SANDBOX_RATIO else "NOT met"
+        print(
+            f"sandbox on / off, {output}: pages/s {raw:.3f}; service/direct ratios "
+            f"{on['ratio']:.2f} / {off['ratio']:.2f} = {normalised:.3f} "
+            f"(target >= {TARGET_SANDBOX_RATIO}: {verdict})",
+            flush=True,
+        )
 
 
 # -- 2. peak RSS ----------------------------------------------------------------------------------
@@ -279,6 +305,15 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _named(pids: list[int], name: str) -> list[int]:
+    found = []
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/comm").read_text().strip() == name:
+                found.append(pid)
+    return found
+
+
 def _descendants(pid: int) -> list[int]:
     out = []
     for child in _children(pid):
@@ -300,7 +335,8 @@ def peak_rss(svc: Service, *, pages: int) -> dict:
             for pool in _children(main.pid):
                 hwm["pool"][pool] = max(hwm["pool"].get(pool, 0), _status_kb(pool, "VmHWM"))
                 total += _status_kb(pool, "VmRSS")
-                for zygote in _children(pool):  # the fork server, then the children it forked
+                # The fork server (inside bwrap when sandboxed), then the children it forked.
+                for zygote in _named(_descendants(pool), "quire-zygote"):
                     kb = _status_kb(zygote, "VmHWM")
                     hwm["zygote"][zygote] = max(hwm["zygote"].get(zygote, 0), kb)
                     total += _status_kb(zygote, "VmRSS")
@@ -522,13 +558,31 @@ def main() -> None:
     parser.add_argument("--engine-rss", type=int, default=200)
     parser.add_argument("--skip", default="")
     parser.add_argument("--keep", action="store_true")
+    parser.add_argument(
+        "--sandbox",
+        choices=["both", "on", "off"],
+        default="both",
+        help="converter sandbox setting(s) for the throughput part (both: on, then off)",
+    )
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     print(f"load at start: {os.getloadavg()}", flush=True)
     suffix = "" if TEMPLATE_VHOST == "quire" else "_" + TEMPLATE_VHOST.removeprefix("quire_")
     with service("quire_cx_pages" + suffix, keep=args.keep) as svc:
         if "throughput" not in skip:
-            throughput(svc, pages=args.pages, split=args.split, outputs=args.outputs.split(","))
+            modes = ["on", "off"] if args.sandbox == "both" else [args.sandbox]
+            rows = [
+                row
+                for mode in modes
+                for row in throughput(
+                    svc,
+                    pages=args.pages,
+                    split=args.split,
+                    outputs=args.outputs.split(","),
+                    sandbox=mode,
+                )
+            ]
+            sandbox_ratios(rows)
         if "rss" not in skip:
             peak_rss(svc, pages=args.rss_pages)
         if "docx" not in skip:

@@ -2,6 +2,7 @@
 (issue 3, performance).
 
     .venv/bin/python bench/throughput.py [--n 5000] [--layout 1x2|2x1] [--accept-threads 4]
+        [--sandbox both|on|off] [--child-starts 300]
 
 What runs:
 
@@ -24,6 +25,13 @@ Measured window, both phases: first task start (Quire: the first ``conversion_at
 Celery: the first no-op's start) to the last completion (Quire: the last
 ``conversion_job.finished_at``; Celery: the last no-op's finish). Worker boot is outside it and
 printed separately. jobs/s = N / window; the ratio Quire / Celery has a target of >= 0.7.
+
+Converter sandbox (issue 10, docs/adr/0013-converter-sandbox.md): ``--sandbox both`` (default)
+runs the quire phase twice in the same run, each in a fresh stack, with ``QUIRE_SANDBOX=on`` and
+``=off``; the ratio on / off has a target of >= 0.9 (the Quire / Celery ratio uses the sandboxed
+phase). Before the phases, ``--child-starts`` converter children are started in this process
+with each setting, and their start (spawn from the fork server + setup: private directory,
+limits) and end (kill + reap + group check) times are printed as p50 / p99.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ import _common as c
 
 DB_NAME = "quire_tp"
 TARGET_RATIO = 0.7
+TARGET_SANDBOX_RATIO = 0.9
 
 
 @dataclass
@@ -242,6 +251,46 @@ def phase_quire(
     return phase
 
 
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def child_starts(*, n: int, mode: str) -> str:
+    """Start ``n`` converter children (spawn + setup) and end them (kill + reap), sandbox
+    ``mode``; one line with p50 / p99 of each, in ms."""
+    from conversion_jobs.converters import Limits, sandbox, sessions
+    from conversion_jobs.converters.isolation import ChildSession
+
+    os.environ[sandbox.MODE_ENV] = mode
+    scratch = Path(tempfile.mkdtemp(prefix="quire-bench-starts-"))
+    sandbox.configure(work_dir=scratch / "work")
+    starts, ends = [], []
+    try:
+        # The fork server starts and preloads (its first answer comes after), not on the clock.
+        ChildSession().close()
+        for _ in range(n):
+            t0 = time.perf_counter()
+            session = ChildSession()
+            session.setup(limits=Limits(), scratch_dir=scratch, should_stop=lambda: False)
+            t1 = time.perf_counter()
+            session.close()
+            t2 = time.perf_counter()
+            starts.append((t1 - t0) * 1000)
+            ends.append((t2 - t1) * 1000)
+    finally:
+        sessions.release_all()
+        os.environ.pop(sandbox.MODE_ENV, None)
+        import shutil
+
+        shutil.rmtree(scratch, ignore_errors=True)
+    return (
+        f"child start (spawn + setup), sandbox {mode:<3}: p50 {_percentile(starts, 0.5):6.2f} ms"
+        f"  p99 {_percentile(starts, 0.99):6.2f} ms;  end (kill + reap): p50 "
+        f"{_percentile(ends, 0.5):6.2f} ms  p99 {_percentile(ends, 0.99):6.2f} ms  (n={n})"
+    )
+
+
 def report(*, phases: list[Phase], load: str, layout: str, n: int) -> None:
     print()
     print(
@@ -250,7 +299,7 @@ def report(*, phases: list[Phase], load: str, layout: str, n: int) -> None:
     )
     print()
     header = (
-        f"{'phase':<14} {'done':>6} {'window s':>9} {'jobs/s':>8} {'boot->last s':>13} "
+        f"{'phase':<18} {'done':>6} {'window s':>9} {'jobs/s':>8} {'boot->last s':>13} "
         f"{'worker CPU ms/job':>18} {'machine ms/job':>15} {'rabbitmq ms/job':>16}"
     )
     print(header)
@@ -258,7 +307,7 @@ def report(*, phases: list[Phase], load: str, layout: str, n: int) -> None:
     for p in phases:
         per = 1000 / p.done if p.done else float("nan")
         print(
-            f"{p.name:<14} {p.done:>6} {p.window_s:>9.2f} {p.per_s:>8.1f} "
+            f"{p.name:<18} {p.done:>6} {p.window_s:>9.2f} {p.per_s:>8.1f} "
             f"{p.boot_to_last_s:>13.2f} {p.worker_cpu_s * per:>18.2f} "
             f"{p.machine_cpu_s * per:>15.2f} {p.rabbitmq_cpu_s * per:>16.2f}"
         )
@@ -271,12 +320,19 @@ def report(*, phases: list[Phase], load: str, layout: str, n: int) -> None:
         for note in p.notes:
             print(f"  {p.name}: {note}")
     by = {p.name: p for p in phases}
-    if "quire" in by and "celery no-op" in by:
-        ratio = by["quire"].per_s / by["celery no-op"].per_s
+    quire = by.get("quire sandbox on") or by.get("quire sandbox off")
+    if quire is not None and "celery no-op" in by:
+        ratio = quire.per_s / by["celery no-op"].per_s
         print()
         print(
-            f"ratio quire / celery   {ratio:6.3f}   target >= {TARGET_RATIO}   "
+            f"ratio {quire.name} / celery   {ratio:6.3f}   target >= {TARGET_RATIO}   "
             f"{c.verdict(ratio >= TARGET_RATIO)}"
+        )
+    if "quire sandbox on" in by and "quire sandbox off" in by:
+        ratio = by["quire sandbox on"].per_s / by["quire sandbox off"].per_s
+        print(
+            f"ratio sandbox on / off   {ratio:6.3f}   target >= {TARGET_SANDBOX_RATIO}   "
+            f"{c.verdict(ratio >= TARGET_SANDBOX_RATIO)}"
         )
     print(f"load average at end {c.load_average()}")
 
@@ -291,26 +347,39 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per phase")
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument("--keep", action="store_true", help="keep the database, storage, logs")
+    parser.add_argument(
+        "--sandbox",
+        choices=["both", "on", "off"],
+        default="both",
+        help="converter sandbox setting(s) of the quire phase (both: on, then off)",
+    )
+    parser.add_argument(
+        "--child-starts", type=int, default=300, help="converter child starts timed per setting"
+    )
     args = parser.parse_args()
     procs, concurrency = (int(x) for x in args.layout.split("x"))
     load = c.load_average()
     print(f"load average at start {load}", flush=True)
+    modes = ["on", "off"] if args.sandbox == "both" else [args.sandbox]
+    starts = [child_starts(n=args.child_starts, mode=m) for m in modes if args.child_starts]
+    for line in starts:
+        print(line, flush=True)
     phases: list[Phase] = []
-    with c.quire_stack(db_name=DB_NAME, keep=args.keep) as stack:
-        if not args.skip_baseline:
-            phases.append(
-                phase_celery(
-                    stack=stack,
-                    n=args.n,
-                    procs=procs,
-                    concurrency=concurrency,
-                    timeout=args.timeout,
+    for index, mode in enumerate(modes):
+        with c.quire_stack(db_name=DB_NAME, keep=args.keep, QUIRE_SANDBOX=mode) as stack:
+            if index == 0 and not args.skip_baseline:
+                phases.append(
+                    phase_celery(
+                        stack=stack,
+                        n=args.n,
+                        procs=procs,
+                        concurrency=concurrency,
+                        timeout=args.timeout,
+                    )
                 )
-            )
-            print(f"celery phase done: {phases[-1].per_s:.1f}/s", flush=True)
-        with contextlib.suppress(KeyboardInterrupt):
-            phases.append(
-                phase_quire(
+                print(f"celery phase done: {phases[-1].per_s:.1f}/s", flush=True)
+            with contextlib.suppress(KeyboardInterrupt):
+                phase = phase_quire(
                     stack=stack,
                     n=args.n,
                     procs=procs,
@@ -318,8 +387,12 @@ def main() -> int:
                     accept_threads=args.accept_threads,
                     timeout=args.timeout,
                 )
-            )
+                phase.name = f"quire sandbox {mode}"
+                phases.append(phase)
+                print(f"{phase.name} done: {phase.per_s:.1f}/s", flush=True)
     report(phases=phases, load=load, layout=args.layout, n=args.n)
+    for line in starts:
+        print(line)
     return 0
 
 

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# Installs everything Quire needs on a fresh Debian machine (idempotent): LibreOffice and
-# tesseract from Debian, a virtualenv with the project and its dev extras.
+# Installs everything Quire needs on a fresh Debian machine (idempotent): LibreOffice, tesseract
+# and the converter sandbox (bubblewrap; util-linux's unshare and setpriv) from Debian, a
+# virtualenv with the project and its dev extras.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 need_apt=()
 command -v soffice >/dev/null 2>&1 || need_apt+=(libreoffice-writer-nogui libreoffice-calc-nogui libreoffice-impress-nogui)
 command -v tesseract >/dev/null 2>&1 || need_apt+=(tesseract-ocr tesseract-ocr-eng)
+command -v bwrap >/dev/null 2>&1 || need_apt+=(bubblewrap)
+{ command -v unshare && command -v setpriv; } >/dev/null 2>&1 || need_apt+=(util-linux)
 if [ ${#need_apt[@]} -gt 0 ]; then
     echo "setup: installing ${need_apt[*]}"
     export DEBIAN_FRONTEND=noninteractive
@@ -21,4 +24,9 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 .venv/bin/python -m pip install -q -e ".[dev]" 2>&1 | grep -v -i "warning" || true
 .venv/bin/python -c "import django, celery, pypdfium2" # fail here, not later, if the install broke
+# The converter sandbox (docs/adr/0013-converter-sandbox.md) needs user namespaces.
+if [ "$(cat /proc/sys/user/max_user_namespaces 2>/dev/null || echo 0)" = "0" ]; then
+    echo "setup: WARNING user namespaces are disabled (user.max_user_namespaces=0):" \
+        "the converter sandbox cannot start; workers will not consume conversions" >&2
+fi
 echo "setup: ok ($(.venv/bin/python --version))"

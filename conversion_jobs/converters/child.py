@@ -12,6 +12,7 @@ Django.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import resource
@@ -21,7 +22,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NoReturn
 
@@ -95,7 +96,45 @@ def _open_document() -> str | None:
     return key[0] if key else None
 
 
-OPS = {
+def _op_attempt_access(
+    *, files: list[str], unix_sockets: list[str], tcp: list[list], limits: Limits
+) -> dict:
+    """Test only (the worker sends it only with QUIRE_ENABLE_TEST_FAULTS=1, see
+    ``isolation.TEST_OPS``): try to read each file, connect to each Unix socket and TCP
+    address; report "ok" or the error for each. Sandboxed, every one must fail."""
+    import socket
+
+    def attempt(action: Callable[[], None]) -> str:
+        try:
+            action()
+            return "ok"
+        except OSError as exc:
+            return f"{type(exc).__name__}: {exc.strerror or exc}"
+
+    def read(path: str) -> None:
+        with open(path, "rb") as fh:
+            fh.read(1)
+
+    def unix(path: str) -> None:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(2)
+            sock.connect(path)
+
+    def connect(host: str, port: int) -> None:
+        with socket.create_connection((host, port), timeout=2):
+            pass
+
+    return {
+        "files": {path: attempt(functools.partial(read, path)) for path in files},
+        "unix_sockets": {path: attempt(functools.partial(unix, path)) for path in unix_sockets},
+        "tcp": {
+            f"{host}:{port}": attempt(functools.partial(connect, host, int(port)))
+            for host, port in tcp
+        },
+    }
+
+
+OPS: dict[str, Callable[..., dict]] = {
     "pdf_prepare": _op_pdf_prepare,
     "pdf_page": _op_pdf_page,
     "image_prepare": _op_image_prepare,
@@ -104,6 +143,7 @@ OPS = {
     "office_engine_convert": _op_office_engine_convert,
     "office_engine_start": _op_office_engine_start,
     "probe": _op_probe,
+    "attempt_access": _op_attempt_access,
 }
 PAGE_OPS = frozenset({"pdf_page", "image_page"})
 #: ``pages``: one request, one answer line per page, in order (read-ahead, see isolation.py).

@@ -48,6 +48,8 @@ logger = logging.getLogger(__name__)
 
 #: Set to "1" in the worker's environment to let options["_test_fault"] reach the child.
 TEST_FAULTS_ENV = "QUIRE_ENABLE_TEST_FAULTS"
+#: Child operations only sent with TEST_FAULTS_ENV=1 (the sandbox tests' escape attempts).
+TEST_OPS = frozenset({"attempt_access"})
 POLL_MAX_S = 0.1
 GROUP_EXIT_WAIT_S = 5.0
 
@@ -177,6 +179,8 @@ class ChildSession:
         """Send one request and wait for its answer; see the module docstring for failures."""
         if self.closed:
             raise ConverterCrashed("the converter session is closed")
+        if op in TEST_OPS and os.environ.get(TEST_FAULTS_ENV) != "1":
+            raise RuntimeError(f"{op} is a test operation ({TEST_FAULTS_ENV}=1 only)")
         if self.ahead:
             self.close()  # answers of a read-ahead are still due: never mix them with this one
             raise ConverterCrashed("the converter session had unread pages")

@@ -17,6 +17,43 @@ from .pdfops import pdf_prepare
 
 _EXTENSIONS = {DOCX: ".docx", PPTX: ".pptx", XLSX: ".xlsx", ODT: ".odt", DOC: ".doc", RTF: ".rtf"}
 
+#: (configuration path, property, value) written into every per-call profile: defence in depth
+#: behind the sandbox (DESIGN §7.8). A document's links to files or URLs (linked images, OLE and
+#: DDE links, sections) are neither loaded nor updated, and no macro runs.
+#: * BlockUntrustedRefererLinks: no external resource is loaded on behalf of a document that is
+#:   not in a trusted location (none is configured): linked images in DOCX (``r:link``) and ODT
+#:   (``draw:image xlink:href``) stay empty.
+#: * Writer/Calc Update/Link = never (Writer 0 = never; Calc 1 = never).
+#: * Macros: security level "very high" (3) and execution disabled.
+#: LibreOffice 7.4's RTF import still reads an ``INCLUDEPICTURE`` target itself; only the sandbox
+#: stops that one (tests/integration/converters/test_conv_sandbox.py covers both layers).
+PROFILE_SETTINGS = (
+    ("/org.openoffice.Office.Common/Security/Scripting", "BlockUntrustedRefererLinks", "true"),
+    ("/org.openoffice.Office.Common/Security/Scripting", "MacroSecurityLevel", "3"),
+    ("/org.openoffice.Office.Common/Security/Scripting", "DisableMacrosExecution", "true"),
+    ("/org.openoffice.Office.Writer/Content/Update", "Link", "0"),
+    ("/org.openoffice.Office.Calc/Content/Update", "Link", "1"),
+    ("/org.openoffice.Office.Common/Misc", "FirstRun", "false"),
+)
+
+
+def write_profile(profile: Path) -> None:
+    """A fresh LibreOffice user profile holding ``PROFILE_SETTINGS``."""
+    items = "".join(
+        f'<item oor:path="{path}"><prop oor:name="{name}" oor:op="fuse">'
+        f"<value>{value}</value></prop></item>\n"
+        for path, name, value in PROFILE_SETTINGS
+    )
+    user = profile / "user"
+    user.mkdir(parents=True, exist_ok=True)
+    (user / "registrymodifications.xcu").write_text(
+        '<?xml version="1.0" encoding="UTF-8"?>\n'
+        '<oor:items xmlns:oor="http://openoffice.org/2001/registry"'
+        ' xmlns:xs="http://www.w3.org/2001/XMLSchema"'
+        ' xmlns:xsi="http://www.w3.org/2001/XMLSchema-instance">\n'
+        f"{items}</oor:items>\n"
+    )
+
 
 def office_prepare(*, path: str, media_type: str, base: str, limits: Limits) -> dict:
     """Convert to PDF in ``base`` (a fresh directory) with a private LibreOffice profile."""
@@ -27,6 +64,7 @@ def office_prepare(*, path: str, media_type: str, base: str, limits: Limits) -> 
     # LibreOffice picks its import filter partly by extension; the name is ours, never the client's.
     source = inbox / ("document" + _EXTENSIONS[media_type])
     shutil.copyfile(path, source)
+    write_profile(profile)
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "HOME": str(home),

@@ -138,6 +138,7 @@ class SandboxRoot:
         self.uid, self.gid = _ids()
         parent = sandbox_dirs_parent()
         parent.mkdir(parents=True, exist_ok=True)
+        remove_stale(parent)
         self.path = parent / f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.path.mkdir(mode=0o711)
         self.work = self.path / "work"
@@ -167,6 +168,21 @@ class SandboxRoot:
 
     def remove(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
+
+
+def remove_stale(parent: Path) -> None:
+    """Remove the sandbox directories of processes that no longer exist (a worker killed with
+    SIGKILL cannot remove its own). ``<pid>-<hex>``: a directory is kept while its pid lives."""
+    for entry in list(os.scandir(parent)) if parent.is_dir() else []:
+        pid = entry.name.split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(entry.path, ignore_errors=True)
+        except PermissionError:
+            pass  # alive, another user's
 
 
 def _bwrap() -> str:

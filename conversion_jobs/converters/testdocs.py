@@ -305,3 +305,124 @@ def make_zip_as_pdf(path: Path) -> Path:
         zf.writestr("document.pdf", pdf_bytes(pages=1))
         zf.writestr("readme.txt", "not a PDF")
     return Path(path)
+
+
+# -- documents that link to outside content (issue 10: sandbox tests) -----------------------------
+
+
+def make_rtf_includepicture(path: Path, *, target: str, text: str = "linked picture") -> Path:
+    """An RTF whose INCLUDEPICTURE field asks the reader to load ``target`` (a path or URL)."""
+    escaped = target.replace("\\", "\\\\")
+    field = (
+        '{\\field{\\*\\fldinst { INCLUDEPICTURE "' + escaped + '" \\\\* MERGEFORMAT }}{\\fldrslt }}'
+    )
+    header = "{\\rtf1\\ansi\\deff0{\\fonttbl{\\f0 Helvetica;}}\\f0\\fs24\n"
+    Path(path).write_text(header + text + "\\par\n" + field + "\\par\n}")
+    return Path(path)
+
+
+def make_docx_linked_image(path: Path, *, target: str, text: str = "linked picture") -> Path:
+    """A DOCX with an image that is not embedded but linked (``a:blip r:link``) to ``target``
+    (``file:///…`` or ``http://…``), as Word writes "Link to File"."""
+    import docx
+    from docx.opc.constants import RELATIONSHIP_TYPE as RT
+
+    document = docx.Document()
+    document.add_paragraph(text)
+    part = document.part
+    rel_id = part.relate_to(target, RT.IMAGE, is_external=True)
+    drawing = (
+        '<w:r xmlns:w="http://schemas.openxmlformats.org/wordprocessingml/2006/main"'
+        ' xmlns:wp="http://schemas.openxmlformats.org/drawingml/2006/wordprocessingDrawing"'
+        ' xmlns:a="http://schemas.openxmlformats.org/drawingml/2006/main"'
+        ' xmlns:pic="http://schemas.openxmlformats.org/drawingml/2006/picture"'
+        ' xmlns:r="http://schemas.openxmlformats.org/officeDocument/2006/relationships">'
+        '<w:drawing><wp:inline><wp:extent cx="3000000" cy="3000000"/><wp:docPr id="1" name="p"/>'
+        '<a:graphic><a:graphicData uri="http://schemas.openxmlformats.org/drawingml/2006/picture">'
+        '<pic:pic><pic:nvPicPr><pic:cNvPr id="1" name="p"/><pic:cNvPicPr/></pic:nvPicPr>'
+        f'<pic:blipFill><a:blip r:link="{rel_id}"/><a:stretch><a:fillRect/></a:stretch>'
+        '</pic:blipFill><pic:spPr><a:xfrm><a:off x="0" y="0"/><a:ext cx="3000000" cy="3000000"/>'
+        '</a:xfrm><a:prstGeom prst="rect"><a:avLst/></a:prstGeom></pic:spPr></pic:pic>'
+        "</a:graphicData></a:graphic></wp:inline></w:drawing></w:r>"
+    )
+    from docx.oxml import parse_xml
+
+    document.add_paragraph()._p.append(parse_xml(drawing))
+    document.save(str(path))
+    return Path(path)
+
+
+def make_odt_linked_image(path: Path, *, target: str, text: str = "linked picture") -> Path:
+    """An ODT with a ``draw:image`` whose ``xlink:href`` points at ``target`` (not embedded)."""
+    from xml.sax.saxutils import escape, quoteattr
+
+    content = (
+        '<?xml version="1.0" encoding="UTF-8"?>'
+        '<office:document-content xmlns:office="urn:oasis:names:tc:opendocument:xmlns:office:1.0"'
+        ' xmlns:text="urn:oasis:names:tc:opendocument:xmlns:text:1.0"'
+        ' xmlns:draw="urn:oasis:names:tc:opendocument:xmlns:drawing:1.0"'
+        ' xmlns:xlink="http://www.w3.org/1999/xlink"'
+        ' xmlns:svg="urn:oasis:names:tc:opendocument:xmlns:svg-compatible:1.0"'
+        ' office:version="1.2"><office:body><office:text>'
+        f"<text:p>{escape(text)}"
+        '<draw:frame draw:name="p" text:anchor-type="as-char" svg:width="8cm" svg:height="8cm">'
+        f'<draw:image xlink:href={quoteattr(target)} xlink:type="simple"'
+        ' xlink:show="embed" xlink:actuate="onLoad"/></draw:frame></text:p>'
+        "</office:text></office:body></office:document-content>"
+    )
+    manifest = (
+        '<?xml version="1.0" encoding="UTF-8"?>'
+        '<manifest:manifest xmlns:manifest="urn:oasis:names:tc:opendocument:xmlns:manifest:1.0"'
+        ' manifest:version="1.2">'
+        '<manifest:file-entry manifest:full-path="/"'
+        ' manifest:media-type="application/vnd.oasis.opendocument.text"/>'
+        '<manifest:file-entry manifest:full-path="content.xml" manifest:media-type="text/xml"/>'
+        "</manifest:manifest>"
+    )
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr(
+            zipfile.ZipInfo("mimetype"),
+            "application/vnd.oasis.opendocument.text",
+            compress_type=zipfile.ZIP_STORED,
+        )
+        zf.writestr("content.xml", content, compress_type=zipfile.ZIP_DEFLATED)
+        zf.writestr("META-INF/manifest.xml", manifest, compress_type=zipfile.ZIP_DEFLATED)
+    return Path(path)
+
+
+def make_pdf_with_actions(path: Path, *, launch: str, uri: str) -> Path:
+    """A one-page PDF whose OpenAction launches ``launch`` and whose page has a /URI link
+    annotation to ``uri`` (a reader must never act on either while converting)."""
+    body = pdf_bytes(pages=1)
+    # Rewrite with pypdf: an OpenAction /Launch and a /URI link annotation on page 1.
+    from pypdf import PdfReader, PdfWriter
+    from pypdf.generic import (
+        ArrayObject,
+        DictionaryObject,
+        FloatObject,
+        NameObject,
+        TextStringObject,
+    )
+
+    writer = PdfWriter(clone_from=PdfReader(io.BytesIO(body)))
+    launch_action = DictionaryObject(
+        {
+            NameObject("/S"): NameObject("/Launch"),
+            NameObject("/F"): TextStringObject(launch),
+        }
+    )
+    writer._root_object[NameObject("/OpenAction")] = writer._add_object(launch_action)
+    annotation = DictionaryObject(
+        {
+            NameObject("/Type"): NameObject("/Annot"),
+            NameObject("/Subtype"): NameObject("/Link"),
+            NameObject("/Rect"): ArrayObject([FloatObject(v) for v in (36, 36, 300, 300)]),
+            NameObject("/A"): DictionaryObject(
+                {NameObject("/S"): NameObject("/URI"), NameObject("/URI"): TextStringObject(uri)}
+            ),
+        }
+    )
+    writer.pages[0][NameObject("/Annots")] = ArrayObject([writer._add_object(annotation)])
+    with open(path, "wb") as fh:
+        writer.write(fh)
+    return Path(path)

@@ -16,7 +16,7 @@ from django.conf import settings
 from django.db import connection
 
 from conversion_jobs import storage
-from conversion_jobs.converters import TEST_FAULTS_ENV, zygote
+from conversion_jobs.converters import TEST_FAULTS_ENV, engines, zygote
 from conversion_jobs.models import ConversionJob
 from conversion_jobs.services.acceptance import StagedUpload, conversion_job_accept
 from conversion_jobs.services.runner import conversion_job_execute
@@ -97,12 +97,27 @@ class Worker(threading.Thread):
 
 
 def work_dir_entries() -> list[Path]:
+    """Everything in WORK_DIR except the skeleton of live converter sandboxes (their ``work``
+    and ``tmp`` directories, account files and, when WORK_DIR is under /tmp, the mount point
+    of ``work`` inside the sandbox's /tmp). A private directory or a file left by a converter
+    child in a sandbox counts."""
     root = Path(settings.QUIRE["WORK_DIR"])
-    # ``.engines`` holds warm engines that outlive attempts (ADR 0019; tested on their own).
-    engines = root / ".engines"
     if not root.exists():
         return []
-    return sorted(p for p in root.rglob("*") if p != engines and engines not in p.parents)
+    skeleton = {root / ".sandbox"}
+    for box in (root / ".sandbox").glob("*"):
+        skeleton |= {box, box / "work", box / "tmp", box / "passwd", box / "group"}
+        work_inside = str(box / "work").lstrip("/").removeprefix("tmp/")
+        mount_point = box / "tmp" / work_inside
+        skeleton |= {mount_point, *mount_point.parents}
+    # A warm engine outlives attempts (ADR 0019; what it keeps is tested on its own): its
+    # private directory, and with the sandbox off ``.engines``, are not an attempt's leftovers.
+    kept = [root / ".engines", engines.host_private()]
+    return sorted(
+        p
+        for p in root.rglob("*")
+        if p not in skeleton and not any(k is not None and (p == k or k in p.parents) for k in kept)
+    )
 
 
 def result_files(job_id: uuid.UUID) -> list[Path]:
@@ -111,18 +126,22 @@ def result_files(job_id: uuid.UUID) -> list[Path]:
 
 
 def converter_children(job_id: uuid.UUID) -> list[int]:
-    """Live converter child processes working for ``job_id`` (their cwd is in its work dir)."""
-    job_dir = str(Path(settings.QUIRE["WORK_DIR"]).resolve() / str(job_id))
+    """Live converter child processes working for ``job_id``: their cwd is their private
+    directory, in the job's work dir (sandbox off) or in a converter sandbox under WORK_DIR
+    (the tests run one job at a time)."""
+    work_dir = Path(settings.QUIRE["WORK_DIR"]).resolve()
+    places = (str(work_dir / str(job_id)) + "/", str(work_dir / ".sandbox") + "/")
+    engine_host = engines.host_pgid()  # the warm engine serves attempts, it is not one
     found = []
     for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
+        if not entry.name.isdigit() or int(entry.name) == engine_host:
             continue
         try:
             with open(f"/proc/{entry.name}/comm", "rb") as fh:
                 name = fh.read().strip()
             if name != CHILD_NAME.encode():
                 continue
-            if os.readlink(f"/proc/{entry.name}/cwd").startswith(job_dir):
+            if os.readlink(f"/proc/{entry.name}/cwd").startswith(places):
                 found.append(int(entry.name))
         except OSError:
             continue

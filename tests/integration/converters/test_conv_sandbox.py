@@ -1,0 +1,121 @@
+"""The converter sandbox at the converter level (DESIGN §7.8): its /tmp, the off switch, and a
+sandbox that cannot be set up. The attacks through real jobs are in
+tests/integration/execution/test_execution_sandbox.py."""
+
+import glob
+import os
+from pathlib import Path
+
+import pytest
+from convhelpers import never
+
+from conversion_jobs.converters import (
+    ConversionError,
+    Limits,
+    SandboxUnavailable,
+    converter_for,
+    release,
+    sandbox,
+    sessions,
+    testdocs,
+    zygote,
+)
+from conversion_jobs.converters.base import DOCX
+from conversion_jobs.converters.isolation import ChildSession
+
+pytestmark = pytest.mark.usefixtures("no_children_left_behind")
+
+
+@pytest.fixture
+def fresh_probe():
+    """Forget the cached probe before and after (the environment changes in these tests)."""
+    sandbox._probe_cache = None
+    sessions.release_all()
+    yield
+    sessions.release_all()
+    sandbox._probe_cache = None
+
+
+def test_libreoffice_killed_at_the_memory_limit__leaves_no_osl_pipe_on_the_host(tmp_path):
+    """Unsandboxed, a LibreOffice that dies under RLIMIT_AS leaves /tmp/OSL_PIPE_<uid>_… behind
+    (issue 10). Sandboxed its /tmp is the sandbox's own, emptied when the attempt ends."""
+    source = testdocs.make_docx(tmp_path / "in.docx", paragraphs=["memory"] * 50)
+    before = set(glob.glob("/tmp/OSL_PIPE_*"))
+    with pytest.raises(ConversionError):
+        converter_for(DOCX, "text").prepare(
+            source=source,
+            media_type=DOCX,
+            workdir=tmp_path,
+            limits=Limits(memory_bytes=300_000_000, prepare_timeout_s=60),
+            should_stop=never,
+        )
+    assert set(glob.glob("/tmp/OSL_PIPE_*")) - before == set()
+    root = zygote.zygote().root
+    assert root is not None
+    release()
+    assert list(root.tmp.iterdir()) == []
+
+
+def test_document__reaches_the_child_as_a_copy_in_its_private_directory(tmp_path):
+    source = testdocs.make_pdf(tmp_path / "doc.pdf", pages=2)
+    session = sessions.open_session(
+        document=source, scratch_dir=tmp_path, limits=Limits(), should_stop=never
+    )
+    assert session.document is not None and session.private is not None
+    assert session.document.parent.parent == session.private
+    assert session.document.read_bytes() == source.read_bytes()
+    assert session.document.stat().st_ino != source.stat().st_ino
+    root = session.proc.sandbox_root
+    assert root is not None and session.private.parent == root.work
+
+
+def test_off_switch__children_share_the_worker_namespaces(tmp_path, fresh_probe, monkeypatch):
+    monkeypatch.setenv(sandbox.MODE_ENV, "off")
+    assert sandbox.probe().as_dict() == {
+        "mode": "off",
+        "available": False,
+        "reason": "turned off by QUIRE_SANDBOX=off",
+    }
+    with ChildSession() as session:
+        session.setup(limits=Limits(), scratch_dir=tmp_path, should_stop=never)
+        pid = session.proc.pid
+        assert session.proc.sandbox_root is None
+        assert os.readlink(f"/proc/{pid}/ns/net") == os.readlink("/proc/self/ns/net")
+        assert session.private is not None and session.private.parent == tmp_path
+
+
+def test_unavailable__no_child_starts_and_the_error_is_retryable(
+    tmp_path, fresh_probe, monkeypatch
+):
+    """A sandbox that cannot be set up (here: a uid of 0 configured) refuses to start any
+    child: sandbox_unavailable, retryable, and the probe says why."""
+    monkeypatch.setenv(sandbox.UID_ENV, "0")
+    status = sandbox.probe()
+    assert (status.enabled, status.available) == (True, False)
+    assert "must not be 0" in (status.reason or "")
+    with pytest.raises(SandboxUnavailable) as info:
+        ChildSession()
+    assert (info.value.code, info.value.retryable) == ("sandbox_unavailable", True)
+    sessions.warm()  # the worker's background start-up does not fail, it just has no spare
+    assert sessions._spare is None
+
+
+def test_unavailable__without_bubblewrap(tmp_path, fresh_probe, monkeypatch):
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    status = sandbox.probe()
+    assert not status.available and "bwrap" in (status.reason or "")
+
+
+def test_stale_sandbox_directories_of_dead_processes_are_removed(tmp_path, fresh_probe):
+    parent = sandbox.sandbox_dirs_parent()
+    parent.mkdir(parents=True, exist_ok=True)
+    dead = parent / "999999999-deadbeef0000"
+    (dead / "work").mkdir(parents=True)
+    mine = zygote.zygote().root
+    assert mine is not None and mine.path.is_dir()
+    sessions.release_all()
+    zygote.zygote()
+    assert not dead.exists()
+    assert Path(parent).is_dir()
