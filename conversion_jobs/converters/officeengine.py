@@ -38,6 +38,7 @@ from .errors import (
     InvalidPassword,
     error_from_code,
 )
+from .officeops import PROFILE_SETTINGS
 from .pdfops import pdf_prepare
 
 _EXTENSIONS = {DOCX: ".docx", PPTX: ".pptx", XLSX: ".xlsx", ODT: ".odt", DOC: ".doc", RTF: ".rtf"}
@@ -45,24 +46,18 @@ BRIDGE = Path(__file__).with_name("unobridge.py")
 #: LibreOffice's own Python, the one python3-uno is built for.
 UNO_PYTHON = "/usr/bin/python3"
 
-#: Profile settings written before the engine's first start: no document data may outlive a
-#: conversion in the profile (history, thumbnails, autosave/backup/recovery copies).
+#: Profile settings written before the engine's first start: those of every LibreOffice profile
+#: (officeops: no links followed, no macros) and, because this profile outlives a conversion,
+#: none that keeps document data (history, thumbnails, autosave/backup/recovery copies).
 _PROFILE_SETTINGS = (
-    ("/org.openoffice.Office.Common/History", "PickListSize", "int", "0"),
-    ("/org.openoffice.Office.Common/History", "RecentDocsThumbnail", "boolean", "false"),
-    ("/org.openoffice.Office.Common/Save/Document", "AutoSave", "boolean", "false"),
-    ("/org.openoffice.Office.Common/Save/Document", "CreateBackup", "boolean", "false"),
-    ("/org.openoffice.Office.Recovery/AutoSave", "Enabled", "boolean", "false"),
-    ("/org.openoffice.Office.Recovery/RecoveryInfo", "Enabled", "boolean", "false"),
-    ("/org.openoffice.Office.Common/Misc", "FirstRun", "boolean", "false"),
-    ("/org.openoffice.Office.Common/Misc", "ShowTipOfTheDay", "boolean", "false"),
-    ("/org.openoffice.Office.Common/Security/Scripting", "MacroSecurityLevel", "int", "3"),
-    (
-        "/org.openoffice.Office.Common/Security/Scripting",
-        "DisableMacrosExecution",
-        "boolean",
-        "true",
-    ),
+    *PROFILE_SETTINGS,
+    ("/org.openoffice.Office.Common/History", "PickListSize", "0"),
+    ("/org.openoffice.Office.Common/History", "RecentDocsThumbnail", "false"),
+    ("/org.openoffice.Office.Common/Save/Document", "AutoSave", "false"),
+    ("/org.openoffice.Office.Common/Save/Document", "CreateBackup", "false"),
+    ("/org.openoffice.Office.Recovery/AutoSave", "Enabled", "false"),
+    ("/org.openoffice.Office.Recovery/RecoveryInfo", "Enabled", "false"),
+    ("/org.openoffice.Office.Common/Misc", "ShowTipOfTheDay", "false"),
 )
 
 
@@ -72,7 +67,7 @@ def _seed_profile(profile: Path) -> None:
     items = "\n".join(
         f'<item oor:path="{path}"><prop oor:name="{name}" oor:op="fuse">'
         f"<value>{value}</value></prop></item>"
-        for path, name, _kind, value in _PROFILE_SETTINGS
+        for path, name, value in _PROFILE_SETTINGS
     )
     (user / "registrymodifications.xcu").write_text(
         '<?xml version="1.0" encoding="UTF-8"?>\n'
