@@ -185,11 +185,18 @@ def submit(path: Path, *, output: str, options: dict | None = None, tenant: str 
 
 
 def wait_terminal(job_ids: list, *, timeout: float = 900) -> list:
+    from django.db import OperationalError, connections
+
     from conversion_jobs.models import ConversionJob
 
     deadline = time.monotonic() + timeout
     while True:
-        jobs = list(ConversionJob.objects.filter(id__in=job_ids))
+        try:
+            jobs = list(ConversionJob.objects.filter(id__in=job_ids))
+        except OperationalError:  # Postgres restarted (someone else's outage test): poll again
+            connections.close_all()
+            time.sleep(0.5)
+            continue
         if all(j.finished_at is not None for j in jobs) and len(jobs) == len(job_ids):
             return jobs
         if time.monotonic() > deadline:
@@ -477,9 +484,23 @@ def _rate(jobs: list) -> float:
     return len(jobs) / span.total_seconds()
 
 
-def office_engine(svc: Service, *, runs: int, batch: int, rss_conversions: int) -> dict:
+def office_engine(
+    svc: Service, *, runs: int, batch: int, rss_conversions: int, parts: set[str]
+) -> dict:
     """Warm engine vs LibreOffice alone (fresh process), throughput engine off vs on with the
-    Procfile's worker, and the worker tree's RSS after 10 and after ``rss_conversions``."""
+    Procfile's worker, and the worker tree's RSS after 10 and after ``rss_conversions``.
+    ``parts``: which of ``e2e``, ``rate``, ``rss`` to run."""
+    out: dict = {}
+    if "e2e" in parts:
+        out.update(_engine_e2e(svc, runs=runs))
+    if "rate" in parts:
+        out.update(_engine_rate(svc, batch=batch))
+    if "rss" in parts:
+        out.update(_engine_rss(svc, rss_conversions=rss_conversions))
+    return out
+
+
+def _engine_e2e(svc: Service, *, runs: int) -> dict:
     base = svc.scratch / "soffice-engine"
     base.mkdir(parents=True, exist_ok=True)
     fresh = [
@@ -506,7 +527,12 @@ def office_engine(svc: Service, *, runs: int, batch: int, rss_conversions: int) 
         f"p95 ratio {p95 / alone:.2f} (target <= 0.6) {verdict(p95 / alone <= 0.6)}",
         flush=True,
     )
-    # (b) documents per second, the Procfile's worker (concurrency 2), engine off vs on
+    return {"soffice_fresh_s": fresh, "service_warm_s": times, "median_ratio": median / alone,
+            "p95_ratio": p95 / alone}  # fmt: skip
+
+
+def _engine_rate(svc: Service, *, batch: int) -> dict:
+    """(b) documents per second, the Procfile's worker (concurrency 2), engine off vs on."""
     rates = {}
     for mode in ("fresh", "warm"):
         worker = svc.worker(concurrency=2, QUIRE_OFFICE_ENGINE=mode)
@@ -514,29 +540,26 @@ def office_engine(svc: Service, *, runs: int, batch: int, rss_conversions: int) 
         rates[mode] = _rate(wait_terminal([j.id for j in _docx_batch(svc, mode, batch)]))
         svc.stop(worker)
         print(f"{batch} DOCX -> PDF, engine {mode}: {rates[mode]:.2f} docs/s", flush=True)
-    # (c) RSS of the worker's tree with a warm engine after 10 and after rss_conversions
+    ratio = rates["warm"] / rates["fresh"]
+    print(
+        f"{batch} DOCX -> PDF, Procfile worker (concurrency 2): engine off "
+        f"{rates['fresh']:.2f} docs/s, warm {rates['warm']:.2f} docs/s; ratio "
+        f"{ratio:.2f} (target >= 2.5) {verdict(ratio >= 2.5)}",
+        flush=True,
+    )
+    return {"docs_per_s": rates, "throughput_ratio": ratio}
+
+
+def _engine_rss(svc: Service, *, rss_conversions: int) -> dict:
+    """(c) RSS of the worker's tree with a warm engine after 10 and after rss_conversions."""
     worker = svc.worker(concurrency=1, QUIRE_OFFICE_ENGINE="warm")
     wait_terminal([j.id for j in _docx_batch(svc, "rss10", 10)])
     rss_10 = _rss_tree_kb(worker.pid)
     wait_terminal([j.id for j in _docx_batch(svc, "rssN", rss_conversions - 10)])
     rss_n = _rss_tree_kb(worker.pid)
     svc.stop(worker)
-    out = {
-        "soffice_fresh_s": fresh,
-        "service_warm_s": times,
-        "median_ratio": median / alone,
-        "p95_ratio": p95 / alone,
-        "docs_per_s": rates,
-        "throughput_ratio": rates["warm"] / rates["fresh"],
-        "rss_kb": {"after_10": rss_10, f"after_{rss_conversions}": rss_n},
-        "rss_ratio": rss_n / rss_10,
-    }
-    print(
-        f"{batch} DOCX -> PDF, Procfile worker (concurrency 2): engine off "
-        f"{rates['fresh']:.2f} docs/s, warm {rates['warm']:.2f} docs/s; ratio "
-        f"{out['throughput_ratio']:.2f} (target >= 2.5) {verdict(out['throughput_ratio'] >= 2.5)}",
-        flush=True,
-    )
+    out = {"rss_kb": {"after_10": rss_10, f"after_{rss_conversions}": rss_n}}
+    out["rss_ratio"] = rss_n / rss_10
     print(
         f"worker tree RSS with a warm engine: after 10 conversions {rss_10 / 1024:.0f} MB, after "
         f"{rss_conversions} {rss_n / 1024:.0f} MB; ratio {out['rss_ratio']:.2f} (target <= 1.2) "
@@ -556,6 +579,7 @@ def main() -> None:
     parser.add_argument("--engine-runs", type=int, default=10)
     parser.add_argument("--engine-batch", type=int, default=20)
     parser.add_argument("--engine-rss", type=int, default=200)
+    parser.add_argument("--engine-parts", default="e2e,rate,rss")
     parser.add_argument("--skip", default="")
     parser.add_argument("--keep", action="store_true")
     parser.add_argument(
@@ -589,7 +613,11 @@ def main() -> None:
             docx_overhead(svc, runs=args.docx_runs)
         if "engine" not in skip:
             office_engine(
-                svc, runs=args.engine_runs, batch=args.engine_batch, rss_conversions=args.engine_rss
+                svc,
+                runs=args.engine_runs,
+                batch=args.engine_batch,
+                rss_conversions=args.engine_rss,
+                parts=set(args.engine_parts.split(",")),
             )
     print(f"load at end: {os.getloadavg()}", flush=True)
 
