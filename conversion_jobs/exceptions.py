@@ -38,11 +38,67 @@ class InvalidCursor(InvalidRequest):
     code = "invalid_cursor"
 
 
+class MalformedBody(InvalidRequest):
+    """The request body cannot be parsed (broken multipart or JSON)."""
+
+    code = "malformed_body"
+
+
+class TooManyFields(InvalidRequest):
+    """The form has more fields than the server accepts."""
+
+    code = "too_many_fields"
+
+
+class TooManyFiles(InvalidRequest):
+    """The form has more file parts than the server accepts."""
+
+    code = "too_many_files"
+
+
+class UnexpectedFilePart(InvalidRequest):
+    """Send exactly one file part, named ``file``."""
+
+    code = "unexpected_file_part"
+
+
+class RequestDataTooLarge(InvalidRequest):
+    """The form fields (everything but the file) are larger than the server accepts."""
+
+    code = "request_data_too_large"
+
+
+class InvalidHost(InvalidRequest):
+    """The Host header names a host this service does not serve."""
+
+    code = "invalid_host"
+
+
+class Forbidden(QuireError):
+    """You may not do this."""
+
+    code = "forbidden"
+    status = 403
+
+
+class CsrfFailed(Forbidden):
+    """The CSRF check failed (admin forms only; the API uses bearer tokens)."""
+
+    code = "csrf_failed"
+    status = 403
+
+
 class NotAuthenticated(QuireError):
     """A valid bearer token is required."""
 
     code = "not_authenticated"
     status = 401
+
+
+class InvalidToken(NotAuthenticated):
+    """The bearer token is invalid, expired, or carries a claim that does not fit."""
+
+    code = "invalid_token"
 
 
 class PermissionDenied(QuireError):
@@ -127,4 +183,11 @@ class CapacityExceeded(Rejected):
     """The service is at capacity."""
 
     code = "capacity_exceeded"
+    status = 503
+
+
+class IdentityProviderUnavailable(Rejected):
+    """The identity provider's keys cannot be fetched and none are cached: retry later."""
+
+    code = "identity_provider_unavailable"
     status = 503

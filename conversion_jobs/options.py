@@ -28,7 +28,7 @@ def normalize_options(raw: Any, *, output: str, max_dpi: int = 600) -> dict[str,
     if isinstance(raw, str | bytes):
         try:
             raw = json.loads(raw)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nesting past the stack
             raise InvalidOptions("options must be a JSON object") from exc
     if not isinstance(raw, dict):
         raise InvalidOptions("options must be a JSON object")

@@ -55,18 +55,24 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "rest_framework",
     "drf_spectacular",
+    "drf_spectacular_sidecar",  # Swagger UI from the package, never a CDN
     "django_celery_beat",
     "conversion_jobs",
 ]
 
 MIDDLEWARE = [
+    # Outermost: any 4xx/5xx answer not yet a problem becomes one (conversion_jobs/api/middleware).
+    "conversion_jobs.api.middleware.ProblemResponseMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
+CSRF_FAILURE_VIEW = "conversion_jobs.api.problems.csrf_failure"
+X_FRAME_OPTIONS = "DENY"
 
 ROOT_URLCONF = "project.urls"
 WSGI_APPLICATION = "project.wsgi.application"
@@ -143,6 +149,9 @@ SPECTACULAR_SETTINGS = {
     "DESCRIPTION": "Durable document conversion jobs.",
     "VERSION": "1.0.0",
     "SERVE_INCLUDE_SCHEMA": False,
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
 }
 
 # --- Quire ----------------------------------------------------------------------------------
@@ -150,6 +159,15 @@ QUIRE: dict[str, Any] = {
     # secrets
     "JWT_KEY": env_str("QUIRE_JWT_KEY", "quire-dev-only-jwt-key-change-me-0123456789abcdef"),
     "JWT_ALGORITHM": "HS256",
+    # identity provider (production): when set, tokens are verified against its JWKS only
+    # (RS256 / ES256), and iss / aud are required (conversion_jobs/api/auth.py).
+    "JWT_JWKS_URL": env_str("QUIRE_JWT_JWKS_URL", ""),
+    "JWT_ISSUER": env_str("QUIRE_JWT_ISSUER", ""),
+    "JWT_AUDIENCE": env_str("QUIRE_JWT_AUDIENCE", ""),
+    "JWT_JWKS_LIFESPAN_S": env_float("QUIRE_JWT_JWKS_LIFESPAN_S", 300.0),
+    "JWT_JWKS_MIN_REFRESH_S": env_float("QUIRE_JWT_JWKS_MIN_REFRESH_S", 10.0),
+    "JWT_JWKS_TIMEOUT_S": env_float("QUIRE_JWT_JWKS_TIMEOUT_S", 3.0),
+    "JWT_LEEWAY_S": env_float("QUIRE_JWT_LEEWAY_S", 0.0),
     "PSEUDONYM_KEY": env_str("QUIRE_PSEUDONYM_KEY", "quire-dev-only-pseudonym-key-change-me"),
     # seals document passwords at rest and keys their HMAC in the content identity (ADR 0019)
     "PASSWORD_KEY": env_str("QUIRE_PASSWORD_KEY", "quire-dev-only-password-key-change-me"),
@@ -190,6 +208,11 @@ QUIRE: dict[str, Any] = {
     "OUTBOX_RETENTION_S": env_float("QUIRE_OUTBOX_RETENTION_S", 86400),
     "AUDIT_RETENTION_S": env_float("QUIRE_AUDIT_RETENTION_S", 400 * 86400),
 }
+
+if QUIRE["JWT_JWKS_URL"] and not (QUIRE["JWT_ISSUER"] and QUIRE["JWT_AUDIENCE"]):
+    from django.core.exceptions import ImproperlyConfigured
+
+    raise ImproperlyConfigured("QUIRE_JWT_JWKS_URL needs QUIRE_JWT_ISSUER and QUIRE_JWT_AUDIENCE")
 
 # --- Celery (project/celery.py reads these with namespace "CELERY") --------------------------
 if os.environ.get("CELERY_BROKER_URL"):

@@ -1,7 +1,23 @@
-"""Bearer JWT authentication (DESIGN.md §9). The tenant comes from the verified token only."""
+"""Bearer JWT authentication (DESIGN.md §9). The tenant comes from the verified token only.
+
+Two key sources, never both at once:
+
+* a shared secret (HS256), for development and the standalone profile;
+* an identity provider's JWKS URL (``QUIRE_JWT_JWKS_URL``): RS256 / ES256 only, ``iss`` and
+  ``aud`` required and checked, keys cached and refreshed on an unknown ``kid`` at a bounded
+  rate (docs/adr/0014-web-hardening.md). While the IdP is unreachable the cached keys keep
+  working; with no key cached at all the answer is 503 ``identity_provider_unavailable``.
+
+A claim that does not fit what Quire stores (an over-long tenant, a control character) makes the
+token invalid: it is never truncated or cleaned, so two tenants can never collapse into one.
+"""
 
 from __future__ import annotations
 
+import functools
+import logging
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,10 +27,26 @@ from rest_framework.authentication import BaseAuthentication, get_authorization_
 from rest_framework.permissions import BasePermission
 from rest_framework.request import Request
 
-from conversion_jobs.exceptions import NotAuthenticated, PermissionDenied
+from conversion_jobs.exceptions import (
+    IdentityProviderUnavailable,
+    InvalidToken,
+    NotAuthenticated,
+    PermissionDenied,
+)
 from conversion_jobs.pseudonym import actor_pseudonym
 
+log = logging.getLogger(__name__)
+
 SCOPES = ("jobs:submit", "jobs:read", "jobs:cancel", "jobs:admin")
+#: Asymmetric algorithms accepted from an identity provider's JWKS (never HS*: the public key
+#: must not double as a shared secret).
+JWKS_ALGORITHMS = ("RS256", "ES256")
+#: What the columns and the pseudonym keys hold (conversion_job.tenant is varchar(64)).
+TENANT_MAX = 64
+SUBJECT_MAX = 255
+SCOPE_MAX = 1024
+#: A token is read at all only up to this size (a header line of a few kB at most).
+TOKEN_MAX = 8192
 
 
 @dataclass(frozen=True)
@@ -30,25 +62,157 @@ class Principal:
         return actor_pseudonym(tenant=self.tenant, subject=self.subject)
 
 
-def token_decode(token: str) -> Principal:
-    try:
-        claims = jwt.decode(
-            token,
-            settings.QUIRE["JWT_KEY"],
-            algorithms=[str(settings.QUIRE["JWT_ALGORITHM"])],
-            options={"require": ["sub", "tenant", "scope", "exp"]},
-        )
-    except jwt.PyJWTError as exc:
-        raise NotAuthenticated("the bearer token is invalid or expired") from exc
+def _fits(value: Any, *, max_len: int, allow_empty: bool = False) -> bool:
+    """A printable string of at most ``max_len`` characters (no control characters: NUL cannot
+    be stored by Postgres, and newlines or escapes have no business in an identifier)."""
+    return (
+        isinstance(value, str)
+        and (allow_empty or bool(value))
+        and len(value) <= max_len
+        and value.isprintable()
+    )
+
+
+def _principal_from(claims: dict[str, Any]) -> Principal:
     tenant, subject, scope = claims["tenant"], claims["sub"], claims["scope"]
-    if not all(isinstance(v, str) and v for v in (tenant, subject)) or not isinstance(scope, str):
-        raise NotAuthenticated("the bearer token is invalid or expired")
-    return Principal(subject=subject, tenant=tenant[:64], scopes=frozenset(scope.split()))
+    if not _fits(tenant, max_len=TENANT_MAX):
+        raise InvalidToken(f"the tenant claim must be 1-{TENANT_MAX} printable characters")
+    if not _fits(subject, max_len=SUBJECT_MAX):
+        raise InvalidToken(f"the sub claim must be 1-{SUBJECT_MAX} printable characters")
+    if not _fits(scope, max_len=SCOPE_MAX, allow_empty=True):
+        raise InvalidToken(f"the scope claim must be at most {SCOPE_MAX} printable characters")
+    return Principal(subject=subject, tenant=tenant, scopes=frozenset(scope.split()))
+
+
+class JwksKeys:
+    """The signing keys of one JWKS URL, fetched with PyJWT's ``PyJWKClient``.
+
+    Keys are refetched when older than ``lifespan_s`` or when a token names an unknown ``kid``
+    (rotation), but never more often than every ``min_refresh_s``, so a flood of tokens with
+    made-up ``kid``s cannot turn Quire into an amplifier against the IdP. A failed refresh keeps
+    the keys already known (an IdP outage does not log everybody out); only with no key known
+    at all is the IdP reported unavailable.
+    """
+
+    def __init__(
+        self, url: str, *, lifespan_s: float, min_refresh_s: float, timeout_s: float
+    ) -> None:
+        self._client = jwt.PyJWKClient(
+            url, cache_keys=False, cache_jwk_set=False, timeout=timeout_s
+        )
+        self.lifespan_s = lifespan_s
+        self.min_refresh_s = min_refresh_s
+        self.retry_after_s = max(1, round(min_refresh_s))
+        self._keys: dict[str, jwt.PyJWK] = {}
+        self._fetched_at = float("-inf")
+        self._attempted_at = float("-inf")
+        self._lock = threading.Lock()
+        self.fetches = 0
+
+    def key_for(self, kid: str) -> jwt.PyJWK:
+        with self._lock:
+            now = time.monotonic()
+            wanted = kid not in self._keys or now - self._fetched_at > self.lifespan_s
+            if wanted and now - self._attempted_at >= self.min_refresh_s:
+                self._refresh(now)
+            key = self._keys.get(kid)
+            known = bool(self._keys)
+        if key is not None:
+            return key
+        if not known:
+            raise IdentityProviderUnavailable(retry_after=self.retry_after_s)
+        raise InvalidToken("the token's signing key is not published by the identity provider")
+
+    def _refresh(self, now: float) -> None:
+        self._attempted_at = now
+        self.fetches += 1
+        try:
+            keys = self._client.get_signing_keys(refresh=True)
+        except jwt.PyJWKClientError as exc:
+            # PyJWKClientConnectionError (network, HTTP status) or a malformed / keyless set.
+            log.warning(
+                "jwks refresh failed; keeping %d cached key(s)",
+                len(self._keys),
+                extra={"error": type(exc).__name__},
+            )
+            return
+        self._keys = {
+            key.key_id: key for key in keys if key.key_id and key.algorithm_name in JWKS_ALGORITHMS
+        }
+        self._fetched_at = now
+
+
+@functools.lru_cache(maxsize=4)
+def jwks_keys(url: str, lifespan_s: float, min_refresh_s: float, timeout_s: float) -> JwksKeys:
+    """One key cache per configuration and process (settings are read on every call, so a test
+    that points at another URL gets its own cache)."""
+    return JwksKeys(url, lifespan_s=lifespan_s, min_refresh_s=min_refresh_s, timeout_s=timeout_s)
+
+
+def _decode_jwks(token: str, config: dict[str, Any]) -> dict[str, Any]:
+    try:
+        header = jwt.get_unverified_header(token)
+    except jwt.PyJWTError as exc:
+        raise InvalidToken() from exc
+    kid = header.get("kid")
+    if (
+        header.get("alg") not in JWKS_ALGORITHMS
+        or not isinstance(kid, str)
+        or not _fits(kid, max_len=256)
+    ):
+        raise InvalidToken("the token must be RS256 or ES256 and name its key (kid)")
+    key = jwks_keys(
+        config["JWT_JWKS_URL"],
+        float(config["JWT_JWKS_LIFESPAN_S"]),
+        float(config["JWT_JWKS_MIN_REFRESH_S"]),
+        float(config["JWT_JWKS_TIMEOUT_S"]),
+    ).key_for(kid)
+    return jwt.decode(
+        token,
+        key,
+        algorithms=list(JWKS_ALGORITHMS),
+        issuer=config["JWT_ISSUER"],
+        audience=config["JWT_AUDIENCE"],
+        options={"require": ["sub", "tenant", "scope", "exp", "iss", "aud"]},
+        leeway=float(config["JWT_LEEWAY_S"]),
+    )
+
+
+def _decode_shared_secret(token: str, config: dict[str, Any]) -> dict[str, Any]:
+    required = ["sub", "tenant", "scope", "exp"]
+    required += [
+        claim
+        for claim, name in (("iss", "JWT_ISSUER"), ("aud", "JWT_AUDIENCE"))
+        if config.get(name)
+    ]
+    return jwt.decode(
+        token,
+        config["JWT_KEY"],
+        algorithms=[str(config["JWT_ALGORITHM"])],
+        issuer=config.get("JWT_ISSUER") or None,
+        audience=config.get("JWT_AUDIENCE") or None,
+        options={"require": required, "verify_aud": bool(config.get("JWT_AUDIENCE"))},
+        leeway=float(config["JWT_LEEWAY_S"]),
+    )
+
+
+def token_decode(token: str) -> Principal:
+    config = settings.QUIRE
+    if len(token) > TOKEN_MAX:
+        raise InvalidToken()
+    try:
+        if config.get("JWT_JWKS_URL"):
+            claims = _decode_jwks(token, config)
+        else:
+            claims = _decode_shared_secret(token, config)
+    except jwt.PyJWTError as exc:
+        raise InvalidToken() from exc
+    return _principal_from(claims)
 
 
 def token_mint(*, tenant: str, subject: str, scopes: list[str], ttl_s: int) -> str:
-    import time
-
+    """A development token signed with the shared secret (manage.py mint_token)."""
+    config = settings.QUIRE
     now = int(time.time())
     claims: dict[str, Any] = {
         "sub": subject,
@@ -57,9 +221,11 @@ def token_mint(*, tenant: str, subject: str, scopes: list[str], ttl_s: int) -> s
         "iat": now,
         "exp": now + ttl_s,
     }
-    return jwt.encode(
-        claims, settings.QUIRE["JWT_KEY"], algorithm=str(settings.QUIRE["JWT_ALGORITHM"])
-    )
+    if config.get("JWT_ISSUER"):
+        claims["iss"] = config["JWT_ISSUER"]
+    if config.get("JWT_AUDIENCE"):
+        claims["aud"] = config["JWT_AUDIENCE"]
+    return jwt.encode(claims, config["JWT_KEY"], algorithm=str(config["JWT_ALGORITHM"]))
 
 
 class BearerJWTAuthentication(BaseAuthentication):
@@ -68,7 +234,7 @@ class BearerJWTAuthentication(BaseAuthentication):
         if not header or header[0].lower() != b"bearer":
             return None
         if len(header) != 2:
-            raise NotAuthenticated("the Authorization header must be 'Bearer <token>'")
+            raise InvalidToken("the Authorization header must be 'Bearer <token>'")
         token = header[1].decode("ascii", errors="replace")
         return token_decode(token), token
 

@@ -9,11 +9,20 @@ from rest_framework import exceptions as drf
 from rest_framework.response import Response
 
 from conversion_jobs.exceptions import (
+    CsrfFailed,
+    Forbidden,
+    InvalidHost,
+    InvalidRequest,
+    InvalidToken,
+    MalformedBody,
     NotAuthenticated,
     NotFound,
     PermissionDenied,
     QuireError,
     Rejected,
+    RequestDataTooLarge,
+    TooManyFields,
+    TooManyFiles,
 )
 
 PROBLEM = "application/problem+json"
@@ -43,8 +52,15 @@ def problem_response(error: QuireError) -> Response:
     if isinstance(error, Rejected):
         response["Retry-After"] = str(error.retry_after)
     if isinstance(error, NotAuthenticated):
-        response["WWW-Authenticate"] = 'Bearer realm="quire"'
+        response["WWW-Authenticate"] = www_authenticate(error)
     return response
+
+
+def www_authenticate(error: NotAuthenticated) -> str:
+    """RFC 6750 §3: a rejected token says so; a missing one gets the bare challenge."""
+    if isinstance(error, InvalidToken):
+        return 'Bearer realm="quire", error="invalid_token"'
+    return 'Bearer realm="quire"'
 
 
 def _from_drf(exc: drf.APIException) -> QuireError:
@@ -54,6 +70,8 @@ def _from_drf(exc: drf.APIException) -> QuireError:
         return PermissionDenied()
     if isinstance(exc, drf.NotFound):
         return NotFound()
+    if isinstance(exc, drf.ParseError):
+        return MalformedBody(str(exc.detail))
     error = QuireError(str(exc.detail))
     error.status = exc.status_code
     error.code = {
@@ -67,16 +85,38 @@ def _from_drf(exc: drf.APIException) -> QuireError:
     return error
 
 
-def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
+def error_from_django(exc: BaseException) -> QuireError | None:
+    """The problem for an exception Django raises while reading a request (or None)."""
+    from django.core import exceptions as dj
     from django.http import Http404
+    from django.http.multipartparser import MultiPartParserError
 
+    if isinstance(exc, Http404):
+        return NotFound()
+    if isinstance(exc, dj.PermissionDenied):
+        return Forbidden()
+    if isinstance(exc, dj.TooManyFieldsSent):
+        return TooManyFields()
+    if isinstance(exc, dj.TooManyFilesSent):
+        return TooManyFiles()
+    if isinstance(exc, dj.RequestDataTooBig):
+        return RequestDataTooLarge()
+    if isinstance(exc, dj.DisallowedHost):
+        return InvalidHost()
+    if isinstance(exc, MultiPartParserError | UnicodeDecodeError):
+        return MalformedBody()
+    if isinstance(exc, dj.SuspiciousOperation | dj.BadRequest):
+        return InvalidRequest()
+    return None
+
+
+def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
     if isinstance(exc, QuireError):
         return problem_response(exc)
-    if isinstance(exc, Http404):
-        return problem_response(NotFound())
     if isinstance(exc, drf.APIException):
         return problem_response(_from_drf(exc))
-    return None
+    error = error_from_django(exc)
+    return problem_response(error) if error is not None else None
 
 
 def json_problem(request: HttpRequest, error: QuireError) -> JsonResponse:
@@ -85,3 +125,8 @@ def json_problem(request: HttpRequest, error: QuireError) -> JsonResponse:
     if isinstance(error, Rejected):
         response["Retry-After"] = str(error.retry_after)
     return response
+
+
+def csrf_failure(request: HttpRequest, reason: str = "") -> JsonResponse:
+    """``CSRF_FAILURE_VIEW``: only the admin's forms carry CSRF tokens; the reason is not echoed."""
+    return json_problem(request, CsrfFailed())

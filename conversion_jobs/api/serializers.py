@@ -2,19 +2,40 @@
 
 from __future__ import annotations
 
+from drf_spectacular.extensions import OpenApiAuthenticationExtension
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from conversion_jobs.models import Output
 from conversion_jobs.states import State
 
+PROBLEM = "application/problem+json"
+
+
+@extend_schema_field(OpenApiTypes.BINARY)
+class BinaryFileField(serializers.FileField):
+    """A file part: ``type: string, format: binary`` in the multipart request body (a plain
+    FileField is documented as a URI, which sends generated clients and fuzzers elsewhere)."""
+
 
 class SubmitSerializer(serializers.Serializer):
-    file = serializers.FileField(help_text="The document. Its type is sniffed from the bytes.")
+    file = BinaryFileField(help_text="The document. Its type is sniffed from the bytes.")
     output = serializers.ChoiceField(choices=Output.choices)
-    options = serializers.JSONField(
+    options = serializers.CharField(
         required=False,
-        help_text='JSON object: {"dpi": 150, "pages": "1-5", "allow_partial": true}',
+        help_text='A JSON object as text: {"dpi": 150, "pages": "1-5", "allow_partial": true}',
     )
+
+
+class BearerJWTScheme(OpenApiAuthenticationExtension):
+    """Documents ``BearerJWTAuthentication`` as an HTTP bearer scheme with JWTs."""
+
+    target_class = "conversion_jobs.api.auth.BearerJWTAuthentication"
+    name = "bearerJWT"
+
+    def get_security_definition(self, auto_schema: object) -> dict[str, str]:
+        return {"type": "http", "scheme": "bearer", "bearerFormat": "JWT"}
 
 
 class SourceSerializer(serializers.Serializer):
@@ -75,6 +96,10 @@ class JobPageSerializer(serializers.Serializer):
     next_cursor = serializers.CharField(allow_null=True)
 
 
+class PageLinksSerializer(serializers.Serializer):
+    self = serializers.CharField()
+
+
 class PageSerializer(serializers.Serializer):
     page = serializers.IntegerField()
     state = serializers.CharField()
@@ -83,6 +108,11 @@ class PageSerializer(serializers.Serializer):
     sha256 = serializers.CharField(allow_null=True)
     size = serializers.IntegerField(allow_null=True)
     error_code = serializers.CharField(allow_null=True)
+    links = PageLinksSerializer()
+
+
+class PageListSerializer(serializers.Serializer):
+    pages = PageSerializer(many=True)
 
 
 class EventSerializer(serializers.Serializer):
@@ -96,6 +126,10 @@ class EventSerializer(serializers.Serializer):
     hash = serializers.CharField()
 
 
+class EventListSerializer(serializers.Serializer):
+    events = EventSerializer(many=True)
+
+
 class ProblemSerializer(serializers.Serializer):
     type = serializers.CharField()
     title = serializers.CharField()
@@ -103,3 +137,8 @@ class ProblemSerializer(serializers.Serializer):
     code = serializers.CharField()
     detail = serializers.CharField(required=False)
     retry_after = serializers.IntegerField(required=False)
+
+
+def problems(*statuses: int) -> dict[tuple[int, str], type[ProblemSerializer]]:
+    """The RFC 9457 answers an operation can give, for ``extend_schema(responses=…)``."""
+    return {(status, PROBLEM): ProblemSerializer for status in statuses}

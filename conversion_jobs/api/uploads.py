@@ -15,17 +15,23 @@ from django.core.files.uploadedfile import UploadedFile
 from django.core.files.uploadhandler import FileUploadHandler, StopFutureHandlers
 
 from conversion_jobs import storage
-from conversion_jobs.exceptions import PayloadTooLarge
+from conversion_jobs.exceptions import PayloadTooLarge, UnexpectedFilePart
 from conversion_jobs.services.acceptance import StagedUpload
 
 # Room for the multipart envelope and the small form fields around the file.
 ENVELOPE = 64 * 1024
+FILE_FIELD = "file"
 
 
 class StagedFile(UploadedFile):
     def __init__(self, staged: StagedUpload) -> None:
         super().__init__(file=None, name="upload", size=staged.size)
         self.staged = staged
+
+    def close(self) -> None:
+        """Nothing is open: the handler closed the staged file when it completed. (Django
+        closes every parsed file when a later part fails; the staged path is removed by
+        ``StagingUploadHandler.cleanup``.)"""
 
 
 class StagingUploadHandler(FileUploadHandler):
@@ -50,6 +56,10 @@ class StagingUploadHandler(FileUploadHandler):
 
     def new_file(self, field_name: str, *args: Any, **kwargs: Any) -> None:
         super().new_file(field_name, *args, **kwargs)
+        # One file part, named "file": anything else is refused before a byte of it is written
+        # (otherwise 100 parts could each stage up to the size limit).
+        if field_name != FILE_FIELD or self.staged:
+            raise UnexpectedFilePart()
         self._fh, self._path = storage.staging_file()
         self.staged.append(self._path)
         self._digest = hashlib.sha256()

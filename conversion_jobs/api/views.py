@@ -24,12 +24,12 @@ from conversion_jobs.api.representation import (
     page_representation,
 )
 from conversion_jobs.api.serializers import (
-    EventSerializer,
+    EventListSerializer,
     JobPageSerializer,
     JobSerializer,
-    PageSerializer,
-    ProblemSerializer,
+    PageListSerializer,
     SubmitSerializer,
+    problems,
 )
 from conversion_jobs.api.uploads import StagedFile, StagingUploadHandler
 from conversion_jobs.exceptions import (
@@ -47,7 +47,12 @@ from conversion_jobs.services.recovery import conversion_job_retry_failed
 from conversion_jobs.states import TERMINAL_STATES, State
 
 IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,255}$")
-PROBLEMS = {code: ProblemSerializer for code in (400, 401, 403, 404, 409, 413, 415, 422, 429, 503)}
+#: Every authenticated operation can answer these: a malformed request (query, host), no or an
+#: invalid token, a missing scope, the identity provider unreachable with no key cached.
+AUTHENTICATED = (400, 401, 403, 503)
+#: The media types a result or a page artifact is served with (by output).
+ARTIFACT_TYPES = ("text/plain", "image/png", "application/zip", "application/pdf")
+ARTIFACT = {(200, media_type): OpenApiTypes.BINARY for media_type in ARTIFACT_TYPES}
 RESULT_EXT = {"text": "txt", "png": "zip", "pdf": "pdf"}
 
 
@@ -80,8 +85,13 @@ class JobCollectionView(QuireView):
     @extend_schema(
         request={"multipart/form-data": SubmitSerializer},
         parameters=[OpenApiParameter("Idempotency-Key", OpenApiTypes.STR, OpenApiParameter.HEADER)],
-        responses={202: JobSerializer, 200: JobSerializer, **PROBLEMS},
+        responses={
+            202: JobSerializer,
+            200: JobSerializer,
+            **problems(*AUTHENTICATED, 413, 415, 422, 429),
+        },
         summary="Submit a document for conversion",
+        operation_id="jobs_submit",
     )
     def post(self, request: Request) -> Response:
         handler = StagingUploadHandler(
@@ -133,10 +143,11 @@ class JobCollectionView(QuireView):
         parameters=[
             OpenApiParameter("state", OpenApiTypes.STR, enum=State.values),
             OpenApiParameter("cursor", OpenApiTypes.STR),
-            OpenApiParameter("limit", OpenApiTypes.INT),
+            OpenApiParameter("limit", {"type": "integer", "minimum": 1, "maximum": 100}),
         ],
-        responses={200: JobPageSerializer, **PROBLEMS},
+        responses={200: JobPageSerializer, **problems(*AUTHENTICATED)},
         summary="List the tenant's jobs, newest first",
+        operation_id="jobs_list",
     )
     def get(self, request: Request) -> Response:
         state = request.query_params.get("state") or None
@@ -169,8 +180,9 @@ class JobDetailView(QuireView):
         parameters=[
             OpenApiParameter("wait", OpenApiTypes.INT, description="long-poll seconds (max 30)")
         ],
-        responses={200: JobSerializer, 304: None, **PROBLEMS},
+        responses={200: JobSerializer, 304: None, **problems(*AUTHENTICATED, 404)},
         summary="Get a job (ETag = state_version; ?wait=N long-polls for a change)",
+        operation_id="jobs_get",
     )
     def get(self, request: Request, job_id: uuid.UUID) -> Response | HttpResponse:
         tenant = self.principal.tenant
@@ -204,8 +216,13 @@ class JobCancelView(QuireView):
 
     @extend_schema(
         request=None,
-        responses={200: JobSerializer, 202: JobSerializer, **PROBLEMS},
+        responses={
+            200: JobSerializer,
+            202: JobSerializer,
+            **problems(*AUTHENTICATED, 404, 409),
+        },
         summary="Cancel a job",
+        operation_id="jobs_cancel",
     )
     def post(self, request: Request, job_id: uuid.UUID) -> Response:
         result = conversion_job_cancel(
@@ -220,8 +237,9 @@ class JobRetryView(QuireView):
 
     @extend_schema(
         request=None,
-        responses={202: JobSerializer, **PROBLEMS},
+        responses={202: JobSerializer, **problems(*AUTHENTICATED, 404, 409)},
         summary="Operator retry of a failed or cancelled job (generation + 1)",
+        operation_id="jobs_retry",
     )
     def post(self, request: Request, job_id: uuid.UUID) -> Response:
         job = conversion_job_retry_failed(
@@ -251,8 +269,9 @@ class JobResultView(QuireView):
     required_scopes = {"GET": "jobs:read"}
 
     @extend_schema(
-        responses={(200, "application/octet-stream"): OpenApiTypes.BINARY, **PROBLEMS},
+        responses={**ARTIFACT, 304: None, **problems(*AUTHENTICATED, 404, 409)},
         summary="Download the result",
+        operation_id="jobs_result",
     )
     def get(self, request: Request, job_id: uuid.UUID) -> HttpResponseBase:
         job = self.job(job_id)
@@ -280,7 +299,9 @@ class JobPagesView(QuireView):
     required_scopes = {"GET": "jobs:read"}
 
     @extend_schema(
-        responses={200: PageSerializer(many=True), **PROBLEMS}, summary="List page checkpoints"
+        responses={200: PageListSerializer, **problems(*AUTHENTICATED, 404)},
+        summary="List page checkpoints",
+        operation_id="jobs_pages",
     )
     def get(self, request: Request, job_id: uuid.UUID) -> Response:
         job = self.job(job_id)
@@ -292,8 +313,9 @@ class JobPageView(QuireView):
     required_scopes = {"GET": "jobs:read"}
 
     @extend_schema(
-        responses={(200, "application/octet-stream"): OpenApiTypes.BINARY, **PROBLEMS},
+        responses={**ARTIFACT, 304: None, **problems(*AUTHENTICATED, 404, 409)},
         summary="Download one page artifact",
+        operation_id="jobs_page",
     )
     def get(self, request: Request, job_id: uuid.UUID, page: int) -> HttpResponseBase:
         job = self.job(job_id)
@@ -326,7 +348,11 @@ class JobPageView(QuireView):
 class JobEventsView(QuireView):
     required_scopes = {"GET": "jobs:read"}
 
-    @extend_schema(responses={200: EventSerializer(many=True), **PROBLEMS}, summary="Audit events")
+    @extend_schema(
+        responses={200: EventListSerializer, **problems(*AUTHENTICATED, 404)},
+        summary="Audit events",
+        operation_id="jobs_events",
+    )
     def get(self, request: Request, job_id: uuid.UUID) -> Response:
         job = self.job(job_id)
         return Response(
@@ -338,7 +364,11 @@ class CapabilitiesView(APIView):
     authentication_classes: list[Any] = []
     permission_classes: list[Any] = []
 
-    @extend_schema(responses={200: OpenApiTypes.OBJECT}, summary="What this installation converts")
+    @extend_schema(
+        responses={200: OpenApiTypes.OBJECT, **problems(400)},
+        summary="What this installation converts",
+        operation_id="capabilities",
+    )
     def get(self, request: Request) -> Response:
         from conversion_jobs.services.runner import (
             engine_settings_from_settings,

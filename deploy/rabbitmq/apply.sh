@@ -207,5 +207,5 @@ Quire RabbitMQ topology applied on vhost '${VHOST}'.
   worker      CELERY_BROKER_URL=amqp://${WORKER_USER}:****@${AMQP_HOST}:${AMQP_PORT}/${VHOST}
   sweeper     CELERY_BROKER_URL=amqp://${WORKER_USER}:****@${AMQP_HOST}:${AMQP_PORT}/${VHOST}
   flower      CELERY_BROKER_URL=amqp://${MONITOR_USER}:****@${AMQP_HOST}:${AMQP_PORT}/${VHOST}
-              --broker-api=${MGMT_URL%/}/api/  (user ${MONITOR_USER}, tag monitoring)
+              FLOWER_BROKER_API=${MGMT_URL%/}/api/  (user ${MONITOR_USER}, tag monitoring)
 EOF

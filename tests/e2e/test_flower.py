@@ -1,5 +1,6 @@
 """e2e: Flower from the Procfile, as the least-privilege monitor user, with basic auth and the
-management API, sees a real worker and a finished conversion task."""
+management API, sees a real worker and a finished conversion task; no secret is on its command
+line and its /metrics is behind the same basic auth (issue 10 §4)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import socket
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -39,12 +41,29 @@ def _get(port: int, path: str, auth: tuple[str, str] | None = AUTH) -> tuple[int
         return exc.code, None
 
 
+def _cmdlines(pid: int) -> list[str]:
+    """The command line of ``pid`` and of every descendant, as ``ps`` shows them."""
+    tree = harness._children()
+    pending, seen = [pid], []
+    while pending:
+        current = pending.pop()
+        try:
+            seen.append(Path(f"/proc/{current}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except OSError:
+            continue
+        pending.extend(tree.get(current, []))
+    return seen
+
+
 def test_flower__sees_worker_and_finished_task_behind_basic_auth(cluster, start, submit, tmp_path):
     port = _free_port()
     user, password = MONITOR
-    cluster.start(
+    flower = cluster.start(
         "flower",
-        CELERY_BROKER_URL=f"amqp://{user}:{password}@127.0.0.1:5672/{harness.VHOST}",
+        # The publisher's URL as the default broker: only the monitor URL below can read events,
+        # so a Flower that sees the worker proves it connected as the monitor user.
+        CELERY_BROKER_URL=harness.broker_url("publisher"),
+        QUIRE_BROKER_MONITOR_URL=f"amqp://{user}:{password}@127.0.0.1:5672/{harness.VHOST}",
         FLOWER_PORT=str(port),
         FLOWER_BASIC_AUTH=f"{AUTH[0]}:{AUTH[1]}",
         FLOWER_BROKER_API=f"http://{user}:{password}@127.0.0.1:15672/api/",
@@ -60,6 +79,17 @@ def test_flower__sees_worker_and_finished_task_behind_basic_auth(cluster, start,
     harness.wait_until(up, timeout=30, what="flower to listen")
     assert _get(port, "/api/workers", auth=None)[0] == 401
     assert _get(port, "/api/workers", auth=(AUTH[0], "wrong"))[0] == 401
+
+    cmdlines = _cmdlines(flower.popen.pid)
+    assert any("flower" in c for c in cmdlines), cmdlines
+    for secret in (AUTH[1], password):
+        assert not any(secret in c for c in cmdlines), cmdlines
+
+    assert _get(port, "/metrics", auth=None)[0] == 401
+    assert _get(port, "/metrics", auth=(AUTH[0], "wrong"))[0] == 401
+    status, metrics = _get(port, "/metrics")
+    assert status == 200
+    assert isinstance(metrics, bytes) and b"flower_" in metrics
 
     worker = start("worker")
     job = submit(pages=2)

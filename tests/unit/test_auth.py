@@ -11,7 +11,7 @@ import pytest
 from django.conf import settings
 
 from conversion_jobs.api.auth import Principal, token_decode, token_mint
-from conversion_jobs.exceptions import NotAuthenticated
+from conversion_jobs.exceptions import InvalidToken, NotAuthenticated
 
 
 def _encode(claims: dict, key: str | None = None, algorithm: str = "HS256") -> str:
@@ -88,3 +88,33 @@ def test_token_decode__malformed_claims(overrides):
 def test_token_decode__garbage(garbage):
     with pytest.raises(NotAuthenticated):
         token_decode(garbage)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"tenant": "t" * 65},
+        {"tenant": "t" * 1000},
+        {"tenant": "acme\x00"},
+        {"tenant": "acme\nbeta"},
+        {"sub": "s" * 256},
+        {"sub": "alice\x00"},
+        {"scope": "jobs:read " * 200},
+        {"scope": "jobs:read\x00"},
+    ],
+    ids=lambda o: f"{next(iter(o))}:{len(next(iter(o.values())))}",
+)
+def test_token_decode__claim_that_does_not_fit_is_invalid_token(overrides):
+    """Never truncated or cleaned: a claim Quire cannot store as it is makes the token invalid."""
+    with pytest.raises(InvalidToken):
+        token_decode(_encode(_claims(**overrides)))
+
+
+def test_token_decode__tenant_at_the_column_limit_is_kept_whole():
+    tenant = "t" * 63 + "x"
+    assert token_decode(_encode(_claims(tenant=tenant))).tenant == tenant
+
+
+def test_token_decode__over_long_token_is_rejected_before_parsing():
+    with pytest.raises(InvalidToken):
+        token_decode("a" * 10_000)

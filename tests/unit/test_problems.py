@@ -101,7 +101,7 @@ def test_problem_body__extra_fields_are_kept_but_cannot_override():
         (drf.PermissionDenied(), 403, "insufficient_scope"),
         (drf.NotFound(), 404, "not_found"),
         (drf.MethodNotAllowed("PUT"), 405, "method_not_allowed"),
-        (drf.ParseError(), 400, "invalid_request"),
+        (drf.ParseError(), 400, "malformed_body"),
         (drf.UnsupportedMediaType("text/plain"), 415, "unsupported_media_type"),
     ],
 )

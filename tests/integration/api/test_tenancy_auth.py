@@ -187,14 +187,16 @@ def test_endpoint__invalid_token_is_401(make_job, kind, method, path, scope):
     job = make_job()
     client = APIClient()
     client.credentials(HTTP_AUTHORIZATION=f"Bearer {BAD_TOKENS[kind]()}")
-    problem(getattr(client, method)(path.format(id=job.id)), 401, "not_authenticated")
+    response = getattr(client, method)(path.format(id=job.id))
+    problem(response, 401, "invalid_token")
+    assert response["WWW-Authenticate"] == 'Bearer realm="quire", error="invalid_token"'
 
 
 @pytest.mark.django_db
 def test_endpoint__malformed_authorization_header_is_401(make_job):
     client = APIClient()
     client.credentials(HTTP_AUTHORIZATION=f"Bearer {token()} extra")
-    problem(client.get("/api/v1/jobs"), 401, "not_authenticated")
+    problem(client.get("/api/v1/jobs"), 401, "invalid_token")
 
 
 @pytest.mark.django_db
@@ -207,3 +209,37 @@ def test_endpoint__unknown_route_and_bad_uuid_are_problem_404():
 @pytest.mark.django_db
 def test_endpoint__method_not_allowed_is_a_problem():
     problem(_client().delete("/api/v1/jobs"), 405, "method_not_allowed")
+
+
+PREFIX = "p" * 64
+
+
+@pytest.mark.django_db
+def test_tenant__over_long_claim_is_401_and_never_truncated(make_job):
+    """Two tenants sharing a 64-character prefix never share data: the longer one is refused,
+    and the one whose name is exactly the prefix sees only its own job."""
+    owned = make_job(tenant=PREFIX)
+    for longer in (PREFIX + "a", PREFIX + "b"):
+        client = APIClient()
+        client.credentials(HTTP_AUTHORIZATION=f"Bearer {token(tenant=longer)}")
+        for response in (
+            client.get("/api/v1/jobs"),
+            client.get(f"/api/v1/jobs/{owned.id}"),
+            client.post(f"/api/v1/jobs/{owned.id}/cancel"),
+        ):
+            body = problem(response, 401, "invalid_token")
+            assert "tenant" in body["detail"]
+            assert longer not in response.content.decode()
+    assert ConversionJob.objects.get(id=owned.id).state == "queued"
+    owner = _client(PREFIX)
+    assert [j["id"] for j in owner.get("/api/v1/jobs").json()["jobs"]] == [str(owned.id)]
+
+
+@pytest.mark.django_db
+def test_tenant__over_long_claim_cannot_submit(pdf_file, no_broker_publish):
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {token(tenant=PREFIX + 'x')}")
+    with open(pdf_file(), "rb") as fh:
+        response = client.post("/api/v1/jobs", {"file": fh, "output": "text"}, format="multipart")
+    problem(response, 401, "invalid_token")
+    assert ConversionJob.objects.count() == 0
