@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import time
 import uuid
@@ -283,7 +284,7 @@ def office_engine_convert(
         # whole group, SIGKILL ends stopped processes too).
         for pid in _group_pids():
             if pid not in (os.getpid(), engine.bridge.pid):
-                os.kill(pid, 19)  # SIGSTOP
+                os.kill(pid, signal.SIGSTOP)
     password_given = password is not None
     try:
         answer = engine.call(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import shutil
-import time
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -27,12 +26,6 @@ from .sessions import forget, fresh_child, open_session, session_for
 from .sniff import office_encrypted, sniff_media_type
 
 _SUFFIX = {"text": ".txt", "png": ".png", "pdf": ".pdf"}
-
-
-def _observe_duration(media_type: str, engine: str, seconds: float) -> None:
-    from conversion_jobs.observability import metrics
-
-    metrics.CONVERSION_DURATION.labels(input=media_type, engine=engine).observe(seconds)
 
 
 def _check_magic(source: Path, media_type: str) -> None:
@@ -235,6 +228,13 @@ class ImageConverter:
         )
 
 
+def engine_label(converter: Converter) -> str:
+    """The converter's name for metrics; LibreOffice's says whether its engine is warm."""
+    if converter.name == "libreoffice":
+        return "libreoffice-warm" if engines.current_settings().warm else "libreoffice-fresh"
+    return converter.name
+
+
 class OfficeConverter:
     """Office documents -> PDF with LibreOffice headless (private profile per call), then as PDF.
 
@@ -259,9 +259,7 @@ class OfficeConverter:
             raise EncryptedInput()
         fault = test_fault_from(options)
         document = Path(workdir) / f"office-{uuid.uuid4().hex}.pdf"
-        warm = engines.current_settings().warm
-        started = time.monotonic()
-        if warm:
+        if engines.current_settings().warm:
             result = engines.convert(
                 source=source,
                 media_type=media_type,
@@ -295,7 +293,6 @@ class OfficeConverter:
                     fault=fault,
                 )
                 session.hand_out(Path(result["document"]), document)
-        _observe_duration(media_type, "warm" if warm else "fresh", time.monotonic() - started)
         return Prepared(document=document, media_type=PDF, page_count=result["page_count"])
 
     def convert_page(

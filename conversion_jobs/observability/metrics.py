@@ -55,7 +55,8 @@ ENGINE_LIFE_CONVERSIONS = Histogram(
 )
 CONVERSION_DURATION = Histogram(
     "quire_conversion_duration_seconds",
-    "Time to prepare a document (e.g. the Office to PDF conversion) by input type",
+    "Time to open a document (count its pages; for Office input, the conversion to PDF) by "
+    "input type and converter",
     ["input", "engine"],
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 180),
 )

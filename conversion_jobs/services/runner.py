@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import socket
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -23,8 +24,9 @@ from django.db import close_old_connections
 from conversion_jobs import converters, storage
 from conversion_jobs.converters import ConversionError, ConversionStopped, Limits
 from conversion_jobs.converters.engines import EngineSettings, configure
+from conversion_jobs.converters.registry import engine_label
 from conversion_jobs.models import ConversionJob, PageCheckpoint, PageState
-from conversion_jobs.observability import tracing
+from conversion_jobs.observability import metrics, tracing
 from conversion_jobs.passwords import sealed_passwords_wipe, unseal
 from conversion_jobs.pseudonym import pseudonym
 from conversion_jobs.services import execution
@@ -191,6 +193,7 @@ def _convert(*, lease: Lease, job: ConversionJob, heartbeat: Heartbeat, workdir:
     configure(engine_settings_from_settings())
     converter = converters.converter_for(job.source_media_type, job.output)
     stop = heartbeat.stop.is_set
+    started = time.monotonic()
     prepared = converter.prepare(
         source=storage.path_of(job.source_key),
         media_type=job.source_media_type,
@@ -199,6 +202,9 @@ def _convert(*, lease: Lease, job: ConversionJob, heartbeat: Heartbeat, workdir:
         should_stop=stop,
         options=options,
     )
+    metrics.CONVERSION_DURATION.labels(
+        input=job.source_media_type, engine=engine_label(converter)
+    ).observe(time.monotonic() - started)
     if job.source_page_count != prepared.page_count:
         db_retry(
             lambda: execution.conversion_job_record_page_count(

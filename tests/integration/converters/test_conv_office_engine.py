@@ -204,11 +204,23 @@ def test_stop_during_conversion__engine_killed__next_document_converts(
     assert "Cancelled then back" in _pdf_pages_text(prepared.document)[0]
 
 
-def test_above_memory_mark__engine_recycled(tmp_path, engine_dir):
+def _sample(name: str, **labels: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value(name, {"engine": "libreoffice", **labels}) or 0.0
+
+
+def test_above_memory_mark__engine_recycled__metrics_say_why(tmp_path, engine_dir):
+    starts = _sample("quire_engine_starts_total")
+    by_memory = _sample("quire_engine_recycles_total", reason="memory")
+    lives = _sample("quire_engine_conversions_per_life_count")
     _configure(engine_dir, max_rss_bytes=64 * 1024 * 1024)  # below any running soffice
     source = testdocs.make_docx(tmp_path / "a.docx", paragraphs=["Memory mark"])
     _convert(source, DOCX, tmp_path / "w0")
     assert engines.host_pgid() is None
+    assert _sample("quire_engine_starts_total") == starts + 1
+    assert _sample("quire_engine_recycles_total", reason="memory") == by_memory + 1
+    assert _sample("quire_engine_conversions_per_life_count") == lives + 1
     _configure(engine_dir, max_rss_bytes=4 * 1024 * 1024 * 1024)
     _convert(source, DOCX, tmp_path / "w1")
     assert engines.host_pgid() is not None
