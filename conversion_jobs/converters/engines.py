@@ -11,10 +11,13 @@ process group killed with SIGKILL and its private directory removed — when:
 * a conversion failed in any way, structured error included (``failure``), ran past its time
   limit (``timeout``; the attempt is charged ``conversion_timeout``), was stopped by a
   cancellation or a lost lease (``stopped``), or the host died (``crashed``);
-* it sat idle past ``MAX_IDLE_S`` (``idle``; its watchdog would end it anyway).
+* it sat idle past ``MAX_IDLE_S`` (``idle``; its watchdog would end it anyway), the limits
+  changed (``settings``), or it could not start (``start_failed``).
 
-The worker's death (even ``kill -9``) ends the fork server, whose children's watchdogs then kill
-their own groups: no ``soffice`` and no socket outlive the worker.
+The reason is the label of ``quire_engine_recycles``. Being a child of the fork server, the host
+lives in the worker process's sandbox (ADR 0013): documents are handed in as copies and PDFs
+handed out. The worker's death (even ``kill -9``) ends the fork server; the host then sees end of
+file or a new parent and kills its own group: no ``soffice`` and no socket outlive the worker.
 """
 
 from __future__ import annotations
