@@ -141,6 +141,14 @@ def gunicorn(
 # -- Postgres -------------------------------------------------------------------------------------
 
 
+def bench_db_name(base: str) -> str:
+    """``base``, suffixed with this checkout's vhost (``QUIRE_RMQ_VHOST=quire_<name>`` ->
+    ``<base>_<name>``) so parallel checkouts on one machine never share a bench database."""
+    vhost = os.environ.get("QUIRE_RMQ_VHOST", "")
+    suffix = vhost.removeprefix("quire").strip("_")
+    return f"{base}_{suffix}" if suffix else base
+
+
 def recreate_database(name: str) -> str:
     """Drop and create ``name``; returns its URL."""
     import psycopg

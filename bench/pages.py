@@ -55,6 +55,7 @@ from _common import (
     TEMPLATE_VHOST,
     _rabbitmqctl,
     base_env,
+    bench_db_name,
     drop_database,
     recreate_database,
     run,
@@ -613,8 +614,7 @@ def main() -> None:
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     print(f"load at start: {os.getloadavg()}", flush=True)
-    suffix = "" if TEMPLATE_VHOST == "quire" else "_" + TEMPLATE_VHOST.removeprefix("quire_")
-    with service("quire_cx_pages" + suffix, keep=args.keep) as svc:
+    with service(bench_db_name("quire_cx_pages"), keep=args.keep) as svc:
         if "throughput" not in skip:
             modes = ["on", "off"] if args.sandbox == "both" else [args.sandbox]
             rows = [

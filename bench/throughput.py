@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as c
 
-DB_NAME = "quire_tp"
+DB_NAME = c.bench_db_name("quire_tp")
 TARGET_RATIO = 0.7
 TARGET_SANDBOX_RATIO = 0.9
 
@@ -194,23 +194,40 @@ def _accept_all(*, n: int, threads: int) -> float:
 
 
 def phase_quire(
-    *, stack: c.Stack, n: int, procs: int, concurrency: int, accept_threads: int, timeout: float
+    *,
+    stack: c.Stack,
+    n: int,
+    procs: int,
+    concurrency: int,
+    accept_threads: int,
+    timeout: float,
+    sandbox: str = "on",
+    first: bool = True,
 ) -> Phase:
-    phase = Phase(name="quire", n=n)
+    """``n`` one-page jobs accepted, then run by ``procs`` workers with ``QUIRE_SANDBOX=sandbox``
+    (stopped at the end). Only jobs created by this phase count (phases share one stack)."""
+    phase = Phase(name=f"quire sandbox {sandbox}", n=n)
+    since = c.sql_retry(stack.db_url, "SELECT extract(epoch FROM now())")
+    mine = f"created_at >= to_timestamp({float(since):.6f})"
     accept_s = _accept_all(n=n, threads=accept_threads)
     unpublished = c.sql_scalar(
-        stack.db_url, "SELECT count(*) FROM conversion_outbox WHERE published_at IS NULL"
+        stack.db_url,
+        "SELECT count(*) FROM conversion_outbox o JOIN conversion_job j ON j.id = o.job_id"  # noqa: S608 - a number from Postgres
+        f" WHERE o.published_at IS NULL AND j.{mine}",
     )
     phase.notes.append(
         f"accepted {n} jobs through the service layer in {accept_s:.1f} s "
         f"({n / accept_s:.0f}/s, {accept_threads} threads); outbox rows unpublished: {unpublished}"
     )
-    stack.start("beat")
-    stack.start("sweeper")
+    if first:
+        stack.start("beat")
+        stack.start("sweeper")
     boot = time.time()
     cpu0 = _cpu()
     workers = [
-        stack.start("worker", ready=False, WORKER_CONCURRENCY=str(concurrency))
+        stack.start(
+            "worker", ready=False, WORKER_CONCURRENCY=str(concurrency), QUIRE_SANDBOX=sandbox
+        )
         for _ in range(procs)
     ]
     deadline = time.monotonic() + timeout
@@ -219,7 +236,7 @@ def phase_quire(
         terminal = int(
             c.sql_retry(
                 stack.db_url,
-                "SELECT count(*) FROM conversion_job WHERE finished_at IS NOT NULL",
+                f"SELECT count(*) FROM conversion_job WHERE finished_at IS NOT NULL AND {mine}",  # noqa: S608 - a number from Postgres
             )
             or 0
         )
@@ -230,23 +247,24 @@ def phase_quire(
     phase.worker_cpu_s = sum(c.tree_cpu_s(w.pid) for w in workers)  # type: ignore[attr-defined]
     phase.machine_cpu_s, phase.rabbitmq_cpu_s = cpu1[0] - cpu0[0], cpu1[1] - cpu0[1]
     phase.done = terminal
+    for worker in workers:
+        worker.stop()  # type: ignore[attr-defined]
     import psycopg
 
     with psycopg.connect(stack.db_url) as conn:
         first_start, attempts = conn.execute(
-            "SELECT extract(epoch FROM min(started_at)), count(*) FROM conversion_attempt"
+            "SELECT extract(epoch FROM min(a.started_at)), count(*) FROM conversion_attempt a"  # noqa: S608 - a number from Postgres
+            f" JOIN conversion_job j ON j.id = a.job_id WHERE j.{mine}"
         ).fetchone()
         last_finish, succeeded = conn.execute(
-            "SELECT extract(epoch FROM max(finished_at)),"
+            "SELECT extract(epoch FROM max(finished_at)),"  # noqa: S608 - a number from Postgres
             " count(*) FILTER (WHERE state = 'succeeded')"
-            " FROM conversion_job"
+            f" FROM conversion_job WHERE {mine}"
         ).fetchone()
-        outbox = conn.execute("SELECT count(*) FROM conversion_outbox").fetchone()[0]
     phase.first_start, phase.last_finish = float(first_start), float(last_finish)
     phase.boot_to_last_s = phase.last_finish - boot
     phase.notes.append(
-        f"{succeeded}/{n} succeeded, {attempts} attempts (a re-run would show > {n}), "
-        f"{outbox} outbox rows"
+        f"{succeeded}/{n} succeeded, {attempts} attempts (a re-run would show > {n})"
     )
     return phase
 
@@ -259,6 +277,8 @@ def _percentile(values: list[float], q: float) -> float:
 def child_starts(*, n: int, mode: str) -> str:
     """Start ``n`` converter children (spawn + setup) and end them (kill + reap), sandbox
     ``mode``; one line with p50 / p99 of each, in ms."""
+    if str(c.ROOT) not in sys.path:
+        sys.path.insert(0, str(c.ROOT))
     from conversion_jobs.converters import Limits, sandbox, sessions
     from conversion_jobs.converters.isolation import ChildSession
 
@@ -365,20 +385,22 @@ def main() -> int:
     for line in starts:
         print(line, flush=True)
     phases: list[Phase] = []
-    for index, mode in enumerate(modes):
-        with c.quire_stack(db_name=DB_NAME, keep=args.keep, QUIRE_SANDBOX=mode) as stack:
-            if index == 0 and not args.skip_baseline:
-                phases.append(
-                    phase_celery(
-                        stack=stack,
-                        n=args.n,
-                        procs=procs,
-                        concurrency=concurrency,
-                        timeout=args.timeout,
-                    )
+    # One stack for every phase (Django in this process is set up once); the quire phases only
+    # count their own jobs and stop their workers.
+    with c.quire_stack(db_name=DB_NAME, keep=args.keep) as stack:
+        if not args.skip_baseline:
+            phases.append(
+                phase_celery(
+                    stack=stack,
+                    n=args.n,
+                    procs=procs,
+                    concurrency=concurrency,
+                    timeout=args.timeout,
                 )
-                print(f"celery phase done: {phases[-1].per_s:.1f}/s", flush=True)
-            with contextlib.suppress(KeyboardInterrupt):
+            )
+            print(f"celery phase done: {phases[-1].per_s:.1f}/s", flush=True)
+        with contextlib.suppress(KeyboardInterrupt):
+            for index, mode in enumerate(modes):
                 phase = phase_quire(
                     stack=stack,
                     n=args.n,
@@ -386,8 +408,9 @@ def main() -> int:
                     concurrency=concurrency,
                     accept_threads=args.accept_threads,
                     timeout=args.timeout,
+                    sandbox=mode,
+                    first=index == 0,
                 )
-                phase.name = f"quire sandbox {mode}"
                 phases.append(phase)
                 print(f"{phase.name} done: {phase.per_s:.1f}/s", flush=True)
     report(phases=phases, load=load, layout=args.layout, n=args.n)

@@ -96,6 +96,7 @@ class ChildSession:
         return (
             not self.closed
             and not self._leader_exited()
+            and not self.proc.stale()
             and time.monotonic() - self.last_used < max_idle_s
             and (self.private is None or self.private.is_dir())
         )

@@ -335,6 +335,10 @@ class ForkedProcess:
         """The sandbox this process lives in (None: the sandbox is off)."""
         return self._zygote.root
 
+    def stale(self) -> bool:
+        """Its fork server no longer matches the sandbox setting (see ``_stale``)."""
+        return _stale(self._zygote)
+
     def orphaned(self) -> bool:
         """Its zygote is gone: the child was re-parented and ends itself (its watchdog)."""
         return not self._zygote.alive()
@@ -369,7 +373,7 @@ def zygote() -> ZygoteClient:
     SandboxUnavailable when the sandbox is on but cannot be set up here."""
     global _zygote, _zygote_pid
     with _zygote_lock:
-        if _zygote is None or _zygote_pid != os.getpid() or not _zygote.alive():
+        if _zygote is None or _zygote_pid != os.getpid() or not _zygote.alive() or _stale(_zygote):
             if _zygote is not None and _zygote_pid == os.getpid():
                 _zygote.close()
             _zygote = None
@@ -379,6 +383,13 @@ def zygote() -> ZygoteClient:
                     raise sandbox.SandboxUnavailable(status.reason)
             _zygote, _zygote_pid = ZygoteClient(env=_child_env()), os.getpid()
         return _zygote
+
+
+def _stale(server: ZygoteClient) -> bool:
+    """The sandbox setting or its directory changed since ``server`` started (tests, tools)."""
+    if server.root is None:
+        return sandbox.enabled()
+    return not sandbox.enabled() or server.root.path.parent != sandbox.sandbox_dirs_parent()
 
 
 def current_zygote() -> ZygoteClient | None:

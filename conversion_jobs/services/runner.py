@@ -99,13 +99,16 @@ def conversion_job_execute(*, job_id: uuid.UUID, generation: int) -> str:
         heartbeat.finish()
         if claim.job.password_sealed is not None and outcome in _TERMINAL_OUTCOMES:
             db_retry(lambda: sealed_passwords_wipe(job_id=job_id), deadline_s=lease_ttl_s())
-        converters.release()  # this attempt's converter child ends here (or is kept, reset)
+        # This attempt's converter child and its process group end here (or, reused within a
+        # tenant, it is kept reset), then its work dir goes; only then a spare child is started.
+        converters.release(spare=False)
         converters.begin_attempt(tenant=None)
         shutil.rmtree(workdir, ignore_errors=True)
         try:
             workdir.parent.rmdir()
         except OSError:
             pass
+        converters.warm()
 
 
 #: What ``_run`` returns when the job is now terminal (its sealed password is wiped at once).

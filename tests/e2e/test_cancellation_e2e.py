@@ -6,6 +6,7 @@ beat + sweeper, an operator retry served by another attempt of a real worker."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -121,6 +122,17 @@ def converter_children(worker: harness.Proc) -> list[int]:
     return [p for p in worker.tree() if harness.is_converter_child(p)]
 
 
+def working_children(worker: harness.Proc) -> list[int]:
+    """Converter children that have been set up for an attempt (their cwd is their private
+    directory); the other worker process's spare child (cwd /) is not one of them."""
+    found = []
+    for pid in converter_children(worker):
+        with contextlib.suppress(OSError):
+            if ".isolated-" in os.readlink(f"/proc/{pid}/cwd"):
+                found.append(pid)
+    return found
+
+
 def work_dirs(job_id) -> list[str]:
     base = Path(settings.QUIRE["WORK_DIR"]) / str(job_id)
     try:
@@ -203,7 +215,9 @@ def test_cancel__during_libreoffice_conversion_kills_the_soffice_group(start, cl
     claimed(job.id)
 
     def soffice_pids() -> list[int]:
-        return [p for p in worker.tree() if "soffice" in cmdline(p)]
+        # soffice.bin itself: the /usr/bin/soffice wrapper script execs oosplash (whose command
+        # line does not say "soffice") before soffice.bin starts.
+        return [p for p in worker.tree() if "soffice.bin" in cmdline(p)]
 
     soffice = harness.wait_until(soffice_pids, timeout=30, interval=0.05, what="soffice running")
     groups = {pgid_of(p) for p in soffice} - {None}
@@ -245,7 +259,7 @@ def test_cancel__between_pages_stops_within_the_heartbeat_bound(start, submit, c
     job = submit(pages=8, options={"_test_fault": {"kind": "slow", "seconds": 0.6}})
     claimed(job.id)
     harness.wait_until(lambda: pages_done(job.id) >= 2, timeout=30, what="two pages done")
-    children = converter_children(worker)
+    children = working_children(worker)
     assert children
 
     response = cancel(job.id)
