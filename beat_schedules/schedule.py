@@ -58,6 +58,13 @@ def sweeps() -> list[Sweep]:
             "A killed worker cannot clean its attempt directory; no later attempt may read it.",
         ),
         Sweep(
+            "quire: remove orphaned artifacts",
+            "tasks.sweeps.remove_orphaned_artifacts",
+            600.0,
+            "A crash between storing an object and committing the row that names it leaves an "
+            "object nobody names; deleted once older than QUIRE_ORPHAN_GRACE_S (both backends).",
+        ),
+        Sweep(
             "quire: apply retention",
             "tasks.sweeps.apply_retention",
             300.0,

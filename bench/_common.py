@@ -594,7 +594,7 @@ def submit_job(*, tenant: str = "bench", pages: int = 1, options: dict | None = 
     from conversion_jobs.converters import testdocs
     from conversion_jobs.services.acceptance import StagedUpload, conversion_job_accept
 
-    fh, staged = storage.staging_file()
+    fh, staged = storage.stage()
     fh.close()
     salt = uuid.uuid4().hex
     testdocs.make_pdf(staged, pages=pages, text_of=lambda n: f"Page {n} {salt}")
@@ -647,3 +647,40 @@ def sql_retry(url: str, query: str, *, for_s: float = 120.0) -> object:
             if time.monotonic() > deadline:
                 raise
             time.sleep(1.0)
+
+
+@contextlib.contextmanager
+def s3_server(scratch: Path) -> Iterator[dict[str, str]]:
+    """A real S3 server (SeaweedFS, as the tests use) for a ``--storage s3`` phase; yields the
+    environment a Quire process needs to store its artifacts there (own key prefix)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from tests import s3server
+
+    server = s3server.start(scratch / "s3server")
+    try:
+        yield {**server.env(), "QUIRE_S3_PREFIX": f"bench-{uuid.uuid4().hex[:8]}"}
+    finally:
+        server.stop()
+
+
+@contextlib.contextmanager
+def storage_in_process(env: dict[str, str]) -> Iterator[None]:
+    """Point this (Django-set-up) process's artifact store at ``env``'s S3 server meanwhile."""
+    from django.conf import settings
+
+    saved = dict(settings.QUIRE)
+    os.environ.update({k: v for k, v in env.items() if k.startswith("AWS_")})
+    settings.QUIRE["STORAGE"] = "s3"
+    settings.QUIRE["S3"] = {
+        **settings.QUIRE["S3"],
+        "BUCKET": env["QUIRE_S3_BUCKET"],
+        "ENDPOINT_URL": env["QUIRE_S3_ENDPOINT_URL"],
+        "ADDRESSING_STYLE": env["QUIRE_S3_ADDRESSING_STYLE"],
+        "PREFIX": env["QUIRE_S3_PREFIX"],
+    }
+    try:
+        yield
+    finally:
+        settings.QUIRE.clear()
+        settings.QUIRE.update(saved)

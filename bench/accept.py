@@ -199,6 +199,12 @@ def main() -> int:
         metavar="DIR",
         help="record the Quire phase's gunicorn workers with py-spy into DIR",
     )
+    parser.add_argument(
+        "--storage",
+        choices=["filesystem", "s3"],
+        default="filesystem",
+        help="s3: add a Quire phase with the sources stored in S3 (SeaweedFS), print the ratio",
+    )
     args = parser.parse_args()
 
     workers = os.environ.setdefault("WEB_CONCURRENCY", "2")
@@ -283,6 +289,35 @@ def main() -> int:
                     ok={200, 202},
                     profile_dir=args.py_spy,
                 )
+            quire_s3 = None
+            if args.storage == "s3":
+                with (
+                    c.s3_server(storage) as s3_env,
+                    c.gunicorn(
+                        env={
+                            **env,
+                            **s3_env,
+                            "DJANGO_SETTINGS_MODULE": "project.settings",
+                            "QUIRE_UPLOAD_DIR": str(storage / "uploads"),
+                        },
+                        log=storage / "gunicorn-quire-s3.log",
+                    ) as server,
+                ):
+                    factories = [
+                        RequestFactory(path="/api/v1/jobs", token=t, port=server.port)
+                        for t in tokens
+                    ]
+                    quire_s3 = drive(
+                        name="quire-s3",
+                        port=server.port,
+                        factories=factories,
+                        clients=args.clients,
+                        warm=args.warm,
+                        measure=args.measure,
+                        replay=args.replay,
+                        server=server,
+                        ok={200, 202},
+                    )
             time.sleep(1.0)
             jobs = c.best_effort(c.sql_scalar, db_url, "SELECT count(*) FROM conversion_job")
             unpublished = c.best_effort(
@@ -308,7 +343,7 @@ def main() -> int:
         "queued_msgs": queued_msgs,
         "kept": storage if args.keep else None,
     }
-    report(baseline=baseline, quire=quire, facts=facts)
+    report(baseline=baseline, quire=quire, facts=facts, quire_s3=quire_s3)
     return 0
 
 
@@ -334,7 +369,13 @@ def _cpu_row(r: PhaseResult) -> str:
     )
 
 
-def report(*, baseline: PhaseResult | None, quire: PhaseResult, facts: dict[str, object]) -> None:
+def report(
+    *,
+    baseline: PhaseResult | None,
+    quire: PhaseResult,
+    facts: dict[str, object],
+    quire_s3: PhaseResult | None = None,
+) -> None:
     print()
     print(
         f"gunicorn gthread: WEB_CONCURRENCY={facts['workers']} WEB_THREADS={facts['threads']}; "
@@ -348,7 +389,7 @@ def report(*, baseline: PhaseResult | None, quire: PhaseResult, facts: dict[str,
     )
     print(header)
     print("-" * len(header))
-    rows = [r for r in (baseline, quire) if r is not None]
+    rows = [r for r in (baseline, quire, quire_s3) if r is not None]
     for r in rows:
         print(_row(r))
     print()
@@ -379,6 +420,12 @@ def report(*, baseline: PhaseResult | None, quire: PhaseResult, facts: dict[str,
         f"ratio to baseline        {ratio:8.2f}   target >= {TARGETS['ratio']}   "
         f"{c.verdict(ratio >= TARGETS['ratio'])}"
     )
+    if quire_s3 is not None:
+        s3_ratio = quire_s3.rate(202) / accepted if accepted else float("nan")
+        print(
+            f"ratio s3 / filesystem    {s3_ratio:8.2f}   target >= 0.8   "
+            f"{c.verdict(s3_ratio >= 0.8)}   (p99 s3 {quire_s3.pct(99):.1f} ms)"
+        )
     print(
         f"database: {facts['jobs']} jobs, {facts['unpublished']} outbox rows unpublished; "
         f"conversion.v1 holds {facts['queued_msgs']} messages"

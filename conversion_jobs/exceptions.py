@@ -191,3 +191,17 @@ class IdentityProviderUnavailable(Rejected):
 
     code = "identity_provider_unavailable"
     status = 503
+
+
+class DatabaseUnavailable(Rejected):
+    """The database cannot be reached: nothing was done. Retry after a while."""
+
+    code = "database_unavailable"
+    status = 503
+
+
+class StorageUnavailable(QuireError):
+    """The artifact store is unavailable (nothing was accepted or served): retry later."""
+
+    code = "storage_unavailable"
+    status = 503

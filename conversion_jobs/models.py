@@ -153,6 +153,8 @@ class ConversionJob(models.Model):
             models.Index(
                 name="job_queued_since", fields=["queued_at"], condition=Q(state=State.QUEUED)
             ),
+            # retention and the orphan sweep ask who still uses a (shared) source
+            models.Index(name="job_source_sha256", fields=["source_sha256"]),
             models.Index(
                 name="job_expired_unpurged",
                 fields=["expired_at"],

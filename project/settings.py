@@ -171,9 +171,26 @@ QUIRE: dict[str, Any] = {
     "PSEUDONYM_KEY": env_str("QUIRE_PSEUDONYM_KEY", "quire-dev-only-pseudonym-key-change-me"),
     # seals document passwords at rest and keys their HMAC in the content identity (ADR 0019)
     "PASSWORD_KEY": env_str("QUIRE_PASSWORD_KEY", "quire-dev-only-password-key-change-me"),
-    # storage
+    # storage (DESIGN §3.1): "filesystem" (STORAGE_DIR) or "s3" (S3; credentials come from the
+    # environment's AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or the instance role)
+    "STORAGE": env_str("QUIRE_STORAGE", "filesystem"),
     "STORAGE_DIR": Path(env_str("QUIRE_STORAGE_DIR", str(VAR_DIR / "storage"))),
+    "S3": {
+        "BUCKET": env_str("QUIRE_S3_BUCKET", ""),
+        "ENDPOINT_URL": env_str("QUIRE_S3_ENDPOINT_URL", ""),
+        "REGION": env_str("QUIRE_S3_REGION", "us-east-1"),
+        "ADDRESSING_STYLE": env_str("QUIRE_S3_ADDRESSING_STYLE", "auto"),
+        "PREFIX": env_str("QUIRE_S3_PREFIX", ""),
+        # > 0: results and pages answer 302 to a presigned URL valid this long
+        "PRESIGN_TTL_S": env_float("QUIRE_S3_PRESIGN_TTL_S", 0.0),
+    },
+    # an object older than this that no row names is an orphan (a put whose row never
+    # committed); far longer than any put-to-commit gap (a lease at most)
+    "ORPHAN_GRACE_S": env_float("QUIRE_ORPHAN_GRACE_S", 3600.0),
     "WORK_DIR": Path(env_str("QUIRE_WORK_DIR", str(VAR_DIR / "work"))),
+    # the web's local scratch for uploads in flight on the S3 backend (the filesystem backend
+    # stages inside STORAGE_DIR, so storing an upload is a rename)
+    "UPLOAD_DIR": Path(env_str("QUIRE_UPLOAD_DIR", str(VAR_DIR / "uploads"))),
     # admission
     "MAX_UPLOAD_BYTES": env_int("QUIRE_MAX_UPLOAD_BYTES", 100 * 1024 * 1024),
     "TENANT_QUOTA": env_int("QUIRE_TENANT_QUOTA", 200),

@@ -35,6 +35,13 @@ def remove_stale_work_dirs() -> int:
     return recovery.work_dirs_remove_stale()
 
 
+@shared_task(name="tasks.sweeps.remove_orphaned_artifacts", ignore_result=True)
+def remove_orphaned_artifacts() -> int:
+    from conversion_jobs.services.artifacts import artifacts_remove_orphans
+
+    return artifacts_remove_orphans()
+
+
 @shared_task(name="tasks.sweeps.apply_retention", ignore_result=True)
 def apply_retention() -> int:
     from conversion_jobs.services.retention import retention_apply

@@ -48,14 +48,19 @@ class SigningKey:
 class JwksServer:
     def __init__(self) -> None:
         self.keys: list[SigningKey] = []
+        #: None: serve the keys; else (status, body) to answer instead (a broken IdP).
+        self.answer: tuple[int, bytes] | None = None
         self.requests = 0
         server = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
                 server.requests += 1
-                body = json.dumps({"keys": [k.jwk for k in server.keys]}).encode()
-                self.send_response(200)
+                status, body = server.answer or (
+                    200,
+                    json.dumps({"keys": [k.jwk for k in server.keys]}).encode(),
+                )
+                self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()

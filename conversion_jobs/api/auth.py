@@ -107,7 +107,6 @@ class JwksKeys:
         self._fetched_at = float("-inf")
         self._attempted_at = float("-inf")
         self._lock = threading.Lock()
-        self.fetches = 0
 
     def key_for(self, kid: str) -> jwt.PyJWK:
         with self._lock:
@@ -125,11 +124,11 @@ class JwksKeys:
 
     def _refresh(self, now: float) -> None:
         self._attempted_at = now
-        self.fetches += 1
         try:
             keys = self._client.get_signing_keys(refresh=True)
-        except jwt.PyJWKClientError as exc:
-            # PyJWKClientConnectionError (network, HTTP status) or a malformed / keyless set.
+        except (jwt.PyJWTError, ValueError) as exc:
+            # PyJWKClientConnectionError (network, HTTP status), PyJWKSetError / PyJWKClientError
+            # (a keyless or malformed set), ValueError (a body that is not JSON).
             log.warning(
                 "jwks refresh failed; keeping %d cached key(s)",
                 len(self._keys),

@@ -4,7 +4,8 @@ The API's own errors are problems already (``conversion_jobs.api.problems``); Dj
 (``project.urls``) answer 400/403/404/500 as problems too. This middleware is the net under both:
 any other 4xx/5xx answer — a bare ``HttpResponse(status=401)``, a 405 from a plain view, the
 readiness probe's 503 — is rewritten into a problem with the stable code of its status. A JSON
-object body keeps its members (the readiness checks stay readable).
+object body keeps its members (the readiness checks stay readable); headers other than the
+body's own are kept.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ STATUS_CODES = {
     503: "service_unavailable",
     504: "gateway_timeout",
 }
-#: Headers of the original answer that carry meaning for the client and are kept.
-KEPT_HEADERS = ("Allow", "Retry-After", "WWW-Authenticate", "Vary", "X-Frame-Options")
+#: Headers that describe the original body and so are not carried over to the problem.
+BODY_HEADERS = {"content-type", "content-length", "content-disposition", "content-encoding"}
 RESERVED = {"type", "title", "status", "code", "detail"}
 
 
@@ -77,9 +78,10 @@ def as_problem(response: HttpResponseBase) -> HttpResponseBase:
         if isinstance(original, dict):
             body.update({k: v for k, v in original.items() if k not in RESERVED})
     problem = HttpResponse(json.dumps(body), status=response.status_code, content_type=PROBLEM)
-    for header in KEPT_HEADERS:
-        if header in response:
-            problem[header] = response[header]
+    # Everything else stays: Allow, Retry-After, WWW-Authenticate, the security headers.
+    for header, value in response.items():
+        if header.lower() not in BODY_HEADERS:
+            problem[header] = value
     return problem
 
 

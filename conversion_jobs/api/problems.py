@@ -10,6 +10,7 @@ from rest_framework.response import Response
 
 from conversion_jobs.exceptions import (
     CsrfFailed,
+    DatabaseUnavailable,
     Forbidden,
     InvalidHost,
     InvalidRequest,
@@ -71,7 +72,7 @@ def _from_drf(exc: drf.APIException) -> QuireError:
     if isinstance(exc, drf.NotFound):
         return NotFound()
     if isinstance(exc, drf.ParseError):
-        return MalformedBody(str(exc.detail))
+        return MalformedBody()
     error = QuireError(str(exc.detail))
     error.status = exc.status_code
     error.code = {
@@ -110,9 +111,18 @@ def error_from_django(exc: BaseException) -> QuireError | None:
     return None
 
 
+#: Retry-After of a 503 for a database that cannot be reached (a restart or a failover).
+DATABASE_RETRY_AFTER_S = 5
+
+
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
+    from django.db import InterfaceError, OperationalError
+
     if isinstance(exc, QuireError):
         return problem_response(exc)
+    if isinstance(exc, OperationalError | InterfaceError):
+        # Connection-level failures only; nothing was committed, the client may retry as is.
+        return problem_response(DatabaseUnavailable(retry_after=DATABASE_RETRY_AFTER_S))
     if isinstance(exc, drf.APIException):
         return problem_response(_from_drf(exc))
     error = error_from_django(exc)

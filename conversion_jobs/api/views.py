@@ -8,7 +8,7 @@ import uuid
 from typing import Any
 
 from django.conf import settings
-from django.http import FileResponse, HttpResponse
+from django.http import FileResponse, HttpResponse, HttpResponseRedirect
 from django.http.response import HttpResponseBase
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
@@ -38,6 +38,7 @@ from conversion_jobs.exceptions import (
     NotFound,
     NotReady,
     QuireError,
+    StorageUnavailable,
 )
 from conversion_jobs.models import ConversionJob, Output, PageState
 from conversion_jobs.observability import metrics, tracing
@@ -249,17 +250,36 @@ class JobRetryView(QuireView):
 
 
 def _artifact_response(
-    *, key: str, sha256: str, media_type: str, filename: str, request: Request
+    *,
+    key: str,
+    sha256: str,
+    size: int | None,
+    media_type: str,
+    filename: str,
+    request: Request,
 ) -> HttpResponseBase:
+    """Stream the object from the artifact store, or (S3 with QUIRE_S3_PRESIGN_TTL_S) send the
+    client to a short-lived presigned URL; the web never holds the whole object."""
     etag = f'"{sha256}"'
     response: HttpResponseBase
     if request.headers.get("If-None-Match") == etag:
         response = HttpResponse(status=304)
     else:
-        path = storage.path_of(key)
-        if not path.exists():
-            raise NotFound()
-        response = FileResponse(open(path, "rb"), content_type=media_type)
+        try:
+            url = storage.presigned_url(key, filename=filename, media_type=media_type)
+            if url is not None:
+                response = HttpResponseRedirect(url)
+                response["Cache-Control"] = "private, no-store"
+                response["ETag"] = etag
+                return response
+            body = storage.open_object(key)
+        except FileNotFoundError as exc:
+            raise NotFound() from exc
+        except storage.StorageError as exc:
+            raise StorageUnavailable() from exc
+        response = FileResponse(body, content_type=media_type)
+        if size is not None:
+            response["Content-Length"] = str(size)
         response["Content-Disposition"] = f'attachment; filename="{filename}"'
     response["ETag"] = etag
     return response
@@ -282,6 +302,7 @@ class JobResultView(QuireView):
         return _artifact_response(
             key=job.result_key,
             sha256=job.result_sha256 or "",
+            size=job.result_size,
             media_type=job.result_media_type or "application/octet-stream",
             filename=f"{job.id}.{RESULT_EXT[job.output]}",
             request=request,
@@ -339,6 +360,7 @@ class JobPageView(QuireView):
         return _artifact_response(
             key=checkpoint.artifact_key or "",
             sha256=checkpoint.artifact_sha256 or "",
+            size=checkpoint.artifact_size,
             media_type=checkpoint.media_type or "application/octet-stream",
             filename=f"{job.id}-page-{page:05d}.{ext}",
             request=request,

@@ -16,12 +16,14 @@ from conversion_jobs.db import violated_constraint
 from conversion_jobs.exceptions import (
     IdempotencyKeyReused,
     InvalidRequest,
+    StorageUnavailable,
     UnsupportedMediaType,
     UnsupportedOutput,
 )
 from conversion_jobs.models import ConversionJob, ConversionOutbox, IdempotencyRecord
 from conversion_jobs.options import normalize_options, options_digest, request_fingerprint
 from conversion_jobs.services.admission import admission_check
+from conversion_jobs.services.artifacts import source_lock
 from conversion_jobs.services.audit import audit_event_append
 from conversion_jobs.services.dispatch import outbox_publish_after_commit
 from conversion_jobs.states import LIVE_STATES, State
@@ -29,7 +31,7 @@ from conversion_jobs.states import LIVE_STATES, State
 
 @dataclass(frozen=True)
 class StagedUpload:
-    """An upload already streamed to the storage filesystem and hashed."""
+    """An upload already streamed to a local staged file and hashed."""
 
     path: Path
     sha256: str
@@ -150,12 +152,22 @@ def conversion_job_accept(
                 tenant=tenant, key=idempotency_key, fingerprint=fingerprint, job_id=duplicate
             )
         admission_check(tenant=tenant)
-        source_key = storage.promote_source(upload.path, upload.sha256)
+        try:
+            source_key, uploaded = storage.put_source(upload.path, upload.sha256)
+        except storage.StorageError as exc:
+            raise StorageUnavailable() from exc
     finally:
         upload.path.unlink(missing_ok=True)
 
     try:
         with transaction.atomic():
+            # We reused an object a deleter (retention, the orphan sweep) may have judged unused
+            # since: under the source's lock it is still there, or we stop. An object we just
+            # uploaded needs no check: deleters leave objects younger than the grace alone.
+            if not uploaded:
+                source_lock(sha256=upload.sha256, exclusive=False)
+                if not _source_present(source_key):
+                    raise StorageUnavailable("the stored source vanished; retry")
             job = _insert_job(
                 tenant=tenant,
                 actor=actor,
@@ -187,6 +199,13 @@ def conversion_job_accept(
             tenant=tenant, key=idempotency_key, fingerprint=fingerprint, job_id=winner
         )
     return Acceptance(job=job, created=True, replayed=False)
+
+
+def _source_present(key: str) -> bool:
+    try:
+        return storage.exists(key)
+    except storage.StorageError as exc:
+        raise StorageUnavailable() from exc
 
 
 def _insert_job(

@@ -196,9 +196,12 @@ def _convert(*, lease: Lease, job: ConversionJob, heartbeat: Heartbeat, workdir:
     configure(engine_settings_from_settings())
     converter = converters.converter_for(job.source_media_type, job.output)
     stop = heartbeat.stop.is_set
+    # The converter reads a copy in the attempt's work directory, never the store itself.
+    source = workdir / "source"
+    storage.download(job.source_key, source)
     started = time.monotonic()
     prepared = converter.prepare(
-        source=storage.path_of(job.source_key),
+        source=source,
         media_type=job.source_media_type,
         workdir=workdir,
         limits=limits,
@@ -255,6 +258,7 @@ def _convert_pages(
     batch: CheckpointBatch,
 ) -> str:
     stop = heartbeat.stop.is_set
+    local: dict[int, Path] = {}  # pages of this attempt: where their bytes are on this host
     # A resumed job never redoes a finished page.
     todo = [
         page
@@ -308,9 +312,12 @@ def _convert_pages(
                 )
                 break
             ext = "txt" if job.output == "text" else job.output
-            key = storage.page_key(job_id=lease.job_id, page=page, ext=f"g{lease.generation}.{ext}")
+            key = storage.page_key(
+                job_id=lease.job_id, page=page, generation=lease.generation, ext=ext
+            )
             sha, size = storage.sha256_file(artifact.path)
-            placed = storage.place(artifact.path, key)
+            put = storage.put_file(key, artifact.path, wait=False)
+            local[page] = put.local
             batch.add(
                 PageCheckpoint(
                     job_id=lease.job_id,
@@ -323,7 +330,7 @@ def _convert_pages(
                     media_type=artifact.media_type,
                     generation=lease.generation,
                 ),
-                placed,
+                put,
             )
             break
     return _finalize(
@@ -334,7 +341,16 @@ def _convert_pages(
         batch=batch,
         prepared=prepared,
         workdir=workdir,
+        local=local,
     )
+
+
+def _fetch(key: str, workdir: Path) -> Path:
+    folder = workdir / "stored-pages"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    dest = folder / key.rsplit("/", 1)[-1]
+    storage.download(key, dest)
+    return dest
 
 
 def _checkpoint(lease: Lease, **values: Any) -> Any:
@@ -350,13 +366,15 @@ def _finalize(
     batch: CheckpointBatch,
     prepared: Any,
     workdir: Path,
+    local: dict[int, Path],
 ) -> str:
     """Assemble the result from page artifacts and publish it with one fenced CAS; the pages
-    still waiting in ``batch`` are checkpointed in that same transaction."""
+    still waiting in ``batch`` are checkpointed in that same transaction. Pages an earlier
+    attempt converted are fetched from the store into the work directory first."""
     pending = {c.page_number: c for c in batch.pending}
     outcome = {**checkpoints, **pending}
     done = [
-        (p, storage.path_of(outcome[p].artifact_key))
+        (p, local.get(p) or _fetch(outcome[p].artifact_key, workdir))
         for p in pages
         if outcome[p].state == PageState.DONE
     ]
@@ -377,9 +395,9 @@ def _finalize(
             output=job.output, pages=done, dest=assembled, prepared_document=prepared.document
         )
     ext = {"text": "txt", "png": "zip", "pdf": "pdf"}[job.output]
-    key = storage.result_key(job_id=lease.job_id, ext=f"g{lease.generation}.{ext}")
+    key = storage.result_key(job_id=lease.job_id, generation=lease.generation, ext=ext)
     sha, size = storage.sha256_file(assembled)
-    storage.promote(assembled, key)
+    storage.put_file(key, assembled)
     batch.durable()  # the last pages are checkpointed by the publishing transaction
     state = State.PARTIAL if failed else State.SUCCEEDED
     won = db_retry(

@@ -428,6 +428,8 @@ class Cluster:
     env: dict[str, str]
     procs: list[Proc] = field(default_factory=list)
     _counter: int = 0
+    #: a command prefix every process is started under (e.g. ``ip netns exec <host>``)
+    wrap: list[str] = field(default_factory=list)
 
     def start(self, kind: str, *, role: str | None = None, **env: str) -> Proc:
         self._counter += 1
@@ -436,6 +438,7 @@ class Cluster:
         argv = procfile_command(kind, full_env)
         if argv[0] == "celery":
             argv[0] = str(VENV_BIN / "celery")
+        argv = [*self.wrap, *argv]
         log = self.log_dir / f"{name}.log"
         with open(log, "ab") as out:
             popen = subprocess.Popen(

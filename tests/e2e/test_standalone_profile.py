@@ -22,7 +22,7 @@ import hashlib, shutil
 from conversion_jobs import storage
 from conversion_jobs.services.acceptance import StagedUpload, conversion_job_accept
 src = {src!r}
-fh, staged = storage.staging_file()
+fh, staged = storage.stage()
 with fh, open(src, "rb") as data:
     shutil.copyfileobj(data, fh)
 raw = open(src, "rb").read()

@@ -118,3 +118,28 @@ def test_token_decode__tenant_at_the_column_limit_is_kept_whole():
 def test_token_decode__over_long_token_is_rejected_before_parsing():
     with pytest.raises(InvalidToken):
         token_decode("a" * 10_000)
+
+
+@pytest.mark.parametrize("missing", ["QUIRE_JWT_ISSUER", "QUIRE_JWT_AUDIENCE"])
+def test_settings__jwks_without_issuer_or_audience_refuses_to_load(missing):
+    import os
+    import subprocess
+    import sys
+
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "project.settings",
+        "QUIRE_JWT_JWKS_URL": "https://idp.example/jwks.json",
+        "QUIRE_JWT_ISSUER": "https://idp.example/",
+        "QUIRE_JWT_AUDIENCE": "quire-api",
+    }
+    del env[missing]
+    result = subprocess.run(
+        [sys.executable, "-c", "import django; django.setup()"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0
+    assert "QUIRE_JWT_JWKS_URL needs QUIRE_JWT_ISSUER and QUIRE_JWT_AUDIENCE" in result.stderr

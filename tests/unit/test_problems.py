@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from django.core import exceptions as dj
+from django.http import Http404
+from django.http.multipartparser import MultiPartParserError
 from rest_framework import exceptions as drf
 
 from conversion_jobs import exceptions as errors
@@ -115,3 +118,25 @@ def test_exception_handler__drf_errors_become_problems(exc, status, code):
 
 def test_exception_handler__unknown_exception_is_left_to_django():
     assert exception_handler(RuntimeError("boom"), {}) is None
+
+
+@pytest.mark.parametrize(
+    ("exc", "status", "code"),
+    [
+        (dj.BadRequest("bad"), 400, "invalid_request"),
+        (dj.SuspiciousOperation("odd"), 400, "invalid_request"),
+        (dj.DisallowedHost("evil"), 400, "invalid_host"),
+        (dj.TooManyFieldsSent("many"), 400, "too_many_fields"),
+        (dj.TooManyFilesSent("many"), 400, "too_many_files"),
+        (dj.RequestDataTooBig("big"), 400, "request_data_too_large"),
+        (MultiPartParserError("secret-boundary"), 400, "malformed_body"),
+        (dj.PermissionDenied(), 403, "forbidden"),
+        (Http404(), 404, "not_found"),
+    ],
+)
+def test_exception_handler__django_request_errors_become_problems(exc, status, code):
+    response = exception_handler(exc, {})
+    assert response is not None
+    assert (response.status_code, response.data["code"]) == (status, code)
+    # Django's message (which may echo request data) is never passed on.
+    assert "secret-boundary" not in str(response.data) and "evil" not in str(response.data)

@@ -201,3 +201,15 @@ def test_jwks__token_without_kid_or_with_hs_alg_is_401(idp):
     )
     problem(_get(no_kid), 401, "invalid_token")
     assert idp.requests == 0
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    "answer",
+    [(500, b"oops"), (200, b"<html>not json</html>"), (200, b'{"keys": []}'), (200, b"[]")],
+    ids=["http_500", "not_json", "no_keys", "not_an_object"],
+)
+def test_jwks__broken_identity_provider_with_an_empty_cache_is_503(idp, answer):
+    idp.answer = answer
+    problem(_get(idp.keys[0].sign()), 503, "identity_provider_unavailable")
+    assert idp.requests == 1

@@ -60,11 +60,28 @@ def test_unhandled_exception__is_problem_500(api, monkeypatch):
     assert "a bug" not in str(body)
 
 
+@pytest.mark.django_db
+def test_database_unreachable__is_problem_503_with_retry_after(api, monkeypatch):
+    from django.db import OperationalError
+
+    def unreachable(**kwargs):
+        raise OperationalError("connection to server at 127.0.0.1 failed: Connection refused")
+
+    monkeypatch.setattr(selectors, "conversion_job_list", unreachable)
+    response = api().get("/api/v1/jobs")
+    body = problem(response, 503, "database_unavailable")
+    assert response["Retry-After"] == str(body["retry_after"]) == "5"
+    assert "127.0.0.1" not in response.content.decode()
+
+
 def test_metrics_without_its_token__is_problem_401(monkeypatch):
     monkeypatch.setenv("QUIRE_METRICS_TOKEN", "metrics-secret")
     response = Client().get("/metrics")
     problem(response, 401, "not_authenticated")
     assert response["WWW-Authenticate"].startswith("Bearer")
+    # Rewritten by the middleware: the security headers of the original answer stay.
+    assert response["X-Frame-Options"] == "DENY"
+    assert response["X-Content-Type-Options"] == "nosniff"
 
 
 @pytest.mark.django_db
@@ -73,3 +90,4 @@ def test_readiness_failure__is_problem_503_that_keeps_its_checks(monkeypatch):
     body = problem(Client().get("/health/ready"), 503, "service_unavailable")
     assert body["checks"]["broker"] is False
     assert body["checks"]["database"] is True
+    assert "mode" in body["sandbox"]  # every member of the readiness body is kept

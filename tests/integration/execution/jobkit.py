@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import threading
@@ -42,9 +43,9 @@ def submit(
 ) -> ConversionJob:
     """Accept ``source`` (a copy: acceptance consumes the staged file) as a new job.
     A test fault is written into the stored options, as a client could not send it."""
-    staged = Path(settings.QUIRE["STORAGE_DIR"]) / "staging" / f"test-{uuid.uuid4().hex}"
-    staged.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(source, staged)
+    fh, staged = storage.stage()
+    with fh, open(source, "rb") as data:
+        shutil.copyfileobj(data, fh)
     sha, size = storage.sha256_file(staged)
     acceptance = conversion_job_accept(
         tenant=tenant,
@@ -120,9 +121,18 @@ def work_dir_entries() -> list[Path]:
     )
 
 
-def result_files(job_id: uuid.UUID) -> list[Path]:
-    folder = storage.path_of(f"results/{job_id}")
-    return sorted(folder.iterdir()) if folder.exists() else []
+def result_files(job_id: uuid.UUID) -> list[str]:
+    """The keys of every stored result object of ``job_id``."""
+    return sorted(o.key for o in storage.list_objects(f"results/{job_id}"))
+
+
+def object_bytes(key: str) -> bytes:
+    with storage.open_object(key) as body:
+        return body.read()
+
+
+def object_sha256(key: str) -> str:
+    return hashlib.sha256(object_bytes(key)).hexdigest()
 
 
 def converter_children(job_id: uuid.UUID) -> list[int]:
