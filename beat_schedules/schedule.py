@@ -21,6 +21,11 @@ class Sweep:
     every_s: float
     why: str
 
+    @property
+    def key(self) -> str:
+        """The short name in ``sweep_status`` and the metric's ``sweep`` label."""
+        return self.task.rsplit(".", 1)[1]
+
 
 def sweeps() -> list[Sweep]:
     tick = settings.QUIRE["SWEEP_INTERVAL_S"]
@@ -72,3 +77,8 @@ def sweeps() -> list[Sweep]:
             "second), prune published outbox rows, purge audit chains past their retention.",
         ),
     ]
+
+
+def sweep_interval(key: str) -> float:
+    """The interval of the sweep whose short name is ``key``."""
+    return next(s.every_s for s in sweeps() if s.key == key)

@@ -67,12 +67,24 @@ def procfile_command(name: str) -> str:
     raise KeyError(f"no {name!r} process in the Procfile")
 
 
-def start_procfile(name: str, *, env: dict[str, str], log: Path) -> subprocess.Popen:
-    """The Procfile's ``name`` command, verbatim (bash expands its ``${VAR:-default}``), in its
-    own session, output to ``log``."""
+#: The Procfile's ``web`` line before ADR 0016 (WSGI, gthread), kept to compare against.
+GTHREAD_WEB_COMMAND = (
+    "env CELERY_BROKER_WRITE_URL=${QUIRE_BROKER_PUBLISHER_URL:-} "
+    "PROMETHEUS_MULTIPROC_DIR=${PROMETHEUS_MULTIPROC_DIR:-var/metrics} "
+    "gunicorn project.wsgi:application --bind ${QUIRE_BIND:-127.0.0.1:8000} "
+    "--workers ${WEB_CONCURRENCY:-6} --threads ${WEB_THREADS:-2} --worker-class gthread "
+    "--timeout 60 --graceful-timeout 30 --no-control-socket"
+)
+
+
+def start_procfile(
+    name: str, *, env: dict[str, str], log: Path, command: str | None = None
+) -> subprocess.Popen:
+    """The Procfile's ``name`` command (or ``command``), verbatim (bash expands its
+    ``${VAR:-default}``), in its own session, output to ``log``."""
     with open(log, "wb") as fh:
         return subprocess.Popen(
-            ["bash", "-c", "exec " + procfile_command(name)],
+            ["bash", "-c", "exec " + (command or procfile_command(name))],
             cwd=ROOT,
             env=env,
             stdout=fh,
@@ -109,12 +121,17 @@ class Server:
 
 @contextlib.contextmanager
 def gunicorn(
-    *, env: dict[str, str], log: Path, ready_path: str = "/health/live"
+    *,
+    env: dict[str, str],
+    log: Path,
+    ready_path: str = "/health/live",
+    command: str | None = None,
 ) -> Iterator[Server]:
-    """The Procfile's ``web`` command, verbatim (bash expands its ``${VAR:-default}``)."""
+    """The Procfile's ``web`` command (or ``command``), verbatim (bash expands its
+    ``${VAR:-default}``)."""
     port = free_port()
     env = {**env, "QUIRE_BIND": f"127.0.0.1:{port}"}
-    proc = start_procfile("web", env=env, log=log)
+    proc = start_procfile("web", env=env, log=log, command=command)
     server = Server(proc=proc, port=port, log=log)
     try:
         deadline = time.monotonic() + 60
@@ -202,13 +219,14 @@ def throwaway_vhost(*, user: str, password: str) -> Iterator[str]:
     try:
         _rabbitmqctl("set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
         perms = None
+        source = os.environ.get("QUIRE_RMQ_VHOST", "quire")  # where apply.sh granted them
         for line in _rabbitmqctl("list_user_permissions", user).splitlines():
             cols = line.split("\t")
-            if cols and cols[0] == TEMPLATE_VHOST:
+            if cols and cols[0] == source:
                 perms = cols[1:4]
         if perms is None:
             raise RuntimeError(
-                f"{user} has no permissions on vhost {TEMPLATE_VHOST}: run deploy/rabbitmq/apply.sh"
+                f"{user} has no permissions on vhost {source}: run deploy/rabbitmq/apply.sh"
             )
         _rabbitmqctl("set_permissions", "-p", vhost, "--", user, *perms)
         defs = json.loads((ROOT / "deploy" / "rabbitmq" / "definitions.json").read_text())

@@ -382,3 +382,20 @@ class ExecutionAuditEvent(models.Model):
 
     def __str__(self) -> str:
         return f"audit {self.job_id}#{self.seq} {self.event_type}"
+
+
+class SweepStatus(models.Model):
+    """One row per beat sweep (DESIGN §12): ``install_beat_schedule`` writes its interval and
+    install time, the sweep itself writes ``last_success_at`` each time it finishes. Any web
+    process reads them, so ``/health/ready`` and the gauge see a stalled beat or sweeper."""
+
+    name = models.CharField(max_length=64, primary_key=True)
+    interval_s = models.FloatField()
+    installed_at = models.DateTimeField()
+    last_success_at = models.DateTimeField(null=True)
+
+    class Meta:
+        db_table = "sweep_status"
+
+    def __str__(self) -> str:
+        return f"sweep {self.name}"

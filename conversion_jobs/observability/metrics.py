@@ -60,3 +60,64 @@ CONVERSION_DURATION = Histogram(
     ["input", "engine"],
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 180),
 )
+
+#: Every label value the code can set, so each series exists (at zero) from the first scrape
+#: after a start or a deploy instead of appearing with its first event (DESIGN §12). Kept in
+#: step with the enums they come from by tests/unit/test_metrics_series.py.
+KNOWN_SERIES: dict[Counter | Histogram, list[dict[str, str]]] = {
+    ADMISSIONS: [
+        {"result": "accepted", "reason": ""},
+        {"result": "replayed", "reason": ""},
+        {"result": "duplicate", "reason": ""},
+        {"result": "rejected", "reason": "tenant_quota_exceeded"},
+        {"result": "rejected", "reason": "capacity_exceeded"},
+    ],
+    OUTBOX_PUBLISHED: [{"path": "fast"}, {"path": "sweep"}],
+    OUTBOX_PUBLISH_FAILURES: [
+        {"path": path, "code": code}
+        for path in ("fast", "sweep")
+        for code in ("broker_timeout", "broker_unreachable", "publish_failed")
+    ],
+    REDISPATCHES: [{"reason": r} for r in ("dispatch_timeout", "retry_due", "operator_retry")],
+    DUPLICATE_DELIVERIES: [{"reason": "duplicate"}, {"reason": "stale"}],
+    ATTEMPT_DURATION: [
+        {"outcome": o}
+        for o in ("succeeded", "retryable_error", "terminal_error", "lease_lost", "cancelled")
+    ],
+    RECOVERIES: [{"result": r} for r in ("requeued", "exhausted", "cancelled")],
+    CANCELLATIONS: [
+        {"outcome": o}
+        for o in ("cancelled", "cancelling", "already_cancelled", "too_late", "lost_to_completion")
+    ],
+    PAGES: [{"outcome": o} for o in ("done", "failed")],
+    TERMINAL: [{"state": s} for s in ("succeeded", "partial", "failed", "cancelled")],
+    RETENTION_PURGES: [
+        {"kind": k} for k in ("outbox_rows", "jobs_expired", "jobs_purged", "audit_events")
+    ],
+    ENGINE_STARTS: [{"engine": "libreoffice"}],
+    ENGINE_RECYCLES: [
+        {"engine": "libreoffice", "reason": r}
+        for r in (
+            "max_conversions",
+            "memory",
+            "failure",
+            "timeout",
+            "stopped",
+            "crashed",
+            "idle",
+            "settings",
+            "start_failed",
+            "shutdown",
+        )
+    ],
+    ENGINE_LIFE_CONVERSIONS: [{"engine": "libreoffice"}],
+}
+
+
+def _zero_known_series() -> None:
+    for metric, series in KNOWN_SERIES.items():
+        for labels in series:
+            metric.labels(**labels)
+
+
+_zero_known_series()

@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('conversion_jobs', '0004_identity_excludes_expired'),
+        ('conversion_jobs', '0005_broker_sweep_status'),
     ]
 
     operations = [

@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('conversion_jobs', '0005_s3_source_index'),
+        ('conversion_jobs', '0007_asgi_job_change_notify'),
     ]
 
     operations = [
