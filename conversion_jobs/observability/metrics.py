@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Histogram
 
+from conversion_jobs.converters.base import IMAGE_TYPES, OFFICE_TYPES, PDF
+
 ADMISSIONS = Counter("quire_admissions", "Submissions by admission result", ["result", "reason"])
 IDEMPOTENT_REPLAYS = Counter("quire_idempotent_replays", "Idempotency-Key replays answered")
 OUTBOX_PUBLISHED = Counter("quire_outbox_published", "Outbox rows published", ["path"])
@@ -111,6 +113,16 @@ KNOWN_SERIES: dict[Counter | Histogram, list[dict[str, str]]] = {
         )
     ],
     ENGINE_LIFE_CONVERSIONS: [{"engine": "libreoffice"}],
+    CONVERSION_DURATION: [
+        {"input": media_type, "engine": engine}
+        for engines, media_types in (
+            (("pdfium",), (PDF,)),
+            (("image",), sorted(IMAGE_TYPES)),
+            (("libreoffice-warm", "libreoffice-fresh"), sorted(OFFICE_TYPES)),
+        )
+        for engine in engines
+        for media_type in media_types
+    ],
 }
 
 
