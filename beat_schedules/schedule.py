@@ -21,6 +21,11 @@ class Sweep:
     every_s: float
     why: str
 
+    @property
+    def key(self) -> str:
+        """The short name in ``sweep_status`` and the metric's ``sweep`` label."""
+        return self.task.rsplit(".", 1)[1]
+
 
 def sweeps() -> list[Sweep]:
     tick = settings.QUIRE["SWEEP_INTERVAL_S"]
@@ -58,6 +63,13 @@ def sweeps() -> list[Sweep]:
             "A killed worker cannot clean its attempt directory; no later attempt may read it.",
         ),
         Sweep(
+            "quire: remove orphaned artifacts",
+            "tasks.sweeps.remove_orphaned_artifacts",
+            600.0,
+            "A crash between storing an object and committing the row that names it leaves an "
+            "object nobody names; deleted once older than QUIRE_ORPHAN_GRACE_S (both backends).",
+        ),
+        Sweep(
             "quire: apply retention",
             "tasks.sweeps.apply_retention",
             300.0,
@@ -65,3 +77,8 @@ def sweeps() -> list[Sweep]:
             "second), prune published outbox rows, purge audit chains past their retention.",
         ),
     ]
+
+
+def sweep_interval(key: str) -> float:
+    """The interval of the sweep whose short name is ``key``."""
+    return next(s.every_s for s in sweeps() if s.key == key)

@@ -67,12 +67,24 @@ def procfile_command(name: str) -> str:
     raise KeyError(f"no {name!r} process in the Procfile")
 
 
-def start_procfile(name: str, *, env: dict[str, str], log: Path) -> subprocess.Popen:
-    """The Procfile's ``name`` command, verbatim (bash expands its ``${VAR:-default}``), in its
-    own session, output to ``log``."""
+#: The Procfile's ``web`` line before ADR 0016 (WSGI, gthread), kept to compare against.
+GTHREAD_WEB_COMMAND = (
+    "env CELERY_BROKER_WRITE_URL=${QUIRE_BROKER_PUBLISHER_URL:-} "
+    "PROMETHEUS_MULTIPROC_DIR=${PROMETHEUS_MULTIPROC_DIR:-var/metrics} "
+    "gunicorn project.wsgi:application --bind ${QUIRE_BIND:-127.0.0.1:8000} "
+    "--workers ${WEB_CONCURRENCY:-6} --threads ${WEB_THREADS:-2} --worker-class gthread "
+    "--timeout 60 --graceful-timeout 30 --no-control-socket"
+)
+
+
+def start_procfile(
+    name: str, *, env: dict[str, str], log: Path, command: str | None = None
+) -> subprocess.Popen:
+    """The Procfile's ``name`` command (or ``command``), verbatim (bash expands its
+    ``${VAR:-default}``), in its own session, output to ``log``."""
     with open(log, "wb") as fh:
         return subprocess.Popen(
-            ["bash", "-c", "exec " + procfile_command(name)],
+            ["bash", "-c", "exec " + (command or procfile_command(name))],
             cwd=ROOT,
             env=env,
             stdout=fh,
@@ -109,12 +121,17 @@ class Server:
 
 @contextlib.contextmanager
 def gunicorn(
-    *, env: dict[str, str], log: Path, ready_path: str = "/health/live"
+    *,
+    env: dict[str, str],
+    log: Path,
+    ready_path: str = "/health/live",
+    command: str | None = None,
 ) -> Iterator[Server]:
-    """The Procfile's ``web`` command, verbatim (bash expands its ``${VAR:-default}``)."""
+    """The Procfile's ``web`` command (or ``command``), verbatim (bash expands its
+    ``${VAR:-default}``)."""
     port = free_port()
     env = {**env, "QUIRE_BIND": f"127.0.0.1:{port}"}
-    proc = start_procfile("web", env=env, log=log)
+    proc = start_procfile("web", env=env, log=log, command=command)
     server = Server(proc=proc, port=port, log=log)
     try:
         deadline = time.monotonic() + 60
@@ -183,6 +200,10 @@ def _rabbitmqctl(*args: str) -> str:
     return run(["rabbitmqctl", "--quiet", *args])
 
 
+#: The vhost whose permissions a throwaway vhost copies (parallel checkouts each have their own).
+TEMPLATE_VHOST = os.environ.get("QUIRE_RMQ_VHOST", "quire")
+
+
 @contextlib.contextmanager
 def throwaway_vhost(*, user: str, password: str) -> Iterator[str]:
     """A fresh vhost carrying ``deploy/rabbitmq/definitions.json`` (exchanges, quorum queue,
@@ -198,13 +219,14 @@ def throwaway_vhost(*, user: str, password: str) -> Iterator[str]:
     try:
         _rabbitmqctl("set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
         perms = None
+        source = os.environ.get("QUIRE_RMQ_VHOST", "quire")  # where apply.sh granted them
         for line in _rabbitmqctl("list_user_permissions", user).splitlines():
             cols = line.split("\t")
-            if cols and cols[0] == "quire":
+            if cols and cols[0] == source:
                 perms = cols[1:4]
         if perms is None:
             raise RuntimeError(
-                f"{user} has no permissions on vhost quire: run deploy/rabbitmq/apply.sh"
+                f"{user} has no permissions on vhost {source}: run deploy/rabbitmq/apply.sh"
             )
         _rabbitmqctl("set_permissions", "-p", vhost, "--", user, *perms)
         defs = json.loads((ROOT / "deploy" / "rabbitmq" / "definitions.json").read_text())
@@ -590,7 +612,7 @@ def submit_job(*, tenant: str = "bench", pages: int = 1, options: dict | None = 
     from conversion_jobs.converters import testdocs
     from conversion_jobs.services.acceptance import StagedUpload, conversion_job_accept
 
-    fh, staged = storage.staging_file()
+    fh, staged = storage.stage()
     fh.close()
     salt = uuid.uuid4().hex
     testdocs.make_pdf(staged, pages=pages, text_of=lambda n: f"Page {n} {salt}")
@@ -643,3 +665,40 @@ def sql_retry(url: str, query: str, *, for_s: float = 120.0) -> object:
             if time.monotonic() > deadline:
                 raise
             time.sleep(1.0)
+
+
+@contextlib.contextmanager
+def s3_server(scratch: Path) -> Iterator[dict[str, str]]:
+    """A real S3 server (SeaweedFS, as the tests use) for a ``--storage s3`` phase; yields the
+    environment a Quire process needs to store its artifacts there (own key prefix)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from tests import s3server
+
+    server = s3server.start(scratch / "s3server")
+    try:
+        yield {**server.env(), "QUIRE_S3_PREFIX": f"bench-{uuid.uuid4().hex[:8]}"}
+    finally:
+        server.stop()
+
+
+@contextlib.contextmanager
+def storage_in_process(env: dict[str, str]) -> Iterator[None]:
+    """Point this (Django-set-up) process's artifact store at ``env``'s S3 server meanwhile."""
+    from django.conf import settings
+
+    saved = dict(settings.QUIRE)
+    os.environ.update({k: v for k, v in env.items() if k.startswith("AWS_")})
+    settings.QUIRE["STORAGE"] = "s3"
+    settings.QUIRE["S3"] = {
+        **settings.QUIRE["S3"],
+        "BUCKET": env["QUIRE_S3_BUCKET"],
+        "ENDPOINT_URL": env["QUIRE_S3_ENDPOINT_URL"],
+        "ADDRESSING_STYLE": env["QUIRE_S3_ADDRESSING_STYLE"],
+        "PREFIX": env["QUIRE_S3_PREFIX"],
+    }
+    try:
+        yield
+    finally:
+        settings.QUIRE.clear()
+        settings.QUIRE.update(saved)

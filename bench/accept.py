@@ -8,12 +8,19 @@ What runs:
 * a throwaway RabbitMQ vhost carrying ``deploy/rabbitmq/definitions.json``, published to as the
   least-privilege ``quire_publisher`` (its ``quire`` permissions copied); deleting the vhost at
   the end purges everything published;
-* gunicorn from the Procfile's ``web`` command (gthread; ``WEB_CONCURRENCY`` x ``WEB_THREADS``);
+* the Procfile's ``web`` command (gunicorn + uvicorn workers, ADR 0016; ``WEB_CONCURRENCY``
+  processes x ``WEB_THREADS`` sync threads);
 * phase 1, baseline: a bare Django view that inserts one row (``bench/baseline_app``), served by
-  the same gunicorn command with the same request bytes;
-* phase 2, Quire: ``POST /api/v1/jobs`` with a unique 10 KB PDF per request (``output=text``, an
-  ``Idempotency-Key`` on every request), 10 % of requests replaying an earlier key + document.
-  Tenant quota and global capacity are raised so nothing is rejected.
+  the same command with the same request bytes;
+* phase 2, gthread: Quire on the web command before ADR 0016 (WSGI, gunicorn gthread,
+  ``WEB_CONCURRENCY`` x ``WEB_THREADS`` threads) for comparison (``--skip-gthread`` skips it);
+* phase 3, asgi: Quire on the Procfile's command: ``POST /api/v1/jobs`` with a unique 10 KB PDF
+  per request (``output=text``, an ``Idempotency-Key`` on every request), 10 % of requests
+  replaying an earlier key + document. Tenant quota and global capacity are raised so nothing
+  is rejected;
+* phase 4, asgi+idle: phase 3 again on the same server while ``--idle-polls`` (1,000) long-polls
+  (``?wait=30`` with a current ``If-None-Match``, re-sent when they time out) are held open
+  (``--idle-polls 0`` skips it).
 
 Each phase: ``--clients`` threads on keep-alive connections, ``--warm`` seconds discarded, then
 ``--measure`` seconds measured. Prints accepted/s, p50/p99 latency, the ratio to the baseline,
@@ -23,8 +30,11 @@ and the CPU used by the client, gunicorn, Postgres, RabbitMQ and the whole machi
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import os
 import random
+import re
 import shutil
 import sys
 import tempfile
@@ -38,9 +48,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as c
 
-DB_NAME = "quire_bench"
+#: One database per checkout (QUIRE_RMQ_VHOST names it): parallel checkouts on one host must not
+#: drop each other's benchmark database mid-run.
+DB_NAME = "quire_bench_" + re.sub(
+    r"[^a-z0-9_]", "_", os.environ.get("QUIRE_RMQ_VHOST", "quire").lower()
+)
 BASELINE_SETTINGS = "bench.baseline_app.settings"
-TARGETS = {"accepted_per_s": 600.0, "p99_ms": 80.0, "ratio": 0.5}
+TARGETS = {"accepted_per_s": 600.0, "p99_ms": 80.0, "ratio": 0.5, "idle_ratio": 0.9}
 
 
 @dataclass
@@ -82,6 +96,79 @@ class RequestFactory:
             "Connection: keep-alive\r\n\r\n"
         )
         return head.encode() + body
+
+
+class IdleLongPolls:
+    """``count`` long-polls held open on a thread of their own (one asyncio loop, raw
+    sockets): each waits ``?wait=30`` on a job that does not change and is sent again when it
+    times out (304), so ``count`` are parked at any moment."""
+
+    def __init__(self, *, port: int, token: str, job_ids: list[str], count: int) -> None:
+        self.port, self.token, self.job_ids, self.count = port, token, job_ids, count
+        self.answers: dict[int, int] = {}
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+
+    def __enter__(self) -> IdleLongPolls:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+
+    async def _run(self) -> None:
+        gate = asyncio.Semaphore(50)
+        tasks = [asyncio.create_task(self._one(i, gate)) for i in range(self.count)]
+        while not self._stop.is_set():
+            await asyncio.sleep(0.2)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _one(self, i: int, gate: asyncio.Semaphore) -> None:
+        job_id = self.job_ids[i % len(self.job_ids)]
+        raw = (
+            f"GET /api/v1/jobs/{job_id}?wait=30 HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            f'Authorization: Bearer {self.token}\r\nIf-None-Match: "v1"\r\n\r\n'
+        ).encode()
+        while True:
+            try:
+                async with gate:
+                    reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+                    writer.write(raw)
+                    await writer.drain()
+                while True:  # keep-alive: the next long-poll on the same connection
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    status = int(head.split(b" ", 2)[1])
+                    length = 0
+                    for line in head.split(b"\r\n")[1:]:
+                        name, _, value = line.partition(b":")
+                        if name.strip().lower() == b"content-length":
+                            length = int(value)
+                    if length:
+                        await reader.readexactly(length)
+                    self.answers[status] = self.answers.get(status, 0) + 1
+                    writer.write(raw)
+                    await writer.drain()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if len(self.errors) < 5:
+                    self.errors.append(f"{type(exc).__name__}: {exc}")
+                await asyncio.sleep(0.5)
+
+
+def submit_one(factory: RequestFactory) -> str:
+    http = c.HttpClient(factory.port)
+    try:
+        status, _, body = http.request(factory.build())
+    finally:
+        http.close()
+    if status != 202:
+        raise RuntimeError(f"could not submit a job to long-poll on: {status} {body[:200]!r}")
+    return str(json.loads(body)["id"])
 
 
 def drive(
@@ -192,6 +279,10 @@ def main() -> int:
     parser.add_argument("--replay", type=float, default=0.10, help="share of idempotent replays")
     parser.add_argument("--tenants", type=int, default=4)
     parser.add_argument("--skip-baseline", action="store_true")
+    parser.add_argument("--skip-gthread", action="store_true", help="no pre-ADR-0016 phase")
+    parser.add_argument(
+        "--idle-polls", type=int, default=1000, help="long-polls held open in phase asgi+idle"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the database and storage")
     parser.add_argument(
         "--py-spy",
@@ -206,6 +297,11 @@ def main() -> int:
     publisher = os.environ.get("QUIRE_RMQ_PUBLISHER_USER", "quire_publisher")
     password = os.environ.get("QUIRE_RMQ_PUBLISHER_PASSWORD", "quire-publisher-dev")
     load_before = os.getloadavg()
+    facts: dict[str, object] = {}
+    import resource
+
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # the idle long-polls' sockets
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
     db_url = c.recreate_database(DB_NAME)
     storage = Path(tempfile.mkdtemp(prefix="quire-bench-"))
@@ -264,25 +360,62 @@ def main() -> int:
                         server=server,
                         ok={201},
                     )
-            with c.gunicorn(
-                env={**env, "DJANGO_SETTINGS_MODULE": "project.settings"},
-                log=storage / "gunicorn-quire.log",
-            ) as server:
-                factories = [
-                    RequestFactory(path="/api/v1/jobs", token=t, port=server.port) for t in tokens
-                ]
-                quire = drive(
-                    name="quire",
+            readers = [
+                c.run(
+                    [
+                        c.PYTHON,
+                        "manage.py",
+                        "mint_token",
+                        "--tenant",
+                        f"bench-{n}",
+                        "--scope",
+                        "jobs:submit jobs:read",
+                    ],
+                    env=env,
+                ).strip()
+                for n in range(args.tenants)
+            ]
+            quire_env = {**env, "DJANGO_SETTINGS_MODULE": "project.settings"}
+
+            def quire_phase(name: str, server: c.Server, spy: Path | None = None) -> PhaseResult:
+                return drive(
+                    name=name,
                     port=server.port,
-                    factories=factories,
+                    factories=[
+                        RequestFactory(path="/api/v1/jobs", token=t, port=server.port)
+                        for t in tokens
+                    ],
                     clients=args.clients,
                     warm=args.warm,
                     measure=args.measure,
                     replay=args.replay,
                     server=server,
                     ok={200, 202},
-                    profile_dir=args.py_spy,
+                    profile_dir=spy,
                 )
+
+            gthread = idle = None
+            if not args.skip_gthread:
+                with c.gunicorn(
+                    env=quire_env,
+                    log=storage / "gunicorn-gthread.log",
+                    command=c.GTHREAD_WEB_COMMAND,
+                ) as server:
+                    gthread = quire_phase("gthread", server)
+            with c.gunicorn(env=quire_env, log=storage / "gunicorn-quire.log") as server:
+                quire = quire_phase("asgi", server, args.py_spy)
+                if args.idle_polls:
+                    factory = RequestFactory(
+                        path="/api/v1/jobs", token=readers[0], port=server.port
+                    )
+                    job_ids = [submit_one(factory) for _ in range(20)]
+                    with IdleLongPolls(
+                        port=server.port, token=readers[0], job_ids=job_ids, count=args.idle_polls
+                    ) as polls:
+                        time.sleep(5)  # all parked
+                        idle = quire_phase("asgi+idle", server)
+                    idle.errors.extend(f"long-poll: {e}" for e in polls.errors)
+                    facts["idle_answers"] = dict(polls.answers)
             time.sleep(1.0)
             jobs = c.best_effort(c.sql_scalar, db_url, "SELECT count(*) FROM conversion_job")
             unpublished = c.best_effort(
@@ -296,7 +429,7 @@ def main() -> int:
             shutil.rmtree(storage, ignore_errors=True)
             c.best_effort(c.drop_database, DB_NAME)
 
-    facts = {
+    facts |= {
         "workers": workers,
         "threads": threads,
         "clients": args.clients,
@@ -307,8 +440,9 @@ def main() -> int:
         "unpublished": unpublished,
         "queued_msgs": queued_msgs,
         "kept": storage if args.keep else None,
+        "idle_polls": args.idle_polls,
     }
-    report(baseline=baseline, quire=quire, facts=facts)
+    report(baseline=baseline, gthread=gthread, quire=quire, idle=idle, facts=facts)
     return 0
 
 
@@ -334,10 +468,18 @@ def _cpu_row(r: PhaseResult) -> str:
     )
 
 
-def report(*, baseline: PhaseResult | None, quire: PhaseResult, facts: dict[str, object]) -> None:
+def report(
+    *,
+    baseline: PhaseResult | None,
+    gthread: PhaseResult | None,
+    quire: PhaseResult,
+    idle: PhaseResult | None,
+    facts: dict[str, object],
+) -> None:
     print()
     print(
-        f"gunicorn gthread: WEB_CONCURRENCY={facts['workers']} WEB_THREADS={facts['threads']}; "
+        f"WEB_CONCURRENCY={facts['workers']} WEB_THREADS={facts['threads']} (asgi: uvicorn "
+        "workers with that many sync threads each; gthread: that many threads); "
         f"clients={facts['clients']}; warm {facts['warm']:g} s + measure {facts['measure']:g} s "
         f"per phase; cores={os.cpu_count()}; load average before {facts['load']:.2f}"
     )
@@ -348,14 +490,14 @@ def report(*, baseline: PhaseResult | None, quire: PhaseResult, facts: dict[str,
     )
     print(header)
     print("-" * len(header))
-    rows = [r for r in (baseline, quire) if r is not None]
+    rows = [r for r in (baseline, gthread, quire, idle) if r is not None]
     for r in rows:
         print(_row(r))
     print()
     print("CPU (cores busy over the measured window):")
     print(
-        f"{'phase':<10} {'client':>7} {'gunicorn':>9} {'postgres':>9} {'rabbitmq':>9} "
-        f"{'machine':>8} {'gunicorn ms/req':>16} {'postgres ms/req':>16}"
+        f"{'phase':<10} {'client':>7} {'web':>9} {'postgres':>9} {'rabbitmq':>9} "
+        f"{'machine':>8} {'web ms/req':>16} {'postgres ms/req':>16}"
     )
     for r in rows:
         print(_cpu_row(r))
@@ -379,6 +521,22 @@ def report(*, baseline: PhaseResult | None, quire: PhaseResult, facts: dict[str,
         f"ratio to baseline        {ratio:8.2f}   target >= {TARGETS['ratio']}   "
         f"{c.verdict(ratio >= TARGETS['ratio'])}"
     )
+    if gthread is not None:
+        old = gthread.rate(202)
+        print(
+            f"asgi vs gthread          {accepted:8.1f} vs {old:.1f} accepted/s = "
+            f"{accepted / old if old else float('nan'):.2f}x; p99 {p99:.1f} vs "
+            f"{gthread.pct(99):.1f} ms"
+        )
+    if idle is not None:
+        held = idle.rate(202)
+        idle_ratio = held / accepted if accepted else float("nan")
+        print(
+            f"with {facts.get('idle_polls')} idle long-polls {held:8.1f} accepted/s = "
+            f"{idle_ratio:.2f}x without   target >= {TARGETS['idle_ratio']}   "
+            f"{c.verdict(idle_ratio >= TARGETS['idle_ratio'])}; p99 {idle.pct(99):.1f} ms; "
+            f"long-poll answers {facts.get('idle_answers')}"
+        )
     print(
         f"database: {facts['jobs']} jobs, {facts['unpublished']} outbox rows unpublished; "
         f"conversion.v1 holds {facts['queued_msgs']} messages"

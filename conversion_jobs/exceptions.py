@@ -164,12 +164,23 @@ class IdempotencyKeyReused(QuireError):
     status = 422
 
 
-class Rejected(QuireError):
-    """Admission control turned the job away; nothing was written. Retry after a while."""
+class RetryLater(QuireError):
+    """Not now; retry after a while (the answer carries ``Retry-After``)."""
 
     def __init__(self, detail: str | None = None, *, retry_after: int) -> None:
         super().__init__(detail, retry_after=retry_after)
         self.retry_after = retry_after
+
+
+class Rejected(RetryLater):
+    """Admission control turned the job away; nothing was written. Retry after a while."""
+
+
+class DatabaseUnavailable(RetryLater):
+    """The database is unavailable; nothing was written. Retry after a while."""
+
+    code = "database_unavailable"
+    status = 503
 
 
 class TenantQuotaExceeded(Rejected):
@@ -193,8 +204,11 @@ class IdentityProviderUnavailable(Rejected):
     status = 503
 
 
-class DatabaseUnavailable(Rejected):
-    """The database cannot be reached: nothing was done. Retry after a while."""
+class StorageUnavailable(RetryLater):
+    """The artifact store is unavailable (nothing was accepted or served): retry later."""
 
-    code = "database_unavailable"
+    code = "storage_unavailable"
     status = 503
+
+    def __init__(self, detail: str | None = None, *, retry_after: int = 5) -> None:
+        super().__init__(detail, retry_after=retry_after)

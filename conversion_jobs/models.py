@@ -58,6 +58,9 @@ class ConversionJob(models.Model):
     options = models.JSONField(default=dict)
     #: sha256 of the canonical JSON of ``options``: part of the content identity.
     options_digest = models.CharField(max_length=64)
+    #: ``options.password`` sealed with the service key (``conversion_jobs/passwords.py``) while
+    #: the job may still run; wiped (NULL) once it is terminal. Never in ``options`` or the API.
+    password_sealed = models.TextField(null=True, blank=True, editable=False)
     policy_version = models.PositiveIntegerField(default=1)
 
     attempts = models.PositiveIntegerField(default=0)
@@ -133,6 +136,11 @@ class ConversionJob(models.Model):
         indexes = [
             models.Index(name="job_tenant_created", fields=["tenant", "-created_at", "-id"]),
             models.Index(
+                name="job_password_sealed",
+                fields=["state"],
+                condition=Q(password_sealed__isnull=False),
+            ),
+            models.Index(
                 name="job_live_tenant",
                 fields=["tenant"],
                 condition=Q(state__in=_in(LIVE_STATES)),
@@ -145,6 +153,8 @@ class ConversionJob(models.Model):
             models.Index(
                 name="job_queued_since", fields=["queued_at"], condition=Q(state=State.QUEUED)
             ),
+            # retention and the orphan sweep ask who still uses a (shared) source
+            models.Index(name="job_source_sha256", fields=["source_sha256"]),
             models.Index(
                 name="job_expired_unpurged",
                 fields=["expired_at"],
@@ -372,3 +382,20 @@ class ExecutionAuditEvent(models.Model):
 
     def __str__(self) -> str:
         return f"audit {self.job_id}#{self.seq} {self.event_type}"
+
+
+class SweepStatus(models.Model):
+    """One row per beat sweep (DESIGN §12): ``install_beat_schedule`` writes its interval and
+    install time, the sweep itself writes ``last_success_at`` each time it finishes. Any web
+    process reads them, so ``/health/ready`` and the gauge see a stalled beat or sweeper."""
+
+    name = models.CharField(max_length=64, primary_key=True)
+    interval_s = models.FloatField()
+    installed_at = models.DateTimeField()
+    last_success_at = models.DateTimeField(null=True)
+
+    class Meta:
+        db_table = "sweep_status"
+
+    def __str__(self) -> str:
+        return f"sweep {self.name}"

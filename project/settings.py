@@ -63,6 +63,8 @@ INSTALLED_APPS = [
 MIDDLEWARE = [
     # Outermost: any 4xx/5xx answer not yet a problem becomes one (conversion_jobs/api/middleware).
     "conversion_jobs.api.middleware.ProblemResponseMiddleware",
+    # Next, so a database lost in any later middleware or view is a 503, not a 500.
+    "conversion_jobs.api.problems.DatabaseUnavailableMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -76,6 +78,7 @@ X_FRAME_OPTIONS = "DENY"
 
 ROOT_URLCONF = "project.urls"
 WSGI_APPLICATION = "project.wsgi.application"
+ASGI_APPLICATION = "project.asgi.application"  # what the Procfile serves (ADR 0016)
 TEMPLATES = [
     {
         "BACKEND": "django.template.backends.django.DjangoTemplates",
@@ -169,18 +172,48 @@ QUIRE: dict[str, Any] = {
     "JWT_JWKS_TIMEOUT_S": env_float("QUIRE_JWT_JWKS_TIMEOUT_S", 3.0),
     "JWT_LEEWAY_S": env_float("QUIRE_JWT_LEEWAY_S", 0.0),
     "PSEUDONYM_KEY": env_str("QUIRE_PSEUDONYM_KEY", "quire-dev-only-pseudonym-key-change-me"),
-    # storage
+    # seals document passwords at rest and keys their HMAC in the content identity (ADR 0019)
+    "PASSWORD_KEY": env_str("QUIRE_PASSWORD_KEY", "quire-dev-only-password-key-change-me"),
+    # storage (DESIGN §3.1): "filesystem" (STORAGE_DIR) or "s3" (S3; credentials come from the
+    # environment's AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or the instance role)
+    "STORAGE": env_str("QUIRE_STORAGE", "filesystem"),
     "STORAGE_DIR": Path(env_str("QUIRE_STORAGE_DIR", str(VAR_DIR / "storage"))),
+    "S3": {
+        "BUCKET": env_str("QUIRE_S3_BUCKET", ""),
+        "ENDPOINT_URL": env_str("QUIRE_S3_ENDPOINT_URL", ""),
+        "REGION": env_str("QUIRE_S3_REGION", "us-east-1"),
+        "ADDRESSING_STYLE": env_str("QUIRE_S3_ADDRESSING_STYLE", "auto"),
+        "PREFIX": env_str("QUIRE_S3_PREFIX", ""),
+        # > 0: results and pages answer 302 to a presigned URL valid this long
+        "PRESIGN_TTL_S": env_float("QUIRE_S3_PRESIGN_TTL_S", 0.0),
+    },
+    # an object older than this that no row names is an orphan (a put whose row never
+    # committed); far longer than any put-to-commit gap (a lease at most)
+    "ORPHAN_GRACE_S": env_float("QUIRE_ORPHAN_GRACE_S", 3600.0),
     "WORK_DIR": Path(env_str("QUIRE_WORK_DIR", str(VAR_DIR / "work"))),
+    # the web's local scratch for uploads in flight on the S3 backend (the filesystem backend
+    # stages inside STORAGE_DIR, so storing an upload is a rename)
+    "UPLOAD_DIR": Path(env_str("QUIRE_UPLOAD_DIR", str(VAR_DIR / "uploads"))),
     # admission
     "MAX_UPLOAD_BYTES": env_int("QUIRE_MAX_UPLOAD_BYTES", 100 * 1024 * 1024),
     "TENANT_QUOTA": env_int("QUIRE_TENANT_QUOTA", 200),
     "GLOBAL_CAPACITY": env_int("QUIRE_GLOBAL_CAPACITY", 2000),
     "RETRY_AFTER_MIN_S": env_int("QUIRE_RETRY_AFTER_MIN_S", 1),
     "RETRY_AFTER_MAX_S": env_int("QUIRE_RETRY_AFTER_MAX_S", 300),
+    # Retry-After of a 503 database_unavailable
+    "DB_UNAVAILABLE_RETRY_AFTER_S": env_int("QUIRE_DB_UNAVAILABLE_RETRY_AFTER_S", 5),
     "POLICY_VERSION": env_int("QUIRE_POLICY_VERSION", 1),
     # execution
     "MAX_ATTEMPTS": env_int("QUIRE_MAX_ATTEMPTS", 5),
+    # Warm LibreOffice per worker process (ADR 0019): "warm" or "fresh" (a new one per document).
+    "OFFICE_ENGINE": env_str("QUIRE_OFFICE_ENGINE", "warm"),
+    "OFFICE_ENGINE_MAX_CONVERSIONS": env_int("QUIRE_OFFICE_ENGINE_MAX_CONVERSIONS", 50),
+    "OFFICE_ENGINE_MAX_RSS_MB": env_int("QUIRE_OFFICE_ENGINE_MAX_RSS_MB", 800),
+    # Converter reuse (DESIGN §14): "attempt" (a fresh child per attempt) or "tenant" (a child
+    # may serve up to N consecutive attempts of one tenant; converters/sessions.py).
+    "CONVERTER_REUSE": env_str("QUIRE_CONVERTER_REUSE", "attempt"),
+    "CONVERTER_REUSE_MAX_ATTEMPTS": env_int("QUIRE_CONVERTER_REUSE_MAX_ATTEMPTS", 20),
+    "CONVERTER_REUSE_MAX_RSS_MB": env_int("QUIRE_CONVERTER_REUSE_MAX_RSS_MB", 512),
     "HEARTBEAT_S": env_float("QUIRE_HEARTBEAT_S", 2.0),
     "LEASE_S": env_float("QUIRE_LEASE_S", 10.0),
     "PAGE_MAX_ATTEMPTS": env_int("QUIRE_PAGE_MAX_ATTEMPTS", 3),
@@ -192,6 +225,14 @@ QUIRE: dict[str, Any] = {
     "SWEEP_BATCH": env_int("QUIRE_SWEEP_BATCH", 500),
     "SWEEP_INTERVAL_S": env_float("QUIRE_SWEEP_INTERVAL_S", 1.0),
     "LONG_POLL_MAX_S": 30,
+    # sweep health (DESIGN §12): a sweep is overdue past FACTOR x its interval since its last
+    # success; one that never succeeded also gets the start-up grace, counted from the install.
+    "SWEEP_OVERDUE_FACTOR": env_float("QUIRE_SWEEP_OVERDUE_FACTOR", 10.0),
+    "SWEEP_STARTUP_GRACE_S": env_float("QUIRE_SWEEP_STARTUP_GRACE_S", 60.0),
+    # waiting clients (ADR 0016): the SSE event stream
+    "SSE_HEARTBEAT_S": env_float("QUIRE_SSE_HEARTBEAT_S", 15.0),
+    "SSE_MAX_S": env_float("QUIRE_SSE_MAX_S", 300.0),
+    "SSE_RETRY_MS": env_int("QUIRE_SSE_RETRY_MS", 1000),
     # retention
     "RESULT_RETENTION_S": env_float("QUIRE_RESULT_RETENTION_S", 7 * 86400),
     "OUTBOX_RETENTION_S": env_float("QUIRE_OUTBOX_RETENTION_S", 86400),
@@ -266,12 +307,32 @@ CELERY_RESULT_BACKEND = None
 CELERY_TASK_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_TASK_DEFAULT_DELIVERY_MODE = "persistent"
-CELERY_TASK_PUBLISH_RETRY = False  # the outbox retries; a publish never blocks a request
+# Every publish without its own policy (beat's sweeps, the outbox) goes through kombu's
+# Connection.ensure: on a dead connection it reconnects once, revives the producer's channel and
+# publishes again. Without it a long-lived producer (beat caches one for its lifetime) keeps
+# publishing on the socket the broker closed, forever (docs/adr/0015-publishers-reconnect.md).
+# One immediate retry, bounded by the connect timeout: a publish never blocks for long, and
+# anything more is the outbox sweeper's job.
+CELERY_TASK_PUBLISH_RETRY = True
+CELERY_TASK_PUBLISH_RETRY_POLICY = {
+    "max_retries": 1,
+    "interval_start": 0,
+    "interval_step": 0,
+    "interval_max": 0,
+}
 CELERY_BROKER_CONNECTION_TIMEOUT = env_float("QUIRE_BROKER_CONNECT_TIMEOUT_S", 2.0)
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# Consumers (workers, the sweeper, Flower's event capture) and beat's first connection retry
+# for as long as the broker is away; Celery's default gives up after 100 attempts (~50 min) and
+# the worker exits. Publishes are bounded separately (CELERY_TASK_PUBLISH_RETRY_POLICY).
+CELERY_BROKER_CONNECTION_MAX_RETRIES = None
 CELERY_BROKER_HEARTBEAT = 10
 CELERY_WORKER_DETECT_QUORUM_QUEUES = True
 CELERY_WORKER_SEND_TASK_EVENTS = env_bool("QUIRE_TASK_EVENTS", True)
+# The sweeper turns remote control off (Procfile): its replies would be published as the
+# publisher user, which may not declare reply.celery.pidbox, so Flower's periodic inspect
+# broadcasts made it log ACCESS_REFUSED. It sends no events or heartbeats either.
+CELERY_WORKER_ENABLE_REMOTE_CONTROL = env_bool("QUIRE_REMOTE_CONTROL", True)
 CELERY_WORKER_ENABLE_SOFT_SHUTDOWN_ON_IDLE = True
 CELERY_WORKER_SOFT_SHUTDOWN_TIMEOUT = env_float("QUIRE_SOFT_SHUTDOWN_S", 10.0)
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
@@ -312,6 +373,8 @@ LOGGING = {
     "root": {"handlers": ["console"], "level": env_str("QUIRE_LOG_LEVEL", "INFO")},
     "loggers": {
         "django.request": {"level": "ERROR"},
-        "gunicorn.access": {"level": "WARNING"},
+        # the server's own access log writes query strings: project.web.AccessLog replaces it
+        "uvicorn.access": {"level": "WARNING"},
+        "quire.access": {"level": env_str("QUIRE_ACCESS_LOG_LEVEL", "INFO")},
     },
 }

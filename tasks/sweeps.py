@@ -1,40 +1,69 @@
-"""Beat sweeps: each task calls one service. Every sweep is safe when two beats run at once."""
+"""Beat sweeps: each task calls one service and, when it returns, records the sweep's success
+(``sweep_status``, DESIGN §12). Every sweep is safe when two beats run at once."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from celery import shared_task
 
-from conversion_jobs.services import dispatch, recovery
+from conversion_jobs.services import dispatch, recovery, sweep_health
+
+
+def _sweep(name: str, run: Callable[[], int]) -> int:
+    """Run one sweep; only a sweep that finished records a success."""
+    from beat_schedules.schedule import sweep_interval
+
+    done = run()
+    sweep_health.sweep_succeeded(name=name, interval_s=sweep_interval(name))
+    return done
 
 
 @shared_task(name="tasks.sweeps.publish_outbox", ignore_result=True)
 def publish_outbox() -> int:
-    return dispatch.outbox_rows_publish_unpublished().published
+    return _sweep("publish_outbox", lambda: dispatch.outbox_rows_publish_unpublished().published)
 
 
 @shared_task(name="tasks.sweeps.republish_stale_queued", ignore_result=True)
 def republish_stale_queued() -> int:
-    return dispatch.conversion_jobs_republish_if_dispatch_stale()
+    return _sweep("republish_stale_queued", dispatch.conversion_jobs_republish_if_dispatch_stale)
 
 
 @shared_task(name="tasks.sweeps.requeue_due_retries", ignore_result=True)
 def requeue_due_retries() -> int:
-    return recovery.conversion_jobs_requeue_if_retry_due()
+    return _sweep("requeue_due_retries", recovery.conversion_jobs_requeue_if_retry_due)
 
 
 @shared_task(name="tasks.sweeps.recover_expired_leases", ignore_result=True)
 def recover_expired_leases() -> int:
-    return recovery.conversion_jobs_recover_if_lease_expired()
+    return _sweep("recover_expired_leases", recovery.conversion_jobs_recover_if_lease_expired)
 
 
 @shared_task(name="tasks.sweeps.remove_stale_work_dirs", ignore_result=True)
 def remove_stale_work_dirs() -> int:
+    return _sweep("remove_stale_work_dirs", _remove_stale_work_dirs)
+
+
+def _remove_stale_work_dirs() -> int:
+    from conversion_jobs.passwords import sealed_passwords_wipe
+
+    sealed_passwords_wipe()  # a terminal job's document password goes with its leftovers
     return recovery.work_dirs_remove_stale()
+
+
+@shared_task(name="tasks.sweeps.remove_orphaned_artifacts", ignore_result=True)
+def remove_orphaned_artifacts() -> int:
+    from conversion_jobs.services.artifacts import artifacts_remove_orphans
+
+    return artifacts_remove_orphans()
 
 
 @shared_task(name="tasks.sweeps.apply_retention", ignore_result=True)
 def apply_retention() -> int:
     from conversion_jobs.services.retention import retention_apply
 
-    result = retention_apply()
-    return result.jobs_expired + result.jobs_purged
+    def run() -> int:
+        result = retention_apply()
+        return result.jobs_expired + result.jobs_purged
+
+    return _sweep("apply_retention", run)

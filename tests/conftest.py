@@ -1,5 +1,9 @@
 """Shared fixtures. Services come from DATABASE_URL / CELERY_BROKER_URL; under CI=true a suite
-that needs a service fails (never skips) when the service is unreachable."""
+that needs a service fails (never skips) when the service is unreachable.
+
+``QUIRE_STORAGE=s3`` runs every test against a real S3 server: the one ``QUIRE_S3_ENDPOINT_URL``
+names (with ``AWS_*`` credentials), else a SeaweedFS started for the session. Each test gets its
+own key prefix in the bucket, as it gets its own storage directory on the filesystem backend."""
 
 from __future__ import annotations
 
@@ -28,10 +32,81 @@ def pytest_configure(config: pytest.Config) -> None:
             ) from exc
 
 
+def storage_kind() -> str:
+    return os.environ.get("QUIRE_STORAGE", "filesystem")
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """The S3 server of this session, as the environment a Quire process needs to use it."""
+    from tests import s3server, services
+
+    plan = services.service_plan(
+        {**os.environ, "QUIRE_STORAGE": "s3"}, docker_available=services.docker_available()
+    )
+    if plan.s3 == "env":
+        yield {k: v for k, v in os.environ.items() if k.startswith(("QUIRE_S3_", "AWS_"))}
+        return
+    if plan.s3 == "container":
+        container, env = services.s3_container(tmp_path_factory.mktemp("s3container"))
+        os.environ.update({k: v for k, v in env.items() if k.startswith("AWS_")})
+        yield env
+        container.stop()
+        return
+    try:
+        server = s3server.start(tmp_path_factory.mktemp("s3server"))
+    except Exception as exc:  # a missing service is never a skip
+        pytest.fail(f"QUIRE_STORAGE=s3 but no S3 server could be started: {exc}")
+    # credentials for this process's clients and its children (not QUIRE_STORAGE: the profile
+    # stays what the run chose)
+    os.environ.update({k: v for k, v in server.env().items() if k.startswith("AWS_")})
+    yield server.env()
+    server.stop()
+
+
 @pytest.fixture(autouse=True)
-def _isolated_storage(settings: Any, tmp_path_factory: pytest.TempPathFactory) -> None:
+def _isolated_storage(
+    settings: Any, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> None:
     base = tmp_path_factory.mktemp("quire")
-    settings.QUIRE = {**settings.QUIRE, "STORAGE_DIR": base / "storage", "WORK_DIR": base / "work"}
+    quire = {
+        **settings.QUIRE,
+        "STORAGE_DIR": base / "storage",
+        "WORK_DIR": base / "work",
+        "UPLOAD_DIR": base / "uploads",
+    }
+    if storage_kind() == "s3":
+        env = request.getfixturevalue("s3_server")
+        quire["STORAGE"] = "s3"
+        quire["S3"] = {
+            **quire["S3"],
+            "BUCKET": env["QUIRE_S3_BUCKET"],
+            "ENDPOINT_URL": env["QUIRE_S3_ENDPOINT_URL"],
+            "ADDRESSING_STYLE": env.get("QUIRE_S3_ADDRESSING_STYLE", "path"),
+            "PREFIX": f"test-{uuid.uuid4().hex}",
+        }
+    settings.QUIRE = quire
+
+
+def storage_env(quire: dict[str, Any]) -> dict[str, str]:
+    """The QUIRE_* variables that point a child process at this test's artifact store."""
+    env = {
+        "QUIRE_STORAGE": quire.get("STORAGE", "filesystem"),
+        "QUIRE_STORAGE_DIR": str(quire["STORAGE_DIR"]),
+        "QUIRE_WORK_DIR": str(quire["WORK_DIR"]),
+        "QUIRE_UPLOAD_DIR": str(quire["UPLOAD_DIR"]),
+    }
+    if env["QUIRE_STORAGE"] == "s3":
+        s3 = quire["S3"]
+        env.update(
+            QUIRE_S3_BUCKET=s3["BUCKET"],
+            QUIRE_S3_ENDPOINT_URL=s3["ENDPOINT_URL"],
+            QUIRE_S3_REGION=s3["REGION"],
+            QUIRE_S3_ADDRESSING_STYLE=s3["ADDRESSING_STYLE"],
+            QUIRE_S3_PREFIX=s3["PREFIX"],
+            QUIRE_S3_PRESIGN_TTL_S=str(s3["PRESIGN_TTL_S"]),
+        )
+    return env
 
 
 def token(

@@ -45,6 +45,18 @@ def _broker_ok() -> bool:
         return False
 
 
+def _sweeps_overdue() -> list[dict[str, object]] | None:
+    """The overdue sweeps (empty: all on time), or None when they cannot be read."""
+    from conversion_jobs.services.sweep_health import sweeps_overdue
+
+    try:
+        return [
+            {"sweep": o.sweep, "age_s": o.age_s, "allowed_s": o.allowed_s} for o in sweeps_overdue()
+        ]
+    except Exception:
+        return None
+
+
 def sandbox_status():  # type: ignore[no-untyped-def]
     """The converter sandbox as this host can set it up (DESIGN §7.8; cached 30 s)."""
     from django.conf import settings
@@ -56,18 +68,25 @@ def sandbox_status():  # type: ignore[no-untyped-def]
 
 
 def ready(request: HttpRequest) -> JsonResponse:
-    """Ready = database, migrations, broker, and a converter sandbox that can be set up on this
-    host (or one an operator explicitly turned off: ready, and the body says so)."""
+    """Ready = database, migrations, broker, a converter sandbox that can be set up on this
+    host (or one an operator explicitly turned off: ready, and the body says so), and no sweep
+    overdue (``overdue_sweeps`` names them; services/sweep_health.py)."""
     checks = {"database": _database_ok()}
     checks["migrations"] = checks["database"] and _migrations_ok()
     checks["broker"] = _broker_ok()
     sandbox = sandbox_status()
     checks["sandbox"] = sandbox.available or not sandbox.enabled
+    overdue = _sweeps_overdue() if checks["migrations"] else None
+    checks["sweeps"] = overdue == []
     ok = all(checks.values())
-    return JsonResponse(
-        {"status": "ok" if ok else "unavailable", "checks": checks, "sandbox": sandbox.as_dict()},
-        status=200 if ok else 503,
-    )
+    body: dict[str, object] = {
+        "status": "ok" if ok else "unavailable",
+        "checks": checks,
+        "sandbox": sandbox.as_dict(),
+    }
+    if overdue:
+        body["overdue_sweeps"] = overdue
+    return JsonResponse(body, status=200 if ok else 503)
 
 
 def metrics_view(request: HttpRequest) -> HttpResponse:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.conf import settings
 from django.http import HttpRequest, JsonResponse
 from rest_framework import exceptions as drf
 from rest_framework.response import Response
@@ -20,8 +21,8 @@ from conversion_jobs.exceptions import (
     NotFound,
     PermissionDenied,
     QuireError,
-    Rejected,
     RequestDataTooLarge,
+    RetryLater,
     TooManyFields,
     TooManyFiles,
 )
@@ -40,7 +41,7 @@ def problem_body(error: QuireError) -> dict[str, Any]:
     # A 404 must be byte-identical whatever the cause: it carries no detail of its own.
     if not isinstance(error, NotFound):
         body["detail"] = error.detail
-    if isinstance(error, Rejected):
+    if isinstance(error, RetryLater):
         body["retry_after"] = error.retry_after
     for key, value in error.extra.items():
         if key not in body and key != "retry_after":
@@ -50,7 +51,7 @@ def problem_body(error: QuireError) -> dict[str, Any]:
 
 def problem_response(error: QuireError) -> Response:
     response = Response(problem_body(error), status=error.status, content_type=PROBLEM)
-    if isinstance(error, Rejected):
+    if isinstance(error, RetryLater):
         response["Retry-After"] = str(error.retry_after)
     if isinstance(error, NotAuthenticated):
         response["WWW-Authenticate"] = www_authenticate(error)
@@ -86,6 +87,17 @@ def _from_drf(exc: drf.APIException) -> QuireError:
     return error
 
 
+def database_unavailable() -> DatabaseUnavailable:
+    return DatabaseUnavailable(retry_after=settings.QUIRE["DB_UNAVAILABLE_RETRY_AFTER_S"])
+
+
+def is_database_outage(exc: BaseException) -> bool:
+    """A lost or refused database connection (not a query error such as a constraint)."""
+    from django.db import InterfaceError, OperationalError
+
+    return isinstance(exc, OperationalError | InterfaceError)
+
+
 def error_from_django(exc: BaseException) -> QuireError | None:
     """The problem for an exception Django raises while reading a request (or None)."""
     from django.core import exceptions as dj
@@ -111,18 +123,11 @@ def error_from_django(exc: BaseException) -> QuireError | None:
     return None
 
 
-#: Retry-After of a 503 for a database that cannot be reached (a restart or a failover).
-DATABASE_RETRY_AFTER_S = 5
-
-
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
-    from django.db import InterfaceError, OperationalError
-
+    if is_database_outage(exc):
+        return problem_response(database_unavailable())
     if isinstance(exc, QuireError):
         return problem_response(exc)
-    if isinstance(exc, OperationalError | InterfaceError):
-        # Connection-level failures only; nothing was committed, the client may retry as is.
-        return problem_response(DatabaseUnavailable(retry_after=DATABASE_RETRY_AFTER_S))
     if isinstance(exc, drf.APIException):
         return problem_response(_from_drf(exc))
     error = error_from_django(exc)
@@ -132,7 +137,7 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
 def json_problem(request: HttpRequest, error: QuireError) -> JsonResponse:
     """For plain Django views and handlers (outside DRF)."""
     response = JsonResponse(problem_body(error), status=error.status, content_type=PROBLEM)
-    if isinstance(error, Rejected):
+    if isinstance(error, RetryLater):
         response["Retry-After"] = str(error.retry_after)
     return response
 
@@ -140,3 +145,39 @@ def json_problem(request: HttpRequest, error: QuireError) -> JsonResponse:
 def csrf_failure(request: HttpRequest, reason: str = "") -> JsonResponse:
     """``CSRF_FAILURE_VIEW``: only the admin's forms carry CSRF tokens; the reason is not echoed."""
     return json_problem(request, CsrfFailed())
+
+
+class DatabaseUnavailableMiddleware:
+    """Any view (DRF or plain Django, under WSGI or ASGI) that loses the database answers
+    ``503 database_unavailable`` with ``Retry-After`` instead of a 500 (DRF views get the same
+    answer from :func:`exception_handler`). Django closes the broken connection at the end of
+    the request and reconnects on the next one, so service resumes by itself."""
+
+    sync_capable = True
+    async_capable = True
+
+    def __init__(self, get_response: Any) -> None:
+        from asgiref.sync import iscoroutinefunction, markcoroutinefunction
+
+        self.get_response = get_response
+        if iscoroutinefunction(get_response):
+            markcoroutinefunction(self)
+
+    def __call__(self, request: HttpRequest) -> Any:
+        from asgiref.sync import iscoroutinefunction
+
+        if iscoroutinefunction(self):
+            return self.__acall__(request)
+        return self.get_response(request)
+
+    async def __acall__(self, request: HttpRequest) -> Any:
+        return await self.get_response(request)
+
+    def process_exception(self, request: HttpRequest, exception: Exception) -> JsonResponse | None:
+        if not is_database_outage(exception):
+            return None
+        from django.db import connections
+
+        for conn in connections.all(initialized_only=True):
+            conn.close_if_unusable_or_obsolete()
+        return json_problem(request, database_unavailable())

@@ -1,4 +1,5 @@
-"""Streams the multipart ``file`` part straight to the storage filesystem while hashing it.
+"""Streams the multipart ``file`` part to a staged file while hashing it (the artifact store's
+staging area on the filesystem backend, the web's work directory on S3).
 
 Nothing is buffered in memory and nothing past the size limit is stored: the handler refuses an
 oversized ``Content-Length`` before reading, and stops (deleting the partial file) the moment a
@@ -60,7 +61,7 @@ class StagingUploadHandler(FileUploadHandler):
         # (otherwise 100 parts could each stage up to the size limit).
         if field_name != FILE_FIELD or self.staged:
             raise UnexpectedFilePart()
-        self._fh, self._path = storage.staging_file()
+        self._fh, self._path = storage.stage()
         self.staged.append(self._path)
         self._digest = hashlib.sha256()
         self._size = 0

@@ -4,12 +4,12 @@ from conversion_jobs.api import views
 
 urlpatterns = [
     path("jobs", views.JobCollectionView.as_view(), name="jobs"),
-    path("jobs/<uuid:job_id>", views.JobDetailView.as_view(), name="job"),
+    path("jobs/<uuid:job_id>", views.waitable(views.JobDetailView), name="job"),
     path("jobs/<uuid:job_id>/cancel", views.JobCancelView.as_view(), name="job-cancel"),
     path("jobs/<uuid:job_id>/retry", views.JobRetryView.as_view(), name="job-retry"),
     path("jobs/<uuid:job_id>/result", views.JobResultView.as_view(), name="job-result"),
     path("jobs/<uuid:job_id>/pages", views.JobPagesView.as_view(), name="job-pages"),
     path("jobs/<uuid:job_id>/pages/<int:page>", views.JobPageView.as_view(), name="job-page"),
-    path("jobs/<uuid:job_id>/events", views.JobEventsView.as_view(), name="job-events"),
+    path("jobs/<uuid:job_id>/events", views.waitable(views.JobEventsView), name="job-events"),
     path("capabilities", views.CapabilitiesView.as_view(), name="capabilities"),
 ]

@@ -5,18 +5,30 @@ from __future__ import annotations
 import re
 import time
 import uuid
+from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
+from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.http import FileResponse, HttpResponse
+from django.http import (
+    FileResponse,
+    HttpRequest,
+    HttpResponse,
+    HttpResponseRedirect,
+    StreamingHttpResponse,
+)
 from django.http.response import HttpResponseBase
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework.negotiation import DefaultContentNegotiation
+from rest_framework.renderers import JSONRenderer
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from conversion_jobs import converters, faults, selectors, storage
+from conversion_jobs.api import waiting
 from conversion_jobs.api.auth import HasScope, Principal
 from conversion_jobs.api.representation import (
     event_representation,
@@ -38,6 +50,7 @@ from conversion_jobs.exceptions import (
     NotFound,
     NotReady,
     QuireError,
+    StorageUnavailable,
 )
 from conversion_jobs.models import ConversionJob, Output, PageState
 from conversion_jobs.observability import metrics, tracing
@@ -193,17 +206,20 @@ class JobDetailView(QuireView):
         except ValueError as exc:
             raise InvalidRequest("wait must be a number of seconds") from exc
         known = _etag_version(request.headers.get("If-None-Match"))
-        version = selectors.conversion_job_state_version(job_id=job_id, tenant=tenant)
-        if version is None:
+        status = selectors.conversion_job_wait_status(job_id=job_id, tenant=tenant)
+        if status is None:
             raise NotFound()
-        if wait > 0:
-            baseline = known if known is not None else version
-            deadline = time.monotonic() + wait
-            while version == baseline and time.monotonic() < deadline:
-                time.sleep(0.1)
-                version = selectors.conversion_job_state_version(job_id=job_id, tenant=tenant)
-                if version is None:
-                    raise NotFound()
+        state, version = status[0], status[1]
+        baseline = known if known is not None else version
+        if (
+            wait > 0
+            and not getattr(request, "quire_waited", False)
+            and version == baseline
+            and state not in TERMINAL_STATES
+        ):
+            # Nothing to say yet: the async wrapper (waitable) sleeps on the event loop, not
+            # on this thread, and asks again.
+            return WaitThenAsk(job_id=job_id, tenant=tenant, baseline=baseline, wait_s=wait)
         if known is not None and version == known:
             response = HttpResponse(status=304)
             response["ETag"] = f'"v{version}"'
@@ -249,17 +265,36 @@ class JobRetryView(QuireView):
 
 
 def _artifact_response(
-    *, key: str, sha256: str, media_type: str, filename: str, request: Request
+    *,
+    key: str,
+    sha256: str,
+    size: int | None,
+    media_type: str,
+    filename: str,
+    request: Request,
 ) -> HttpResponseBase:
+    """Stream the object from the artifact store, or (S3 with QUIRE_S3_PRESIGN_TTL_S) send the
+    client to a short-lived presigned URL; the web never holds the whole object."""
     etag = f'"{sha256}"'
     response: HttpResponseBase
     if request.headers.get("If-None-Match") == etag:
         response = HttpResponse(status=304)
     else:
-        path = storage.path_of(key)
-        if not path.exists():
-            raise NotFound()
-        response = FileResponse(open(path, "rb"), content_type=media_type)
+        try:
+            url = storage.presigned_url(key, filename=filename, media_type=media_type)
+            if url is not None:
+                response = HttpResponseRedirect(url)
+                response["Cache-Control"] = "private, no-store"
+                response["ETag"] = etag
+                return response
+            body = storage.open_object(key)
+        except FileNotFoundError as exc:
+            raise NotFound() from exc
+        except storage.StorageError as exc:
+            raise StorageUnavailable() from exc
+        response = FileResponse(body, content_type=media_type)
+        if size is not None:
+            response["Content-Length"] = str(size)
         response["Content-Disposition"] = f'attachment; filename="{filename}"'
     response["ETag"] = etag
     return response
@@ -282,6 +317,7 @@ class JobResultView(QuireView):
         return _artifact_response(
             key=job.result_key,
             sha256=job.result_sha256 or "",
+            size=job.result_size,
             media_type=job.result_media_type or "application/octet-stream",
             filename=f"{job.id}.{RESULT_EXT[job.output]}",
             request=request,
@@ -339,25 +375,114 @@ class JobPageView(QuireView):
         return _artifact_response(
             key=checkpoint.artifact_key or "",
             sha256=checkpoint.artifact_sha256 or "",
+            size=checkpoint.artifact_size,
             media_type=checkpoint.media_type or "application/octet-stream",
             filename=f"{job.id}-page-{page:05d}.{ext}",
             request=request,
         )
 
 
+class EventStreamRenderer(JSONRenderer):
+    """Lets ``Accept: text/event-stream`` through content negotiation (errors stay JSON
+    problems); the stream itself is written by :func:`waitable`, not rendered."""
+
+    media_type = "text/event-stream"
+    format = "sse"
+
+
+class AcceptHeaderNegotiation(DefaultContentNegotiation):
+    """Negotiates on the ``Accept`` header only: no ``?format=`` override (a query parameter
+    must not turn a read into a 300 s stream)."""
+
+    settings = SimpleNamespace(URL_FORMAT_OVERRIDE=None)  # type: ignore[assignment]
+
+
 class JobEventsView(QuireView):
     required_scopes = {"GET": "jobs:read"}
+    renderer_classes = [JSONRenderer, EventStreamRenderer]
+    content_negotiation_class = AcceptHeaderNegotiation
 
     @extend_schema(
-        responses={200: EventListSerializer, **problems(*AUTHENTICATED, 404)},
-        summary="Audit events",
+        responses={
+            (200, "application/json"): EventListSerializer,
+            (200, "text/event-stream"): OpenApiTypes.STR,
+            **problems(*AUTHENTICATED, 404),
+        },
+        parameters=[OpenApiParameter("format", exclude=True)],
+        summary="Audit events (JSON), or live state and page progress (Server-Sent Events)",
         operation_id="jobs_events",
     )
-    def get(self, request: Request, job_id: uuid.UUID) -> Response:
+    def get(self, request: Request, job_id: uuid.UUID) -> Response | HttpResponse:
         job = self.job(job_id)
+        # Content negotiation chose it: the client sent Accept: text/event-stream.
+        if request.accepted_renderer.format == EventStreamRenderer.format:
+            return StreamEvents(
+                job_id=job.id,
+                tenant=self.principal.tenant,
+                last_event_id=request.headers.get("Last-Event-ID"),
+            )
         return Response(
             {"events": [event_representation(e) for e in selectors.audit_event_list(job_id=job.id)]}
         )
+
+
+class WaitThenAsk(HttpResponse):
+    """A sync view's answer to its async wrapper: wait for the job to change, then call me
+    again. Never leaves the process."""
+
+    def __init__(self, *, job_id: uuid.UUID, tenant: str, baseline: int, wait_s: float) -> None:
+        super().__init__(status=204)
+        self.job_id, self.tenant, self.baseline = job_id, tenant, baseline
+        self.deadline = time.monotonic() + wait_s
+
+
+class StreamEvents(HttpResponse):
+    """A sync view's answer to its async wrapper: the caller may watch this job; stream it."""
+
+    def __init__(self, *, job_id: uuid.UUID, tenant: str, last_event_id: str | None) -> None:
+        super().__init__(status=204)
+        self.job_id, self.tenant = job_id, tenant
+        self.last_event_id = (last_event_id or "")[:64] or None
+
+
+def waitable(view_cls: type[APIView]) -> Callable[..., Any]:
+    """``view_cls`` as an async view. The DRF view does everything that must be identical to
+    a plain read (authentication, scopes, tenancy, validation, ETags, problems) on the sync
+    thread; only the waiting - a long-poll's sleep, an event stream - happens here, on the
+    event loop, so a waiting client holds no thread (ADR 0016)."""
+    sync_view = view_cls.as_view()
+    ask = sync_to_async(sync_view, thread_sensitive=True)
+
+    async def view(request: HttpRequest, **kwargs: Any) -> HttpResponseBase:
+        response = await ask(request, **kwargs)
+        if isinstance(response, WaitThenAsk):
+            await waiting.wait_for_change(
+                job_id=response.job_id,
+                tenant=response.tenant,
+                baseline=response.baseline,
+                deadline=response.deadline,
+            )
+            request.quire_waited = True  # type: ignore[attr-defined]
+            response = await ask(request, **kwargs)
+        elif isinstance(response, StreamEvents):
+            stream = StreamingHttpResponse(
+                waiting.event_stream(
+                    job_id=response.job_id,
+                    tenant=response.tenant,
+                    last_event_id=response.last_event_id,
+                ),
+                content_type="text/event-stream",
+            )
+            stream["Cache-Control"] = "no-store"
+            stream["X-Accel-Buffering"] = "no"  # a buffering proxy would hold the events back
+            return stream
+        return response
+
+    # What drf-spectacular and the CSRF middleware look for on a DRF view.
+    view.cls = sync_view.cls  # type: ignore[attr-defined]
+    view.initkwargs = sync_view.initkwargs  # type: ignore[attr-defined]
+    view.csrf_exempt = True  # type: ignore[attr-defined]
+    return view
 
 
 class CapabilitiesView(APIView):
@@ -370,11 +495,22 @@ class CapabilitiesView(APIView):
         operation_id="capabilities",
     )
     def get(self, request: Request) -> Response:
-        from conversion_jobs.services.runner import limits_from_settings
+        from conversion_jobs.services.runner import (
+            engine_settings_from_settings,
+            limits_from_settings,
+        )
 
+        engine = engine_settings_from_settings()
+        office = engine.warm and converters.capabilities().keys() & converters.OFFICE_TYPES
         return Response(
             {
                 "conversions": converters.capabilities(),
+                "engines": {
+                    "libreoffice": {
+                        "warm": bool(office),
+                        "max_conversions": engine.max_conversions,
+                    }
+                },
                 "limits": {
                     "max_upload_bytes": settings.QUIRE["MAX_UPLOAD_BYTES"],
                     **converters.limits_description(limits_from_settings()),

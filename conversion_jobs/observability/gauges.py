@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from conversion_jobs.models import ConversionJob, ConversionOutbox, WorkerLease
+from conversion_jobs.models import ConversionJob, ConversionOutbox, SweepStatus, WorkerLease
 from conversion_jobs.states import State
 
 
@@ -60,6 +60,14 @@ class DatabaseGauges(Collector):
             "Live jobs / global capacity",
             value=live / max(1, settings.QUIRE["GLOBAL_CAPACITY"]),
         )
+        last_success = GaugeMetricFamily(
+            "quire_sweep_last_success_timestamp_seconds",
+            "Unix time of each sweep's last success (0: none yet)",
+            labels=["sweep"],
+        )
+        for name, at in SweepStatus.objects.order_by("name").values_list("name", "last_success_at"):
+            last_success.add_metric([name], at.timestamp() if at else 0.0)
+        yield last_success
 
     @classmethod
     def registry(cls) -> CollectorRegistry:

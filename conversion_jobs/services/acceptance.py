@@ -11,17 +11,19 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from conversion_jobs import converters, faults, storage
+from conversion_jobs import converters, faults, passwords, storage
 from conversion_jobs.db import violated_constraint
 from conversion_jobs.exceptions import (
     IdempotencyKeyReused,
     InvalidRequest,
+    StorageUnavailable,
     UnsupportedMediaType,
     UnsupportedOutput,
 )
 from conversion_jobs.models import ConversionJob, ConversionOutbox, IdempotencyRecord
 from conversion_jobs.options import normalize_options, options_digest, request_fingerprint
 from conversion_jobs.services.admission import admission_check
+from conversion_jobs.services.artifacts import source_lock
 from conversion_jobs.services.audit import audit_event_append
 from conversion_jobs.services.dispatch import outbox_publish_after_commit
 from conversion_jobs.states import LIVE_STATES, State
@@ -29,7 +31,7 @@ from conversion_jobs.states import LIVE_STATES, State
 
 @dataclass(frozen=True)
 class StagedUpload:
-    """An upload already streamed to the storage filesystem and hashed."""
+    """An upload already streamed to a local staged file and hashed."""
 
     path: Path
     sha256: str
@@ -126,6 +128,14 @@ def conversion_job_accept(
         if output not in converters.capabilities().get(media_type, []):
             raise UnsupportedOutput(f"{media_type} cannot be converted to {output} here")
         options = normalize_options(raw_options, output=output)
+        # The password leaves the options here: sealed for the worker, a keyed HMAC of it in
+        # the options (and so in the content identity and the fingerprint).
+        password = options.pop("password", None)
+        sealed = None
+        if password is not None:
+            options[passwords.IDENTITY_KEY] = passwords.identity(password)
+            sealed = passwords.seal(password)
+            del password
         digest = options_digest(options)
         fingerprint = request_fingerprint(
             source_sha256=upload.sha256, output=output, options=options
@@ -142,12 +152,22 @@ def conversion_job_accept(
                 tenant=tenant, key=idempotency_key, fingerprint=fingerprint, job_id=duplicate
             )
         admission_check(tenant=tenant)
-        source_key = storage.promote_source(upload.path, upload.sha256)
+        try:
+            source_key, uploaded = storage.put_source(upload.path, upload.sha256)
+        except storage.StorageError as exc:
+            raise StorageUnavailable() from exc
     finally:
         upload.path.unlink(missing_ok=True)
 
     try:
         with transaction.atomic():
+            # We reused an object a deleter (retention, the orphan sweep) may have judged unused
+            # since: under the source's lock it is still there, or we stop. An object we just
+            # uploaded needs no check: deleters leave objects younger than the grace alone.
+            if not uploaded:
+                source_lock(sha256=upload.sha256, exclusive=False)
+                if not _source_present(source_key):
+                    raise StorageUnavailable("the stored source vanished; retry")
             job = _insert_job(
                 tenant=tenant,
                 actor=actor,
@@ -160,6 +180,7 @@ def conversion_job_accept(
                 traceparent=traceparent,
                 idempotency_key=idempotency_key,
                 fingerprint=fingerprint,
+                password_sealed=sealed,
             )
     except IntegrityError as exc:
         # Everything this submit wrote is rolled back; answer from whoever won.
@@ -180,6 +201,13 @@ def conversion_job_accept(
     return Acceptance(job=job, created=True, replayed=False)
 
 
+def _source_present(key: str) -> bool:
+    try:
+        return storage.exists(key)
+    except storage.StorageError as exc:
+        raise StorageUnavailable() from exc
+
+
 def _insert_job(
     *,
     tenant: str,
@@ -193,6 +221,7 @@ def _insert_job(
     traceparent: str,
     idempotency_key: str | None,
     fingerprint: str,
+    password_sealed: str | None = None,
 ) -> ConversionJob:
     """The acceptance transaction's writes. A unique violation propagates: the caller's
     transaction rolls back whole and the caller answers from the winner."""
@@ -207,6 +236,7 @@ def _insert_job(
         output=output,
         options=options,
         options_digest=digest,
+        password_sealed=password_sealed,
         policy_version=settings.QUIRE["POLICY_VERSION"],
         max_attempts=settings.QUIRE["MAX_ATTEMPTS"],
         queued_at=timezone.now(),

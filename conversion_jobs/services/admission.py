@@ -2,7 +2,8 @@
 
 The count runs just before the acceptance transaction, so N concurrent submits can each see
 room for one more: the overshoot is bounded by the number of acceptance transactions in flight
-at once (gunicorn workers x threads, minus one). ``docs/adr/0004-admission-overshoot.md``.
+at once (web processes x WEB_THREADS sync threads, minus one).
+``docs/adr/0004-admission-overshoot.md``.
 """
 
 from __future__ import annotations

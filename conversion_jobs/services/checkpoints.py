@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from concurrent.futures import Future, wait
-from pathlib import Path
 from typing import Any
 
 from django.db import transaction
@@ -128,10 +126,11 @@ class CheckpointBatch:
     ``MAX_PAGES`` pages or its oldest page has waited ``MAX_WAIT_S``, always before a failed page
     or an error, and the last batch inside the publishing transaction. A crash loses at most one
     batch, which a resumed attempt converts again; a page is never skipped unless its checkpoint
-    committed. Page files are renamed into storage at once and ``fsync``ed on background threads;
-    every one of them, and their directory, is on disk before their checkpoints are written
-    (``durable``). Artifacts of pages that never got their checkpoint are deleted on the way out,
-    so nothing is orphaned."""
+    committed. Page artifacts are stored without waiting (``storage.put_file(wait=False)``: on
+    the filesystem renamed at once and ``fsync``ed on background threads, on S3 uploaded by
+    background threads); every one of them is complete and durable before their checkpoints are
+    written (``durable``). Artifacts of pages that never got their checkpoint are deleted on the
+    way out, so nothing is orphaned."""
 
     MAX_PAGES = 256
     MAX_WAIT_S = 0.25
@@ -139,39 +138,31 @@ class CheckpointBatch:
     def __init__(self, lease: Lease, checkpoints: dict[int, Any]) -> None:
         self.lease, self.checkpoints = lease, checkpoints
         self.pending: list[PageCheckpoint] = []
-        self.syncs: list[Future] = []
-        self.directories: set[Path] = set()
+        self.puts: list[storage.Put] = []
         self.since = 0.0
 
     def __enter__(self) -> CheckpointBatch:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for future in self.syncs:
-            future.cancel()
-        wait(self.syncs)
-        self.syncs = []
+        storage.abandon(self.puts)
+        self.puts = []
         for checkpoint in self.pending:  # never recorded: leave no artifact behind
             storage.delete(checkpoint.artifact_key or "")
         self.pending = []
 
-    def add(self, checkpoint: PageCheckpoint, placed: Path) -> None:
-        """``checkpoint``'s artifact has been placed at ``placed``; its fsync starts now."""
+    def add(self, checkpoint: PageCheckpoint, put: storage.Put) -> None:
+        """``checkpoint``'s artifact is being stored by ``put`` (not yet settled)."""
         if not self.pending:
             self.since = time.monotonic()
         self.pending.append(checkpoint)
-        self.syncs.append(storage.sync_later(placed))
-        self.directories.add(placed.parent)
+        self.puts.append(put)
 
     def durable(self) -> None:
-        """Wait until every pending page file and its directory entry is on disk (an OSError
-        here is a storage error: nothing gets recorded)."""
-        syncs, self.syncs = self.syncs, []
-        for future in syncs:
-            future.result()
-        for directory in sorted(self.directories):
-            storage.fsync_dir(directory)
-        self.directories = set()
+        """Wait until every pending page artifact is complete and durable in the store (an
+        OSError here is a storage error: nothing gets recorded)."""
+        storage.settle(self.puts)  # on failure the puts stay, for __exit__ to abandon
+        self.puts = []
 
     def flush_if_due(self) -> None:
         if len(self.pending) >= self.MAX_PAGES or (

@@ -51,11 +51,10 @@ def _send(app: Any, *, job_id: uuid.UUID, generation: int, headers: dict[str, st
         exchange=settings.CONVERSION_EXCHANGE,
         routing_key=settings.CONVERSION_QUEUE,
         headers=headers,
-        # One immediate retry on a fresh connection: a pooled connection that died with a broker
-        # restart must not push every first publish afterwards onto the sweeper. Anything more
-        # is the sweeper's job, so a request is never held up for long.
-        retry=True,
-        retry_policy={"max_retries": 1, "interval_start": 0, "interval_step": 0, "interval_max": 0},
+        # retry / retry_policy: the app's (CELERY_TASK_PUBLISH_RETRY_POLICY), one immediate
+        # retry on a fresh connection: a pooled connection that died with a broker restart must
+        # not push every first publish afterwards onto the sweeper. Anything more is the
+        # sweeper's job, so a request is never held up for long.
         confirm_timeout=settings.QUIRE["PUBLISH_CONFIRM_TIMEOUT_S"],
         ignore_result=True,
     )

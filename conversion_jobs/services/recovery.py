@@ -224,6 +224,14 @@ def conversion_job_retry_failed(
     return ConversionJob.objects.get(id=job_id)
 
 
+def _is_uuid(name: str) -> bool:
+    try:
+        uuid.UUID(name)
+    except ValueError:
+        return False
+    return True
+
+
 def work_dirs_remove_stale(*, older_than_s: float | None = None) -> int:
     """Remove attempt work directories whose attempt is no longer running (a crashed worker's
     leftovers). A directory is ``<WORK_DIR>/<job_id>/<attempt_id>``; it is live while its
@@ -235,6 +243,10 @@ def work_dirs_remove_stale(*, older_than_s: float | None = None) -> int:
     cutoff = time.time() - older_than_s
     candidates: dict[int, Path] = {}
     for job_dir in root.iterdir():
+        # Only <job uuid>/ directories: the workers' sandbox directories (``.sandbox/<pid>-…``)
+        # also live here, and an idle worker's must never be taken for a dead attempt's.
+        if not _is_uuid(job_dir.name):
+            continue
         for attempt_dir in job_dir.iterdir() if job_dir.is_dir() else []:
             try:
                 if attempt_dir.stat().st_mtime < cutoff:

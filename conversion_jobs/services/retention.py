@@ -27,6 +27,7 @@ from conversion_jobs.models import (
     ExecutionAuditEvent,
     PageCheckpoint,
 )
+from conversion_jobs.services.artifacts import source_delete_if_unused
 from conversion_jobs.services.audit import audit_event_append
 from conversion_jobs.states import TERMINAL_STATES
 
@@ -93,11 +94,10 @@ def conversion_jobs_purge_files_if_expired(*, batch: int) -> int:
         )[:batch]
     )
     for job_id, source_key, sha in jobs:
-        storage.delete_tree(f"results/{job_id}")
-        storage.delete_tree(f"pages/{job_id}")
+        storage.delete_prefix(f"results/{job_id}")
+        storage.delete_prefix(f"pages/{job_id}")
         # Sources are content-addressed and shared: delete only when no unexpired job uses it.
-        if not ConversionJob.objects.filter(source_sha256=sha, expired_at__isnull=True).exists():
-            storage.delete(source_key)
+        source_delete_if_unused(sha256=sha, key=source_key, live_only=True)
         purged += ConversionJob.objects.filter(id=job_id, purged_at__isnull=True).update(
             purged_at=Now()
         )

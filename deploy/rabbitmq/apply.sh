@@ -138,18 +138,14 @@ done
 # 3. Topology: vhost, exchanges, queues, bindings. ------------------------------
 # import_definitions only creates/updates; it never deletes, so re-running is safe.
 [[ "${VHOST}" =~ ^[A-Za-z0-9_.-]+$ ]] || die "QUIRE_RMQ_VHOST must match [A-Za-z0-9_.-]+"
-if [[ "${VHOST}" == "quire" ]]; then
-  log "importing ${DEFINITIONS}"
-  ctl import_definitions "${DEFINITIONS}" >/dev/null
-else
-  log "importing ${DEFINITIONS} into vhost ${VHOST}"
-  tmp_defs="$(mktemp "${TMPDIR:-/tmp}/quire-definitions.XXXXXX.json")"
-  trap 'rm -f "${tmp_defs}"' EXIT
-  sed -e "s/\"vhost\": \"quire\"/\"vhost\": \"${VHOST}\"/g" \
-      -e "s/{\"name\": \"quire\"}/{\"name\": \"${VHOST}\"}/" "${DEFINITIONS}" >"${tmp_defs}"
-  chmod 0644 "${tmp_defs}"
-  ctl import_definitions "${tmp_defs}" >/dev/null
-fi
+# The definitions go in on standard input: given a path, the node reads the file itself as the
+# `rabbitmq` user, which cannot read a checkout in a private directory (mode 0700, as `mktemp -d`
+# or a home directory makes). definitions.json names vhost "quire"; another QUIRE_RMQ_VHOST gets a
+# renamed copy of the same topology.
+log "importing ${DEFINITIONS} into vhost ${VHOST}"
+sed -e "s/\"vhost\": \"quire\"/\"vhost\": \"${VHOST}\"/g" \
+    -e "s/{\"name\": \"quire\"}/{\"name\": \"${VHOST}\"}/" "${DEFINITIONS}" \
+  | ctl import_definitions --format json >/dev/null
 
 # 4. Users and permissions. -------------------------------------------------------
 existing_users="$(ctl list_users --no-table-headers 2>/dev/null | awk '{print $1}')"

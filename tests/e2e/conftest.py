@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import storage_env
 from tests.e2e import harness
 
 
@@ -84,8 +85,7 @@ def cluster(
 
     env = harness.process_env(
         DATABASE_URL=harness.database_url_for(connection.settings_dict["NAME"], base_url),
-        QUIRE_STORAGE_DIR=str(settings.QUIRE["STORAGE_DIR"]),
-        QUIRE_WORK_DIR=str(settings.QUIRE["WORK_DIR"]),
+        **storage_env(settings.QUIRE),
         QUIRE_VAR_DIR=str(tmp_path / "var"),
     )
     logs = tmp_path / "logs"
@@ -150,7 +150,7 @@ def submit(settings: Any, tmp_path: Path) -> Callable[..., Any]:
         src = tmp_path / f"{uuid.uuid4().hex}.pdf"
         salt = uuid.uuid4().hex
         testdocs.make_pdf(src, pages=pages, text_of=lambda n: f"Page {n} {salt}")
-        fh, staged = storage.staging_file()
+        fh, staged = storage.stage()
         with fh, open(src, "rb") as data:
             shutil.copyfileobj(data, fh)
         raw = src.read_bytes()

@@ -359,6 +359,8 @@ class Proc:
     popen: subprocess.Popen[bytes]
     log: Path
     frozen: bool = False
+    #: the HTTP port of a ``web`` process
+    port: int = 0
 
     @property
     def pid(self) -> int:
@@ -428,6 +430,8 @@ class Cluster:
     env: dict[str, str]
     procs: list[Proc] = field(default_factory=list)
     _counter: int = 0
+    #: a command prefix every process is started under (e.g. ``ip netns exec <host>``)
+    wrap: list[str] = field(default_factory=list)
 
     def start(self, kind: str, *, role: str | None = None, **env: str) -> Proc:
         self._counter += 1
@@ -436,6 +440,7 @@ class Cluster:
         argv = procfile_command(kind, full_env)
         if argv[0] == "celery":
             argv[0] = str(VENV_BIN / "celery")
+        argv = [*self.wrap, *argv]
         log = self.log_dir / f"{name}.log"
         with open(log, "ab") as out:
             popen = subprocess.Popen(
@@ -460,6 +465,19 @@ class Cluster:
 
     def beat(self, **env: str) -> Proc:
         return self.start("beat", **env)
+
+    def web(self, **env: str) -> Proc:
+        """The Procfile's ``web`` process on a free loopback port, once it answers
+        ``/health/live``."""
+        port = free_port()
+        proc = self.start("web", QUIRE_BIND=f"127.0.0.1:{port}", **env)
+        proc.port = port
+        wait_until(
+            lambda: _check_alive(proc) and _answers(f"http://127.0.0.1:{port}/health/live"),
+            timeout=60,
+            what=f"{proc.name} serving",
+        )
+        return proc
 
     def ready(self, proc: Proc, *, timeout: float = 30) -> Proc:
         """Wait until a worker logs that it is ready (consuming)."""
@@ -491,6 +509,24 @@ class Cluster:
 
     def tails(self) -> str:
         return "\n".join(f"----- {p.name} ({p.log}) -----\n{p.tail()}" for p in self.procs)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _answers(url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:  # noqa: S310 (loopback)
+            return bool(response.status == 200)
+    except OSError:
+        return False
 
 
 def _check_alive(proc: Proc) -> bool:

@@ -153,7 +153,7 @@ def submit_docx(tmp_path: Path, *, paragraphs: int, output: str = "pdf") -> Conv
             f"Paragraph {i} {salt} " + "lorem ipsum dolor sit amet " * 8 for i in range(paragraphs)
         ],
     )
-    fh, staged = storage.staging_file()
+    fh, staged = storage.stage()
     with fh, open(src, "rb") as data:
         shutil.copyfileobj(data, fh)
     raw = src.read_bytes()
@@ -312,7 +312,7 @@ def test_cancel__at_finalization_ends_in_one_consistent_state(start, submit, clu
         lambda: job_of(job.id).state in ("cancelled", "succeeded"), timeout=10, what="terminal"
     )
     done = job_of(job.id)
-    results = list((Path(settings.QUIRE["STORAGE_DIR"]) / "results" / str(job.id)).glob("*"))
+    results = list(storage.list_objects(f"results/{job.id}"))
     if response.status_code == 202:
         assert done.state == "cancelled" and done.result_key is None
         assert requests_of(job.id) == [("running", "cancelled", True)]
@@ -321,7 +321,7 @@ def test_cancel__at_finalization_ends_in_one_consistent_state(start, submit, clu
     else:
         assert (response.status_code, response.json()["code"]) == (409, "too_late")
         assert done.state == "succeeded" and done.result_key is not None
-        assert storage.path_of(done.result_key).is_file()
+        assert storage.exists(done.result_key)
         assert requests_of(job.id) == [("succeeded", "too_late", True)]
     print(f"finalization race: cancel answered {response.status_code}, job {done.state}")
 

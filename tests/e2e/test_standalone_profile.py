@@ -22,7 +22,7 @@ import hashlib, shutil
 from conversion_jobs import storage
 from conversion_jobs.services.acceptance import StagedUpload, conversion_job_accept
 src = {src!r}
-fh, staged = storage.staging_file()
+fh, staged = storage.stage()
 with fh, open(src, "rb") as data:
     shutil.copyfileobj(data, fh)
 raw = open(src, "rb").read()
@@ -123,3 +123,62 @@ def test_standalone__pipeline_runs_end_to_end_and_recovers_a_killed_worker(stand
         slow,
     )
     assert published == [(1,)]
+
+
+def test_standalone__web_long_polls_and_event_stream_fall_back_to_async_polling(
+    standalone, tmp_path
+):
+    """SQLite has no LISTEN/NOTIFY: waiting clients poll on the event loop instead - still no
+    thread per client (50 parked long-polls leave /health/live answering), and still woken."""
+    import asyncio
+    import json
+    import time
+    import uuid
+
+    import requests
+
+    web = standalone.web()
+    base = f"http://127.0.0.1:{web.port}"
+    token = standalone.run(
+        "mint_token", "--tenant", "tenant-a", "--scope", "jobs:read jobs:submit"
+    ).strip()
+    job_id = str(uuid.UUID(_submit(standalone, tmp_path, pages=3, options={})))
+
+    async def parked_and_probed() -> tuple[list[int], float]:
+        async def long_poll() -> int:
+            reader, writer = await asyncio.open_connection("127.0.0.1", web.port)
+            writer.write(
+                f"GET /api/v1/jobs/{job_id}?wait=4 HTTP/1.1\r\nHost: x\r\n"
+                f'Authorization: Bearer {token}\r\nIf-None-Match: "v1"\r\n\r\n'.encode()
+            )
+            head = await reader.readuntil(b"\r\n\r\n")
+            writer.close()
+            return int(head.split()[1])
+
+        polls = [asyncio.create_task(long_poll()) for _ in range(50)]
+        await asyncio.sleep(1.5)
+        started = time.perf_counter()
+        await asyncio.to_thread(requests.get, f"{base}/health/live", timeout=10)
+        probe = time.perf_counter() - started
+        return list(await asyncio.gather(*polls)), probe
+
+    statuses, probe = asyncio.run(parked_and_probed())
+    assert statuses == [304] * 50
+    assert probe < 1.0
+
+    standalone.ready(standalone.worker())
+    standalone.sweeper()
+    standalone.beat()
+    with requests.get(
+        f"{base}/api/v1/jobs/{job_id}/events",
+        headers={"Authorization": f"Bearer {token}", "Accept": "text/event-stream"},
+        stream=True,
+        timeout=90,
+    ) as response:
+        data = [
+            json.loads(line[len("data:") :])
+            for line in response.iter_lines(decode_unicode=True)
+            if line.startswith("data:")
+        ]
+    assert data[-1]["state"] == "succeeded"
+    assert data[-1]["pages"] == {"total": 3, "done": 3, "failed": 0}

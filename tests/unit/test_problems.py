@@ -26,11 +26,11 @@ def _leaf_errors() -> list[type[errors.QuireError]]:
         cls = todo.pop()
         found.append(cls)
         todo.extend(cls.__subclasses__())
-    return [c for c in found if c is not errors.Rejected]
+    return [c for c in found if c not in (errors.Rejected, errors.RetryLater)]
 
 
 def _make(cls: type[errors.QuireError]) -> errors.QuireError:
-    if issubclass(cls, errors.Rejected):
+    if issubclass(cls, errors.RetryLater):
         return cls(retry_after=7)
     return cls()
 
@@ -72,6 +72,7 @@ def test_problem_body__detail_defaults_to_docstring():
     [
         (errors.TenantQuotaExceeded, 429, "tenant_quota_exceeded"),
         (errors.CapacityExceeded, 503, "capacity_exceeded"),
+        (errors.DatabaseUnavailable, 503, "database_unavailable"),
     ],
 )
 def test_problem_response__rejection_carries_retry_after(cls, status, code):
@@ -140,3 +141,22 @@ def test_exception_handler__django_request_errors_become_problems(exc, status, c
     assert (response.status_code, response.data["code"]) == (status, code)
     # Django's message (which may echo request data) is never passed on.
     assert "secret-boundary" not in str(response.data) and "evil" not in str(response.data)
+
+
+def test_exception_handler__lost_database_is_503_database_unavailable_with_retry_after(settings):
+    from django.db import InterfaceError, OperationalError
+
+    settings.QUIRE = {**settings.QUIRE, "DB_UNAVAILABLE_RETRY_AFTER_S": 7}
+    for exc in (OperationalError("connection refused"), InterfaceError("connection closed")):
+        response = exception_handler(exc, {})
+        assert response is not None
+        assert response.status_code == 503
+        assert response.data["code"] == "database_unavailable"
+        assert response["Retry-After"] == "7"
+        assert "connection" not in json.dumps(response.data)  # no driver detail leaks
+
+
+def test_exception_handler__a_query_error_is_not_an_outage():
+    from django.db import IntegrityError
+
+    assert exception_handler(IntegrityError("duplicate key"), {}) is None

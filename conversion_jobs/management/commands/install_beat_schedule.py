@@ -11,6 +11,7 @@ from django.db import transaction
 from django_celery_beat.models import IntervalSchedule, PeriodicTask
 
 from beat_schedules.schedule import sweeps
+from conversion_jobs.services.sweep_health import sweep_statuses_install
 
 
 class Command(BaseCommand):
@@ -42,4 +43,6 @@ class Command(BaseCommand):
                 names.append(sweep.name)
             stale = PeriodicTask.objects.filter(name__startswith="quire: ").exclude(name__in=names)
             stale.delete()
+            # Each sweep's row for /health/ready and the metric (services/sweep_health.py).
+            sweep_statuses_install(intervals={s.key: s.every_s for s in sweeps()})
         self.stdout.write(f"installed {len(names)} sweeps")

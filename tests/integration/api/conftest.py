@@ -86,3 +86,18 @@ def settings_quire(settings: Any) -> Callable[..., None]:
         settings.QUIRE = {**settings.QUIRE, **overrides}
 
     return apply
+
+
+def stored_objects() -> list[Any]:
+    """Every stored artifact (either backend)."""
+    from conversion_jobs import storage
+
+    return [o for prefix in ("sources", "pages", "results") for o in storage.list_objects(prefix)]
+
+
+def staged_uploads() -> list[Path]:
+    """Staged uploads (the store's staging area on the filesystem, the web's upload dir on S3)."""
+    from django.conf import settings
+
+    dirs = (Path(settings.QUIRE["STORAGE_DIR"]) / "staging", Path(settings.QUIRE["UPLOAD_DIR"]))
+    return [p for d in dirs if d.exists() for p in d.rglob("*") if p.is_file()]

@@ -3,21 +3,19 @@ no job, nothing stored, no staged file left."""
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import Any
 
 import pytest
-from django.conf import settings
 
 from conversion_jobs.converters import testdocs
 from tests import multipart
-from tests.integration.api.conftest import problem, row_counts
+from tests.integration.api.conftest import problem, row_counts, staged_uploads, stored_objects
 
 BODIES = multipart.hostile_bodies(testdocs.pdf_bytes(pages=1))
 
 
-def _stored_files() -> list[Path]:
-    root = Path(settings.QUIRE["STORAGE_DIR"])
-    return [p for p in root.rglob("*") if p.is_file()] if root.exists() else []
+def _stored_files() -> list[Any]:
+    return [*stored_objects(), *staged_uploads()]
 
 
 @pytest.mark.django_db
@@ -43,8 +41,8 @@ def test_submit__valid_hand_built_body_is_accepted(api, no_broker_publish):
     )
     response = api().generic("POST", "/api/v1/jobs", payload, content_type=multipart.CONTENT_TYPE)
     assert response.status_code == 202, response.content
-    assert [p.parent.name for p in _stored_files()] != []
-    assert not list((Path(settings.QUIRE["STORAGE_DIR"]) / "staging").glob("*"))
+    assert len(stored_objects()) == 1
+    assert staged_uploads() == []
 
 
 @pytest.mark.django_db

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import threading
 import time
+import uuid
 
 import pytest
 from django.core.management import call_command
@@ -203,6 +204,16 @@ def test_capabilities__lists_conversions_and_limits(client, settings_quire):
     assert "text" in body["conversions"]["application/pdf"]
     assert body["limits"]["max_upload_bytes"] == 12345
     assert set(body["outputs"]) == {"text", "png", "pdf"}
+    assert body["engines"]["libreoffice"]["warm"] is True  # soffice is installed here
+
+
+def test_capabilities__says_whether_warm_engines_are_on(client, settings_quire):
+    settings_quire(OFFICE_ENGINE="fresh")
+    engine = client.get("/api/v1/capabilities").json()["engines"]["libreoffice"]
+    assert engine["warm"] is False
+    settings_quire(OFFICE_ENGINE="warm", OFFICE_ENGINE_MAX_CONVERSIONS=7)
+    engine = client.get("/api/v1/capabilities").json()["engines"]["libreoffice"]
+    assert engine == {"warm": True, "max_conversions": 7}
 
 
 @pytest.mark.django_db
@@ -232,6 +243,7 @@ def test_health__ready_with_database_and_broker_up(client):
         "migrations": True,
         "broker": True,
         "sandbox": True,
+        "sweeps": True,
     }
 
 
@@ -240,3 +252,67 @@ def test_migrations__makemigrations_check_is_clean():
     out = io.StringIO()
     call_command("makemigrations", check=True, dry_run=True, stdout=out)
     assert "No changes detected" in out.getvalue()
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("with_etag", [False, True])
+def test_get_job__wait_on_a_terminal_job_answers_at_once(api, make_job, with_etag):
+    job = make_job(state="cancelled", state_version=3)
+    headers = {"HTTP_IF_NONE_MATCH": '"v3"'} if with_etag else {}
+    started = time.monotonic()
+    response = api().get(f"/api/v1/jobs/{job.id}?wait=5", **headers)
+    assert time.monotonic() - started < 1
+    assert response.status_code == (304 if with_etag else 200)
+    assert response["ETag"] == '"v3"'
+
+
+def _stream(response) -> str:
+    """The whole event stream (an async iterator: the view is async)."""
+    from asgiref.sync import async_to_sync
+
+    async def collect() -> bytes:
+        return b"".join([chunk async for chunk in response.streaming_content])
+
+    return async_to_sync(collect)().decode()
+
+
+@pytest.mark.django_db
+def test_events__event_stream_of_a_finished_job_is_one_state_event(api, make_job):
+    job = make_job(state="failed", state_version=4, error_code="attempts_exhausted")
+    response = api().get(f"/api/v1/jobs/{job.id}/events", HTTP_ACCEPT="text/event-stream")
+    assert response.status_code == 200
+    assert response["Content-Type"] == "text/event-stream"
+    text = _stream(response)
+    assert text.startswith("retry: 1000\n\n")
+    assert "id: 4..0.0\nevent: state\ndata: " in text
+    assert '"state":"failed"' in text
+    assert text.count("event:") == 1  # terminal: the stream ends after it
+
+
+@pytest.mark.django_db
+def test_events__resume_with_the_last_id_sends_nothing_for_a_finished_job(api, make_job):
+    job = make_job(state="cancelled", state_version=2)
+    response = api().get(
+        f"/api/v1/jobs/{job.id}/events",
+        HTTP_ACCEPT="text/event-stream",
+        HTTP_LAST_EVENT_ID="2..0.0",
+    )
+    assert _stream(response) == "retry: 1000\n\n"
+
+
+@pytest.mark.django_db
+def test_events__format_query_parameter_does_not_start_a_stream(api, make_job):
+    job = make_job()
+    response = api().get(f"/api/v1/jobs/{job.id}/events?format=sse")
+    assert response.status_code in (200, 404)
+    assert response["Content-Type"] != "text/event-stream"
+
+
+@pytest.mark.django_db
+def test_events__stream_of_another_tenants_job_is_the_plain_404(api, make_job):
+    job = make_job(tenant="tenant-b")
+    theirs = api().get(f"/api/v1/jobs/{job.id}/events", HTTP_ACCEPT="text/event-stream")
+    missing = api().get(f"/api/v1/jobs/{uuid.uuid4()}/events", HTTP_ACCEPT="text/event-stream")
+    problem(theirs, 404, "not_found")
+    assert theirs.content == missing.content
+    assert theirs["Content-Type"] == "application/problem+json"

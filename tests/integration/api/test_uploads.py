@@ -3,20 +3,26 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
-from django.conf import settings
 from django.core.files.uploadedfile import SimpleUploadedFile
 
+from conversion_jobs import storage
 from conversion_jobs.converters import testdocs
-from tests.integration.api.conftest import problem, row_counts, submit
+from tests.integration.api.conftest import (
+    problem,
+    row_counts,
+    staged_uploads,
+    stored_objects,
+    submit,
+)
 
 LIMIT = 100_000
 
 
-def _storage_files() -> list[Path]:
-    root = Path(settings.QUIRE["STORAGE_DIR"])
-    return [p for p in root.rglob("*") if p.is_file()] if root.exists() else []
+def _storage_files() -> list[Any]:
+    return [*stored_objects(), *staged_uploads()]
 
 
 def _blob(path: Path, size: int) -> Path:
@@ -43,7 +49,6 @@ def test_submit__just_over_size_limit_is_413_and_the_partial_file_is_removed(
     settings_quire(MAX_UPLOAD_BYTES=LIMIT)
     problem(submit(api(), _blob(tmp_path / "big.pdf", LIMIT + 10_000)), 413, "payload_too_large")
     assert _storage_files() == []
-    assert not list((Path(settings.QUIRE["STORAGE_DIR"]) / "sources").glob("**/*"))
     assert row_counts()["jobs"] == 0
 
 
@@ -56,13 +61,10 @@ def test_submit__at_size_limit_is_accepted(api, tmp_path, settings_quire, no_bro
     response = submit(api(), path)
     assert response.status_code == 202, response.content
     assert response.json()["source"]["size"] == LIMIT
-    staged = list((Path(settings.QUIRE["STORAGE_DIR"]) / "staging").glob("*"))
-    assert staged == []
-    sources = [
-        p for p in (Path(settings.QUIRE["STORAGE_DIR"]) / "sources").rglob("*") if p.is_file()
-    ]
+    assert staged_uploads() == []
+    sources = list(storage.list_objects("sources"))
     assert len(sources) == 1
-    assert sources[0].stat().st_size == LIMIT
+    assert sources[0].size == LIMIT
 
 
 @pytest.mark.django_db

@@ -152,7 +152,7 @@ def test_cancel__running_stops_the_worker_within_the_heartbeat_bound(
     # (allow_partial, the default, lets partial results survive cancellation).
     done = list(PageCheckpoint.objects.filter(job=job, state="done").order_by("page_number"))
     assert 1 <= len(done) < 6
-    assert all(storage.path_of(p.artifact_key).is_file() for p in done)
+    assert all(storage.exists(p.artifact_key) for p in done)
     page = api().get(f"/api/v1/jobs/{job.id}/pages/{done[0].page_number}")
     assert (page.status_code, page["ETag"]) == (200, f'"{done[0].artifact_sha256}"')
     assert api().get(f"/api/v1/jobs/{job.id}/result").json()["code"] == "no_result"
@@ -173,7 +173,7 @@ def test_cancel__all_or_nothing_job_keeps_no_served_pages(tmp_path, api, no_brok
 
     assert api().get(f"/api/v1/jobs/{job.id}/pages/{done.page_number}").status_code == 404
     # Kept in storage until retention (the checkpoint still names it), but not published.
-    assert storage.path_of(done.artifact_key).is_file()
+    assert storage.exists(done.artifact_key)
 
 
 def test_cancel__twice_gives_the_same_answer_and_one_state_change(tmp_path, api, no_broker_publish):
@@ -387,7 +387,7 @@ def test_cancel__racing_completion_ends_in_one_consistent_terminal_state(
             assert (job.state, outcome, canceller.status) == ("succeeded", "succeeded", 409), run
             assert request.outcome in ("too_late", "lost_to_completion"), run
             assert published == 1, run
-            assert result_files(job.id) == [storage.path_of(job.result_key)], run
+            assert result_files(job.id) == [job.result_key], run
         assert not WorkerLease.objects.filter(job=job).exists(), run
         assert work_dir_entries() == [], run
     print(dict(tally))

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import threading
@@ -16,7 +17,7 @@ from django.conf import settings
 from django.db import connection
 
 from conversion_jobs import storage
-from conversion_jobs.converters import TEST_FAULTS_ENV, zygote
+from conversion_jobs.converters import TEST_FAULTS_ENV, engines, zygote
 from conversion_jobs.models import ConversionJob
 from conversion_jobs.services.acceptance import StagedUpload, conversion_job_accept
 from conversion_jobs.services.runner import conversion_job_execute
@@ -42,9 +43,9 @@ def submit(
 ) -> ConversionJob:
     """Accept ``source`` (a copy: acceptance consumes the staged file) as a new job.
     A test fault is written into the stored options, as a client could not send it."""
-    staged = Path(settings.QUIRE["STORAGE_DIR"]) / "staging" / f"test-{uuid.uuid4().hex}"
-    staged.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(source, staged)
+    fh, staged = storage.stage()
+    with fh, open(source, "rb") as data:
+        shutil.copyfileobj(data, fh)
     sha, size = storage.sha256_file(staged)
     acceptance = conversion_job_accept(
         tenant=tenant,
@@ -110,12 +111,28 @@ def work_dir_entries() -> list[Path]:
         work_inside = str(box / "work").lstrip("/").removeprefix("tmp/")
         mount_point = box / "tmp" / work_inside
         skeleton |= {mount_point, *mount_point.parents}
-    return sorted(p for p in root.rglob("*") if p not in skeleton)
+    # A warm engine outlives attempts (ADR 0019; what it keeps is tested on its own): its
+    # private directory, and with the sandbox off ``.engines``, are not an attempt's leftovers.
+    kept = [root / ".engines", engines.host_private()]
+    return sorted(
+        p
+        for p in root.rglob("*")
+        if p not in skeleton and not any(k is not None and (p == k or k in p.parents) for k in kept)
+    )
 
 
-def result_files(job_id: uuid.UUID) -> list[Path]:
-    folder = storage.path_of(f"results/{job_id}")
-    return sorted(folder.iterdir()) if folder.exists() else []
+def result_files(job_id: uuid.UUID) -> list[str]:
+    """The keys of every stored result object of ``job_id``."""
+    return sorted(o.key for o in storage.list_objects(f"results/{job_id}"))
+
+
+def object_bytes(key: str) -> bytes:
+    with storage.open_object(key) as body:
+        return body.read()
+
+
+def object_sha256(key: str) -> str:
+    return hashlib.sha256(object_bytes(key)).hexdigest()
 
 
 def converter_children(job_id: uuid.UUID) -> list[int]:
@@ -124,9 +141,10 @@ def converter_children(job_id: uuid.UUID) -> list[int]:
     (the tests run one job at a time)."""
     work_dir = Path(settings.QUIRE["WORK_DIR"]).resolve()
     places = (str(work_dir / str(job_id)) + "/", str(work_dir / ".sandbox") + "/")
+    engine_host = engines.host_pgid()  # the warm engine serves attempts, it is not one
     found = []
     for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
+        if not entry.name.isdigit() or int(entry.name) == engine_host:
             continue
         try:
             with open(f"/proc/{entry.name}/comm", "rb") as fh:

@@ -3,18 +3,24 @@ with real converter child processes and real Postgres."""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import zipfile
-from pathlib import Path
 
 import pytest
 from PIL import Image
 from pypdf import PdfReader
 
-from conversion_jobs import storage
 from conversion_jobs.converters import testdocs
 from conversion_jobs.models import ConversionAttempt, ConversionJob, PageCheckpoint
-from tests.integration.execution.jobkit import execute, submit, unique_text, work_dir_entries
+from tests.integration.execution.jobkit import (
+    execute,
+    object_bytes,
+    object_sha256,
+    submit,
+    unique_text,
+    work_dir_entries,
+)
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("fast_quire")]
 
@@ -125,11 +131,8 @@ def test_execute__result_is_stored_once_under_a_job_derived_key(tmp_path, no_bro
 
     job.refresh_from_db()
     assert job.result_key.startswith(f"results/{job.id}/")
-    assert storage.sha256_file(storage.path_of(job.result_key)) == (
-        job.result_sha256,
-        job.result_size,
-    )
+    body = object_bytes(job.result_key)
+    assert (hashlib.sha256(body).hexdigest(), len(body)) == (job.result_sha256, job.result_size)
     pages = PageCheckpoint.objects.filter(job=job).order_by("page_number")
     for page in pages:
-        assert Path(storage.path_of(page.artifact_key)).is_file()
-        assert storage.sha256_file(storage.path_of(page.artifact_key))[0] == page.artifact_sha256
+        assert object_sha256(page.artifact_key) == page.artifact_sha256

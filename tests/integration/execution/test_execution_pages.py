@@ -8,7 +8,6 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from conversion_jobs import storage
 from conversion_jobs.converters import testdocs
 from conversion_jobs.models import (
     ConversionAttempt,
@@ -22,6 +21,8 @@ from conversion_jobs.services.recovery import conversion_jobs_recover_if_lease_e
 from tests.integration.execution.jobkit import (
     Worker,
     execute,
+    object_bytes,
+    object_sha256,
     result_files,
     submit,
     unique_text,
@@ -123,7 +124,7 @@ def test_execute__resumed_attempt_converts_only_the_remaining_pages(tmp_path, no
     generations = {n: p.generation for n, p in _checkpoints(job).items()}
     assert generations == {n: 1 if n <= converted_first else 2 for n in range(1, pages + 1)}
     job.refresh_from_db()
-    body = storage.path_of(job.result_key).read_text()
+    body = object_bytes(job.result_key).decode()
     assert body.split("\f") == [text_of(n) for n in range(1, pages + 1)]
     assert work_dir_entries() == []
 
@@ -187,8 +188,8 @@ def test_finalize__run_twice_publishes_once(tmp_path, monkeypatch, no_broker_pub
     assert outcomes == ["succeeded", "lost"]
     job.refresh_from_db()
     assert job.state == "succeeded"
-    assert result_files(job.id) == [storage.path_of(job.result_key)]
-    assert storage.sha256_file(storage.path_of(job.result_key))[0] == job.result_sha256
+    assert result_files(job.id) == [job.result_key]
+    assert object_sha256(job.result_key) == job.result_sha256
     published = ExecutionAuditEvent.objects.filter(job_id=job.id, event_type="published")
     assert published.count() == 1
     assert ConversionAttempt.objects.get(job=job).outcome == "succeeded"

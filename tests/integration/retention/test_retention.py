@@ -3,6 +3,7 @@ the row and the file deletion finished by the next sweep."""
 
 from __future__ import annotations
 
+import io
 from datetime import timedelta
 
 import pytest
@@ -22,9 +23,7 @@ from conversion_jobs.services.audit import audit_chain_verify, audit_event_appen
 def _with_files(make_job, *, finished_ago: timedelta, sha: str):
     job = make_job(state="succeeded", source_sha256=sha, finished_at=timezone.now() - finished_ago)
     for key in (job.source_key, f"results/{job.id}/result.g1.txt", f"pages/{job.id}/00001.g1.txt"):
-        path = storage.path_of(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("x")
+        storage.put(key, io.BytesIO(b"x"))
     ConversionJob.objects.filter(id=job.id).update(result_key=f"results/{job.id}/result.g1.txt")
     PageCheckpoint.objects.create(
         job=job,
@@ -39,7 +38,7 @@ def _with_files(make_job, *, finished_ago: timedelta, sha: str):
 
 @pytest.mark.django_db(transaction=True)
 def test_retention__expires_old_and_keeps_young(make_job, settings):
-    settings.QUIRE = {**settings.QUIRE, "RESULT_RETENTION_S": 3600}
+    settings.QUIRE = {**settings.QUIRE, "RESULT_RETENTION_S": 3600, "ORPHAN_GRACE_S": 0}
     old = _with_files(make_job, finished_ago=timedelta(hours=2), sha="a" * 64)
     young = _with_files(make_job, finished_ago=timedelta(minutes=5), sha="b" * 64)
 
@@ -50,13 +49,13 @@ def test_retention__expires_old_and_keeps_young(make_job, settings):
     young.refresh_from_db()
     assert old.expired_at is not None and old.purged_at is not None
     assert not PageCheckpoint.objects.filter(job=old).exists()
-    assert not storage.path_of(old.source_key).exists()
-    assert not storage.path_of(f"results/{old.id}").exists()
-    assert not storage.path_of(f"pages/{old.id}").exists()
+    assert not storage.exists(old.source_key)
+    assert not list(storage.list_objects(f"results/{old.id}"))
+    assert not list(storage.list_objects(f"pages/{old.id}"))
     assert young.expired_at is None and young.purged_at is None
     assert PageCheckpoint.objects.filter(job=young).count() == 1
-    assert storage.path_of(young.source_key).exists()
-    assert storage.path_of(f"results/{young.id}/result.g1.txt").exists()
+    assert storage.exists(young.source_key)
+    assert storage.exists(f"results/{young.id}/result.g1.txt")
     assert list(
         ExecutionAuditEvent.objects.filter(job_id=old.id).values_list("event_type", flat=True)
     ) == ["expired"]
@@ -65,32 +64,32 @@ def test_retention__expires_old_and_keeps_young(make_job, settings):
 
 @pytest.mark.django_db(transaction=True)
 def test_retention__crash_between_rows_and_files_is_finished_by_next_sweep(make_job, settings):
-    settings.QUIRE = {**settings.QUIRE, "RESULT_RETENTION_S": 60}
+    settings.QUIRE = {**settings.QUIRE, "RESULT_RETENTION_S": 60, "ORPHAN_GRACE_S": 0}
     job = _with_files(make_job, finished_ago=timedelta(hours=1), sha="c" * 64)
 
     # The first sweep dies after committing the rows, before touching a file.
     assert retention.conversion_jobs_expire_if_past_retention(batch=10) == 1
     job.refresh_from_db()
     assert job.expired_at is not None and job.purged_at is None
-    assert storage.path_of(job.source_key).exists()
+    assert storage.exists(job.source_key)
 
     result = retention.retention_apply()
     assert result.jobs_expired == 0 and result.jobs_purged == 1
     job.refresh_from_db()
     assert job.purged_at is not None
-    assert not storage.path_of(job.source_key).exists()
-    assert not storage.path_of(f"results/{job.id}").exists()
+    assert not storage.exists(job.source_key)
+    assert not list(storage.list_objects(f"results/{job.id}"))
 
 
 @pytest.mark.django_db(transaction=True)
 def test_retention__shared_source_kept_while_an_unexpired_job_uses_it(make_job, settings):
-    settings.QUIRE = {**settings.QUIRE, "RESULT_RETENTION_S": 3600}
+    settings.QUIRE = {**settings.QUIRE, "RESULT_RETENTION_S": 3600, "ORPHAN_GRACE_S": 0}
     old = _with_files(make_job, finished_ago=timedelta(hours=2), sha="d" * 64)
     make_job(state="queued", source_sha256="d" * 64, output="png")
     retention.retention_apply()
     old.refresh_from_db()
     assert old.purged_at is not None
-    assert storage.path_of(old.source_key).exists()
+    assert storage.exists(old.source_key)
 
 
 @pytest.mark.django_db(transaction=True)
@@ -127,7 +126,7 @@ def test_retention__expired_job_leaves_the_content_identity(
 ):
     """A resubmission of an expired succeeded job's document is new work, not a duplicate of a
     job whose result is gone; an operator retry of an expired failed job is refused."""
-    settings.QUIRE = {**settings.QUIRE, "RESULT_RETENTION_S": 60}
+    settings.QUIRE = {**settings.QUIRE, "RESULT_RETENTION_S": 60, "ORPHAN_GRACE_S": 0}
     client = api()
     done_doc, failed_doc = pdf_file(salt="done"), pdf_file(salt="failed")
     ids = []

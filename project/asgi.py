@@ -1,0 +1,27 @@
+"""ASGI entry point (``project.asgi:application``), served by ``project.web.QuireUvicornWorker``
+under gunicorn (Procfile ``web``; ADR 0016).
+
+Django's ASGI handler, with the sync parts of requests on a fixed set of threads
+(:class:`project.web.QuireASGIHandler`), behind :class:`project.web.Liveness` (``/health/live``
+on the event loop) and :class:`project.web.AccessLog` (one content-free line per request).
+"""
+
+import os
+
+import django
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "project.settings")
+django.setup(set_prefix=False)
+
+from conversion_jobs.api import waiting  # noqa: E402  (needs configured Django)
+from conversion_jobs.observability import tracing  # noqa: E402
+from project.web import AccessLog, Liveness, QuireASGIHandler  # noqa: E402
+
+django_application = QuireASGIHandler()
+
+tracing.instrument_web()
+# A server's event loop lives as long as the process: waiting clients may share one LISTEN
+# connection on it (conversion_jobs/api/waiting.py).
+waiting.listener.serving = True
+
+application = AccessLog(Liveness(django_application))

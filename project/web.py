@@ -1,0 +1,402 @@
+"""The web tier's HTTP server: gunicorn managing uvicorn workers (ADR 0016).
+
+* :class:`QuireUvicornWorker` - the gunicorn worker class the Procfile names: uvloop, httptools,
+  and :class:`QuireHttpProtocol`.
+* :class:`QuireHttpProtocol` - uvicorn's httptools protocol with what a public listener needs:
+  bounded request heads (414 / 431), a body cap (413), a deadline for the request head and an
+  idle limit for the body (408), an idle limit on a fresh connection, and every answer the
+  server gives itself as ``application/problem+json`` with a stable code.
+* :class:`QuireASGIHandler` - Django's ASGI handler, with the sync parts of every request
+  (middleware, DRF views, ORM) on a fixed set of ``WEB_THREADS`` long-lived threads per process
+  instead of a new thread per request.
+* :class:`Liveness` - ``/health/live`` answered on the event loop, never behind a busy thread.
+* :class:`AccessLog` - one content-free line per request.
+
+Limits (environment; docs/OPERABILITY.md "Slow clients"):
+
+=================================  =======  =============================================
+``QUIRE_HTTP_HEADER_TIMEOUT_S``    10       first byte to end of the request head
+``QUIRE_HTTP_BODY_IDLE_TIMEOUT_S`` 30       longest silence while a body is being received
+``QUIRE_HTTP_MAX_URL_BYTES``       8192     request target (path + query)
+``QUIRE_HTTP_MAX_HEAD_BYTES``      32768    request line + headers
+``QUIRE_HTTP_MAX_BODY_BYTES``      upload   ``QUIRE_MAX_UPLOAD_BYTES`` + 1 MiB of multipart
+=================================  =======  =============================================
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from asyncio import TimerHandle
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from asgiref.sync import ThreadSensitiveContext
+from django.core.handlers.asgi import ASGIHandler
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn_worker import UvicornWorker
+
+access_logger = logging.getLogger("quire.access")
+
+MIB = 1024 * 1024
+
+
+def _env_float(name: str, default: float) -> float:
+    return float(os.environ.get(name, default))
+
+
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+HEADER_TIMEOUT_S = _env_float("QUIRE_HTTP_HEADER_TIMEOUT_S", 10.0)
+BODY_IDLE_TIMEOUT_S = _env_float("QUIRE_HTTP_BODY_IDLE_TIMEOUT_S", 30.0)
+MAX_URL_BYTES = _env_int("QUIRE_HTTP_MAX_URL_BYTES", 8192)
+MAX_HEAD_BYTES = _env_int("QUIRE_HTTP_MAX_HEAD_BYTES", 32768)
+MAX_BODY_BYTES = _env_int(
+    "QUIRE_HTTP_MAX_BODY_BYTES", _env_int("QUIRE_MAX_UPLOAD_BYTES", 100 * MIB) + MIB
+)
+
+#: status -> (code, title, detail) of the answers the server gives without the application.
+SERVER_PROBLEMS: dict[int, tuple[str, str, str]] = {
+    400: ("malformed_request", "Malformed HTTP request", "the request is not valid HTTP/1.1"),
+    408: (
+        "request_timeout",
+        "Request timed out",
+        "the request was not received in time; send it again",
+    ),
+    413: (
+        "payload_too_large",
+        "Payload too large",
+        f"the request body exceeds {MAX_BODY_BYTES} bytes",
+    ),
+    414: ("uri_too_long", "URI too long", f"the request target exceeds {MAX_URL_BYTES} bytes"),
+    431: (
+        "request_header_fields_too_large",
+        "Request header fields too large",
+        f"the request line and headers exceed {MAX_HEAD_BYTES} bytes",
+    ),
+}
+
+
+def problem_bytes(status: int) -> bytes:
+    code, title, detail = SERVER_PROBLEMS[status]
+    body = {
+        "type": f"https://quire.dev/problems/{code}",
+        "title": title,
+        "status": status,
+        "code": code,
+        "detail": detail,
+    }
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def log_access(
+    *, method: str, path: str, query: bytes, status: int, started: float, sent: int
+) -> None:
+    """One line per request: method, path, the *names* of the query parameters (values may be
+    secrets), status, duration and body bytes sent. No headers (tokens), no client address,
+    no body (file names)."""
+    names = sorted({p.split(b"=", 1)[0].decode("latin-1")[:32] for p in query.split(b"&") if p})
+    shown_query = ("?" + "&".join(names)) if names else ""
+    shown_path = path if len(path) <= 256 else path[:256] + "…"
+    duration_ms = (time.perf_counter() - started) * 1000
+    access_logger.info(
+        "%s %s%s %d %.1fms %dB",
+        method,
+        shown_path,
+        shown_query,
+        status,
+        duration_ms,
+        sent,
+        extra={
+            "http_method": method,
+            "http_path": shown_path,
+            "http_query_names": names,
+            "http_status": status,
+            "duration_ms": round(duration_ms, 1),
+            "response_bytes": sent,
+        },
+    )
+
+
+class _SyncThread(ThreadPoolExecutor):
+    """One long-lived thread that runs one request's sync calls at a time; counts its queue."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(max_workers=1, thread_name_prefix=name)
+        self.pending = 0
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Future[Any]:
+        with self._lock:
+            self.pending += 1
+        future = super().submit(fn, *args, **kwargs)
+        future.add_done_callback(self._done)
+        return future
+
+    def _done(self, _: Future[Any]) -> None:
+        with self._lock:
+            self.pending -= 1
+
+
+class QuireASGIHandler(ASGIHandler):
+    """Django's ASGI handler gives every request a thread of its own for its sync parts
+    (``ThreadSensitiveContext()``), kept until the response ends: a waiting client would hold an
+    idle thread - and that thread's database connection - for as long as it waits, and every
+    request would open a new database connection. Here each request borrows, for its sync
+    calls only, the least busy of ``WEB_THREADS`` long-lived threads: all of one request's
+    sync calls still run on one thread (Django's thread-sensitivity contract), persistent
+    database connections work as under gthread, and an awaiting request holds nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        count = max(1, int(os.environ.get("WEB_THREADS", "4")))
+        self.threads = [_SyncThread(f"quire-sync-{n}") for n in range(count)]
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            raise ValueError(f"Django can only handle ASGI/HTTP connections, not {scope['type']}.")
+        thread = min(self.threads, key=lambda t: t.pending)
+        async with ThreadSensitiveContext(executor=thread):
+            await self.handle(scope, receive, send)
+
+
+class Liveness:
+    """ASGI middleware: ``GET /health/live`` answered by the event loop itself, without Django.
+
+    Liveness means "this process serves": its event loop turns. Through Django it would also
+    wait for one of the request's sync threads, which a database outage can keep busy for
+    seconds (connect timeouts) - and a liveness probe that fails then makes the orchestrator
+    restart healthy web processes in the middle of somebody else's outage. The body is the one
+    ``conversion_jobs.api.health.live`` gives."""
+
+    BODY = b'{"status": "ok"}'
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if (
+            scope["type"] != "http"
+            or scope.get("path") != "/health/live"
+            or scope.get("method") not in ("GET", "HEAD")
+        ):
+            await self.app(scope, receive, send)
+            return
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(self.BODY)).encode()),
+                    (b"x-content-type-options", b"nosniff"),
+                    (b"cache-control", b"no-store"),
+                ],
+            }
+        )
+        body = self.BODY if scope["method"] == "GET" else b""
+        await send({"type": "http.response.body", "body": body})
+
+
+class AccessLog:
+    """ASGI middleware: :func:`log_access` for every HTTP request the application answers
+    (the server's own answers are logged by :class:`QuireHttpProtocol`)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status, sent = 0, 0
+
+        async def send_counted(message: Any) -> None:
+            nonlocal status, sent
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body":
+                sent += len(message.get("body", b""))
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_counted)
+        finally:
+            log_access(
+                method=scope.get("method", "-"),
+                path=scope.get("path", "-"),
+                query=scope.get("query_string", b""),
+                status=status or 499,  # 499: the client went away before an answer
+                started=started,
+                sent=sent,
+            )
+
+
+class QuireHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol, bounded and answering in problem+json."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._in_head = False
+        self._head_bytes = 0
+        self._head_started = 0.0
+        self._body_bytes = 0
+        self._read_timer: TimerHandle | None = None
+
+    # -- connection -------------------------------------------------------------------------
+
+    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        # uvicorn arms its keep-alive timer only after a response: a connection that never
+        # sends a byte would be held forever. Treat it like an idle kept-alive connection.
+        self.timeout_keep_alive_task = self.loop.call_later(
+            self.timeout_keep_alive, self.timeout_keep_alive_handler
+        )
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_read_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self.transport.is_closing():  # refused: ignore whatever else the client sends
+            return
+        super().data_received(data)
+        if self._in_head and not self.transport.is_closing():
+            # httptools buffers a header it has not seen the end of: bound that buffer.
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_URL_BYTES + MAX_HEAD_BYTES:
+                self._refuse(414 if len(self.url) > MAX_URL_BYTES else 431)
+
+    # -- parser callbacks -------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_head = True
+        self._head_bytes = 0
+        self._body_bytes = 0
+        self._head_started = time.perf_counter()
+        self._arm_read_timer(HEADER_TIMEOUT_S)
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._cancel_read_timer()
+        head = len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers)
+        if len(self.url) > MAX_URL_BYTES:
+            self._refuse(414)
+            return
+        if head > MAX_HEAD_BYTES:
+            self._refuse(431)
+            return
+        length = _content_length(self.headers)
+        if length is not None and length > MAX_BODY_BYTES:
+            self._refuse(413)
+            return
+        super().on_headers_complete()
+        if length or _chunked(self.headers):
+            self._arm_read_timer(BODY_IDLE_TIMEOUT_S)
+
+    def on_body(self, body: bytes) -> None:
+        if self.transport.is_closing():
+            return
+        self._body_bytes += len(body)
+        if self._body_bytes > MAX_BODY_BYTES:
+            self._refuse(413)
+            return
+        self._arm_read_timer(BODY_IDLE_TIMEOUT_S)
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        self._cancel_read_timer()
+        if self.transport.is_closing() or self.cycle is None:
+            return
+        super().on_message_complete()
+
+    # -- the server's own answers -----------------------------------------------------------
+
+    def send_400_response(self, msg: str) -> None:
+        self._refuse(400)
+
+    def _refuse(self, status: int) -> None:
+        """Answer ``status`` as problem+json, close the connection, log it; the application
+        never sees the request (or, mid-body, sees the client disconnect)."""
+        self._cancel_read_timer()
+        self._in_head = False
+        if self.transport.is_closing():
+            return
+        body = problem_bytes(status)
+        self.transport.write(
+            b"".join(
+                [
+                    STATUS_LINE[status],
+                    b"content-type: application/problem+json\r\n",
+                    b"content-length: " + str(len(body)).encode() + b"\r\n",
+                    b"connection: close\r\n\r\n",
+                    body,
+                ]
+            )
+        )
+        self.transport.close()
+        scope = self.scope or {}
+        log_access(
+            method=scope.get("method", "-"),
+            path=scope.get("path", "-"),
+            query=scope.get("query_string", b""),
+            status=status,
+            started=self._head_started or time.perf_counter(),
+            sent=len(body),
+        )
+
+    def _read_timeout(self) -> None:
+        self._read_timer = None
+        if self.cycle is not None and self.cycle.response_started and not self._in_head:
+            self.transport.close()  # the application is answering already: just hang up
+            return
+        if self.cycle is not None and not self.cycle.response_complete and not self._in_head:
+            # Mid-body: the application is waiting for the rest; it sees a disconnect.
+            self.cycle.disconnected = True
+            self.cycle.message_event.set()
+        self._refuse(408)
+
+    def _arm_read_timer(self, seconds: float) -> None:
+        self._cancel_read_timer()
+        self._read_timer = self.loop.call_later(seconds, self._read_timeout)
+
+    def _cancel_read_timer(self) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer = None
+
+
+def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
+    for name, value in headers:
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+def _chunked(headers: list[tuple[bytes, bytes]]) -> bool:
+    return any(n == b"transfer-encoding" and b"chunked" in v.lower() for n, v in headers)
+
+
+class QuireUvicornWorker(UvicornWorker):
+    """gunicorn worker: an asyncio event loop (uvloop) per process serving ``project.asgi``
+    with :class:`QuireHttpProtocol`. gunicorn still owns the processes (restarts a dead
+    worker, graceful reload and shutdown, ``--timeout`` for a stuck event loop);
+    ``--keep-alive`` sets the idle connection timeout."""
+
+    CONFIG_KWARGS = {
+        "loop": "uvloop",
+        "http": "project.web:QuireHttpProtocol",
+        "lifespan": "off",
+        "server_header": False,
+        "access_log": False,
+    }

@@ -1,0 +1,432 @@
+"""The ASGI web tier from outside (issue 11 points 4, 5, 9; issue 10 point 4): the Procfile's
+``web`` process on a real socket, real Postgres (LISTEN/NOTIFY), real transitions.
+
+Clients are raw sockets or ``requests``: what the server sends is what is asserted, bytes and
+all.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import requests
+from django.db import connection
+
+from conversion_jobs.api.auth import token_mint
+from conversion_jobs.models import ConversionJob
+from conversion_jobs.services.cancellation import conversion_job_cancel
+from tests.e2e import harness
+
+pytestmark = [pytest.mark.e2e, pytest.mark.postgres]
+
+SCOPES = ["jobs:read", "jobs:submit", "jobs:cancel"]
+
+
+def token(tenant: str = "tenant-a") -> str:
+    return token_mint(tenant=tenant, subject="e2e", scopes=SCOPES, ttl_s=600)
+
+
+def auth(tenant: str = "tenant-a", **headers: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token(tenant)}", **headers}
+
+
+@pytest.fixture
+def web(start: Callable[..., harness.Proc]) -> Iterator[str]:
+    proc = start("web", QUIRE_SSE_HEARTBEAT_S="0.5")
+    yield f"http://127.0.0.1:{proc.port}"
+
+
+def raw_exchange(port: int, data: bytes, *, timeout: float = 5.0) -> bytes:
+    """Send ``data``, read until the server closes (or ``timeout``)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(data)
+        out = b""
+        try:
+            while chunk := sock.recv(65536):
+                out += chunk
+        except TimeoutError:
+            pass
+        return out
+
+
+def parse_response(raw: bytes) -> tuple[int, dict[str, str], bytes]:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    return int(lines[0].split()[1]), headers, body
+
+
+def port_of(web: str) -> int:
+    return int(web.rsplit(":", 1)[1])
+
+
+def cancel_later(job_id: uuid.UUID, delay: float, stamp: list[float]) -> threading.Thread:
+    """Cancel the (queued) job after ``delay`` through the real service; record when it
+    committed."""
+
+    def run() -> None:
+        from django.db import connections
+
+        try:
+            time.sleep(delay)
+            conversion_job_cancel(job_id=job_id, tenant="tenant-a", actor="e2e")
+            stamp.append(time.monotonic())
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+# --- long-polls ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("with_etag", [True, False])
+def test_long_poll_answers_within_100ms_of_a_transition(web, submit, with_etag):
+    job = submit(pages=1)
+    headers = auth(**({"If-None-Match": f'"v{job.state_version}"'} if with_etag else {}))
+    committed: list[float] = []
+    canceller = cancel_later(job.id, 1.0, committed)
+    response = requests.get(f"{web}/api/v1/jobs/{job.id}?wait=20", headers=headers, timeout=30)
+    answered = time.monotonic()
+    canceller.join()
+    assert response.status_code == 200
+    assert response.json()["state"] == "cancelled"
+    assert response.headers["ETag"] == f'"v{response.json()["state_version"]}"'
+    lag = answered - committed[0]
+    assert lag < 0.1, f"answered {lag * 1000:.0f} ms after the transition committed"
+
+
+def test_long_poll_on_a_terminal_job_answers_at_once(web, submit):
+    job = submit(pages=1)
+    conversion_job_cancel(job_id=job.id, tenant="tenant-a", actor="e2e")
+    started = time.monotonic()
+    response = requests.get(f"{web}/api/v1/jobs/{job.id}?wait=20", headers=auth(), timeout=30)
+    assert response.status_code == 200
+    assert response.json()["state"] == "cancelled"
+    assert time.monotonic() - started < 1.0
+    # ... and with the current ETag: 304 at once, not after 20 s.
+    started = time.monotonic()
+    again = requests.get(
+        f"{web}/api/v1/jobs/{job.id}?wait=20",
+        headers=auth(**{"If-None-Match": response.headers["ETag"]}),
+        timeout=30,
+    )
+    assert again.status_code == 304
+    assert time.monotonic() - started < 1.0
+
+
+def test_long_poll_times_out_with_304_and_problem_json_errors(web, submit):
+    job = submit(pages=1)
+    started = time.monotonic()
+    response = requests.get(
+        f"{web}/api/v1/jobs/{job.id}?wait=1",
+        headers=auth(**{"If-None-Match": f'"v{job.state_version}"'}),
+        timeout=30,
+    )
+    assert response.status_code == 304
+    assert 0.9 <= time.monotonic() - started < 3
+    bad = requests.get(f"{web}/api/v1/jobs/{job.id}?wait=soon", headers=auth(), timeout=10)
+    assert bad.status_code == 400
+    assert bad.headers["Content-Type"] == "application/problem+json"
+    assert bad.json()["code"] == "invalid_request"
+    anonymous = requests.get(f"{web}/api/v1/jobs/{job.id}?wait=5", timeout=10)
+    assert anonymous.status_code == 401
+    assert anonymous.json()["code"] == "not_authenticated"
+
+
+def test_another_tenants_job_is_the_same_404_as_a_random_id(web, submit):
+    job = submit(pages=1)
+    answers = []
+    for job_id in (job.id, uuid.uuid4()):
+        for suffix, extra in (
+            ("?wait=5", {}),
+            ("/events", {"Accept": "text/event-stream"}),
+            ("/events", {}),
+        ):
+            started = time.monotonic()
+            r = requests.get(
+                f"{web}/api/v1/jobs/{job_id}{suffix}", headers=auth("tenant-b", **extra), timeout=10
+            )
+            assert time.monotonic() - started < 2  # no waiting on somebody else's job
+            answers.append((suffix, extra.get("Accept"), r.status_code, r.content))
+    mine, random_id = answers[:3], answers[3:]
+    assert mine == random_id
+    assert all(status == 404 for _, _, status, _ in mine)
+
+
+def test_the_listener_reconnects_after_its_connection_is_killed(web, submit):
+    job = submit(pages=1)
+    # One long-poll makes the worker process start its LISTEN connection.
+    requests.get(
+        f"{web}/api/v1/jobs/{job.id}?wait=0.5",
+        headers=auth(**{"If-None-Match": '"v1"'}),
+        timeout=10,
+    )
+
+    def listeners() -> int:
+        with connection.cursor() as cur:
+            cur.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = "
+                "'quire-web-listener' AND datname = current_database()"
+            )
+            return int(cur.fetchone()[0])
+
+    harness.wait_until(lambda: listeners() >= 1, timeout=10, what="a listener")
+    with connection.cursor() as cur:
+        cur.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = "
+            "'quire-web-listener' AND datname = current_database()"
+        )
+    committed: list[float] = []
+    canceller = cancel_later(job.id, 2.0, committed)
+    response = requests.get(
+        f"{web}/api/v1/jobs/{job.id}?wait=20",
+        headers=auth(**{"If-None-Match": f'"v{job.state_version}"'}),
+        timeout=30,
+    )
+    answered = time.monotonic()
+    canceller.join()
+    assert response.status_code == 200
+    assert response.json()["state"] == "cancelled"
+    assert answered - committed[0] < 0.1
+    harness.wait_until(lambda: listeners() >= 1, timeout=10, what="the listener back")
+
+
+# --- Server-Sent Events --------------------------------------------------------------------------
+
+
+def read_events(response: requests.Response, *, until: Callable[[list[dict[str, Any]]], bool]):
+    """Parse an SSE stream into dicts (``comment`` for heartbeats) until ``until`` holds or the
+    server ends it."""
+    events: list[dict[str, Any]] = []
+    current: dict[str, Any] = {}
+    for line in response.iter_lines(decode_unicode=True):
+        if line == "":
+            if current:
+                events.append(current)
+                current = {}
+                if until(events):
+                    break
+            continue
+        if line.startswith(":"):
+            current = {"comment": line[1:].strip()}
+            continue
+        field, _, value = line.partition(":")
+        current[field] = value.lstrip()
+    return events
+
+
+def test_event_stream_follows_a_real_job_to_its_end(web, submit, start):
+    start("worker")
+    job = submit(pages=4)
+    with requests.get(
+        f"{web}/api/v1/jobs/{job.id}/events",
+        headers=auth(Accept="text/event-stream"),
+        stream=True,
+        timeout=60,
+    ) as response:
+        assert response.status_code == 200
+        assert response.headers["Content-Type"].startswith("text/event-stream")
+        assert response.headers["Cache-Control"] == "no-store"
+        events = read_events(response, until=lambda ev: False)  # the server ends the stream
+    data = [json.loads(e["data"]) for e in events if "data" in e]
+    assert data[-1]["state"] == "succeeded"
+    assert data[-1]["pages"] == {"total": 4, "done": 4, "failed": 0}
+    assert {e["event"] for e in events if "event" in e} <= {"state", "progress"}
+    assert [d["state_version"] for d in data] == sorted(d["state_version"] for d in data)
+    ids = [e["id"] for e in events if "id" in e]
+    assert len(ids) == len(set(ids))
+    assert ids[-1] == f"{data[-1]['state_version']}.4.4.0"
+
+
+def test_event_stream_heartbeat_and_last_event_id_resume(web, submit):
+    job = submit(pages=1)
+    url = f"{web}/api/v1/jobs/{job.id}/events"
+    with requests.get(
+        url, headers=auth(Accept="text/event-stream"), stream=True, timeout=30
+    ) as response:
+        events = read_events(response, until=lambda ev: any("comment" in e for e in ev))
+    first = [e for e in events if "id" in e]
+    assert len(first) == 1 and first[0]["event"] == "state"
+    assert json.loads(first[0]["data"])["state"] == "queued"
+    assert events[-1] == {"comment": "heartbeat"}
+    # Resuming with the id already seen sends nothing new until the job changes ...
+    committed: list[float] = []
+    canceller = cancel_later(job.id, 1.0, committed)
+    with requests.get(
+        url,
+        headers=auth(Accept="text/event-stream", **{"Last-Event-ID": first[0]["id"]}),
+        stream=True,
+        timeout=30,
+    ) as response:
+        resumed = read_events(response, until=lambda ev: False)
+    canceller.join()
+    data = [json.loads(e["data"]) for e in resumed if "data" in e]
+    # ... and then the change, after which a terminal stream ends by itself.
+    assert [d["state"] for d in data] == ["cancelled"]
+
+
+def test_events_without_event_stream_accept_keep_the_json_audit_answer(web, submit):
+    job = submit(pages=1)
+    response = requests.get(f"{web}/api/v1/jobs/{job.id}/events", headers=auth(), timeout=10)
+    assert response.status_code == 200
+    assert response.headers["Content-Type"] == "application/json"
+    assert [e["type"] for e in response.json()["events"]] == ["accepted"]
+
+
+# --- the HTTP server's own answers ---------------------------------------------------------------
+
+SERVER_REFUSALS = [
+    ("malformed request line", b"NOT HTTP AT ALL\r\n\r\n", 400, "malformed_request"),
+    ("bad header", b"GET /health/live HTTP/1.1\r\nHost x\r\n\r\n", 400, "malformed_request"),
+    (
+        "oversize URL",
+        b"GET /api/v1/jobs?x=" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+        414,
+        "uri_too_long",
+    ),
+    (
+        "oversize header",
+        b"GET /health/live HTTP/1.1\r\nHost: x\r\nX-Big: " + b"b" * 40000 + b"\r\n\r\n",
+        431,
+        "request_header_fields_too_large",
+    ),
+    (
+        "many headers",
+        b"GET /health/live HTTP/1.1\r\nHost: x\r\n"
+        + b"".join(b"X-H%d: %s\r\n" % (i, b"c" * 100) for i in range(400))
+        + b"\r\n",
+        431,
+        "request_header_fields_too_large",
+    ),
+    (
+        "oversize body",
+        b"POST /api/v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Length: 10000000000\r\n\r\n",
+        413,
+        "payload_too_large",
+    ),
+]
+
+
+@pytest.mark.parametrize(("raw", "status", "code"), [r[1:] for r in SERVER_REFUSALS])
+def test_the_servers_own_refusals_are_problem_json(web, raw, status, code):
+    got_status, headers, body = parse_response(raw_exchange(port_of(web), raw))
+    assert got_status == status
+    assert headers["content-type"] == "application/problem+json"
+    assert headers["connection"] == "close"
+    problem = json.loads(body)
+    assert problem["code"] == code
+    assert problem["status"] == status
+
+
+def test_a_stalled_request_head_is_timed_out_with_408(start):
+    proc = start("web", QUIRE_HTTP_HEADER_TIMEOUT_S="1")
+    started = time.monotonic()
+    raw = raw_exchange(proc.port, b"GET /health/live HTTP/1.1\r\nHost: x\r\n", timeout=10)
+    status, headers, body = parse_response(raw)
+    assert status == 408
+    assert headers["content-type"] == "application/problem+json"
+    assert json.loads(body)["code"] == "request_timeout"
+    assert 0.9 <= time.monotonic() - started < 5
+
+
+def test_a_stalled_body_is_timed_out(start):
+    proc = start("web", QUIRE_HTTP_BODY_IDLE_TIMEOUT_S="1")
+    head = (
+        b"POST /api/v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; "
+        b"boundary=b\r\nContent-Length: 5000\r\n\r\n--b\r\n"
+    )
+    started = time.monotonic()
+    status, _, body = parse_response(raw_exchange(proc.port, head, timeout=10))
+    assert status == 408
+    assert json.loads(body)["code"] == "request_timeout"
+    assert time.monotonic() - started < 5
+
+
+# --- keep-alive ----------------------------------------------------------------------------------
+
+
+def test_a_kept_alive_connection_is_reused_after_a_pause(web):
+    request = b"GET /health/live HTTP/1.1\r\nHost: x\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", port_of(web)), timeout=10) as sock:
+        local = sock.getsockname()
+        for pause in (0, 3, 5):
+            time.sleep(pause)
+            sock.sendall(request)
+            raw = b""
+            while b'"ok"}' not in raw:
+                chunk = sock.recv(4096)
+                assert chunk, f"the server closed the connection after a {pause} s pause"
+                raw += chunk
+            status, headers, _ = parse_response(raw)
+            assert status == 200
+            assert headers.get("connection") != "close"
+            assert sock.getsockname() == local
+
+
+# --- access log ----------------------------------------------------------------------------------
+
+
+def test_access_log_has_one_line_per_request_without_secrets(start, submit):
+    proc = start("web")
+    web = f"http://127.0.0.1:{proc.port}"
+    job = submit(pages=1)
+    secret_token = token()
+    requests.get(
+        f"{web}/api/v1/jobs/{job.id}?wait=0&access_token=hunter2-secret&state=q",
+        headers={"Authorization": f"Bearer {secret_token}"},
+        timeout=10,
+    )
+    requests.post(
+        f"{web}/api/v1/jobs",
+        headers={"Authorization": f"Bearer {secret_token}"},
+        files={"file": ("my-secret-name.pdf", b"%PDF-1.4 nothing", "application/pdf")},
+        data={"output": "text"},
+        timeout=10,
+    )
+    raw_exchange(proc.port, b"BROKEN\r\n\r\n")
+    harness.wait_until(lambda: "400" in _access_lines(proc)[-1], timeout=5, what="log lines")
+    lines = _access_lines(proc)
+    assert any(
+        f"GET /api/v1/jobs/{job.id}?access_token&state&wait 200 " in line for line in lines
+    ), lines
+    assert any(re.search(r"POST /api/v1/jobs (202|415) ", line) for line in lines), lines
+    assert any(" 400 " in line and "B" in line for line in lines), lines
+    for line in lines:
+        assert line.split()[-2].endswith("ms") and line.split()[-1].endswith("B"), line
+    text = proc.log.read_text(errors="replace")
+    for secret in ("hunter2", secret_token, secret_token.split(".")[1], "my-secret-name"):
+        assert secret not in text
+
+
+def _access_lines(proc: harness.Proc) -> list[str]:
+    return [
+        line for line in proc.log.read_text(errors="replace").splitlines() if "quire.access" in line
+    ]
+
+
+def test_job_detail_without_wait_is_unchanged(web, submit):
+    job = submit(pages=1)
+    response = requests.get(f"{web}/api/v1/jobs/{job.id}", headers=auth(), timeout=10)
+    assert response.status_code == 200
+    assert response.headers["ETag"] == f'"v{job.state_version}"'
+    again = requests.get(
+        f"{web}/api/v1/jobs/{job.id}",
+        headers=auth(**{"If-None-Match": response.headers["ETag"]}),
+        timeout=10,
+    )
+    assert again.status_code == 304
+    assert ConversionJob.objects.get(id=job.id).state == "queued"

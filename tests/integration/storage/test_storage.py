@@ -1,0 +1,231 @@
+"""The artifact store's interface, the same tests on both backends (DESIGN §3.1)."""
+
+from __future__ import annotations
+
+import io
+import os
+import stat
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conversion_jobs import storage
+
+
+def _file(tmp_path: Path, data: bytes) -> Path:
+    path = tmp_path / uuid.uuid4().hex
+    path.write_bytes(data)
+    return path
+
+
+def test_store__put_open_exists_delete(backend, tmp_path):
+    key = storage.result_key(job_id=uuid.uuid4(), generation=3, ext="txt")
+    assert key.endswith("/result.g3.txt")
+    assert not storage.exists(key)
+
+    put = storage.put_file(key, _file(tmp_path, b"hello"))
+    assert put.pending is None and put.local.read_bytes() == b"hello"
+    assert storage.exists(key)
+    with storage.open_object(key) as body:
+        assert body.read() == b"hello"
+    storage.download(key, tmp_path / "copy")
+    assert (tmp_path / "copy").read_bytes() == b"hello"
+    assert stat.S_IMODE((tmp_path / "copy").stat().st_mode) == 0o600
+
+    storage.delete(key)
+    storage.delete(key)  # a missing object is not an error
+    assert not storage.exists(key)
+    with pytest.raises(FileNotFoundError):
+        storage.open_object(key)
+    with pytest.raises(FileNotFoundError):
+        storage.download(key, tmp_path / "gone")
+
+
+def test_store__unwaited_puts_are_complete_once_settled(backend, tmp_path):
+    job = uuid.uuid4()
+    puts = [
+        storage.put_file(
+            storage.page_key(job_id=job, page=n, generation=1, ext="txt"),
+            _file(tmp_path, f"page {n}".encode()),
+            wait=False,
+        )
+        for n in range(1, 21)
+    ]
+    storage.settle(puts)
+    assert all(p.pending is None for p in puts)
+    listed = sorted(storage.list_objects(f"pages/{job}"), key=lambda o: o.key)
+    assert [o.key for o in listed] == [p.key for p in puts]
+    assert [storage.open_object(p.key).read() for p in puts] == [
+        f"page {n}".encode() for n in range(1, 21)
+    ]
+    assert all(p.local.read_bytes() == f"page {n}".encode() for n, p in enumerate(puts, 1))
+
+
+def test_store__put_from_a_stream_and_delete_a_prefix(backend):
+    job = uuid.uuid4()
+    for n in (1, 2, 3):
+        storage.put(storage.page_key(job_id=job, page=n, generation=2, ext="txt"), io.BytesIO(b"x"))
+    other = storage.page_key(job_id=uuid.uuid4(), page=1, generation=1, ext="txt")
+    storage.put(other, io.BytesIO(b"y"))
+
+    assert storage.delete_prefix(f"pages/{job}") == 3
+    assert list(storage.list_objects(f"pages/{job}")) == []
+    assert storage.exists(other)
+
+
+def test_store__multipart_upload_round_trips(backend, tmp_path):
+    """Above the part size an S3 put is a multipart upload read from disk part by part."""
+    data = os.urandom(1024) * (20 * 1024)  # 20 MiB
+    key = storage.source_key("ab" * 32)
+    storage.put_file(key, _file(tmp_path, data))
+    storage.download(key, tmp_path / "back")
+    assert (tmp_path / "back").read_bytes() == data
+
+
+@pytest.mark.parametrize("key", ["../etc/passwd", "/abs", "pages/../x", "a//b", "", "a b"])
+def test_store__refuses_keys_outside_the_scheme(backend, key, tmp_path):
+    with pytest.raises(ValueError):
+        storage.put_file(key, _file(tmp_path, b"x"))
+
+
+def test_keys__generation_is_an_explicit_part_of_the_key():
+    job = uuid.uuid4()
+    assert storage.page_key(job_id=job, page=7, generation=12, ext="png") == (
+        f"pages/{job}/00007.g12.png"
+    )
+    parsed = storage.parse_key(f"pages/{job}/00007.g12.png")
+    assert parsed == storage.ParsedKey(kind="pages", job_id=job, page=7, generation=12)
+    assert storage.parse_key(f"results/{job}/result.g2.zip") == storage.ParsedKey(
+        kind="results", job_id=job, generation=2
+    )
+    assert storage.parse_key("sources/ab/" + "ab" * 32) == storage.ParsedKey(
+        kind="sources", sha256="ab" * 32
+    )
+    assert storage.parse_key("pages/not-a-job/1.txt") is None
+
+
+def test_filesystem__objects_are_0600_in_0700_directories(settings, tmp_path):
+    """Page and result files came out of converter children as 0644 in 0755 directories."""
+    settings.QUIRE = {**settings.QUIRE, "STORAGE": "filesystem"}
+    os.umask(0o022)
+    job = uuid.uuid4()
+    page = _file(tmp_path, b"p")
+    page.chmod(0o644)
+    storage.settle(
+        [
+            storage.put_file(
+                storage.page_key(job_id=job, page=1, generation=1, ext="txt"), page, wait=False
+            )
+        ]
+    )
+    result = _file(tmp_path, b"r")
+    result.chmod(0o644)
+    storage.put_file(storage.result_key(job_id=job, generation=1, ext="txt"), result)
+    fh, staged = storage.stage()
+    fh.close()
+    storage.put_source(staged, "cd" * 32)
+
+    root = Path(settings.QUIRE["STORAGE_DIR"])
+    files = [p for p in root.rglob("*") if p.is_file()]
+    dirs = [root, *(p for p in root.rglob("*") if p.is_dir())]
+    assert len(files) == 3
+    assert {oct(stat.S_IMODE(p.stat().st_mode)) for p in files} == {"0o600"}
+    assert {oct(stat.S_IMODE(p.stat().st_mode)) for p in dirs} == {"0o700"}
+
+
+def test_s3__bucket_is_private(s3_server, settings, tmp_path):
+    """An anonymous request (no signature) can neither read an object nor list the bucket."""
+    settings.QUIRE = {
+        **settings.QUIRE,
+        "STORAGE": "s3",
+        "S3": {
+            **settings.QUIRE["S3"],
+            "BUCKET": s3_server["QUIRE_S3_BUCKET"],
+            "ENDPOINT_URL": s3_server["QUIRE_S3_ENDPOINT_URL"],
+            "ADDRESSING_STYLE": "path",
+            "PREFIX": f"test-{uuid.uuid4().hex}",
+        },
+    }
+    key = storage.source_key("ef" * 32)
+    storage.put_file(key, _file(tmp_path, b"secret"))
+    endpoint, bucket = s3_server["QUIRE_S3_ENDPOINT_URL"], s3_server["QUIRE_S3_BUCKET"]
+    name = f"{settings.QUIRE['S3']['PREFIX']}/{key}"
+    for url in (f"{endpoint}/{bucket}/{name}", f"{endpoint}/{bucket}", f"{endpoint}/{bucket}/"):
+        with pytest.raises(urllib.error.HTTPError) as denied:
+            urllib.request.urlopen(url, timeout=10)  # noqa: S310 - our own test server
+        assert denied.value.code == 403
+    # The signed request succeeds, so the 403 is about the signature, not the key.
+    assert storage.open_object(key).read() == b"secret"
+    # And a presigned URL is a signed request a client can use without credentials.
+    settings.QUIRE = {
+        **settings.QUIRE,
+        "S3": {**settings.QUIRE["S3"], "PRESIGN_TTL_S": 30.0},
+    }
+    url = storage.presigned_url(key, filename="x.txt", media_type="text/plain")
+    assert url is not None and "Signature" in url
+    with urllib.request.urlopen(url, timeout=10) as response:  # noqa: S310
+        assert response.read() == b"secret"
+
+
+def test_filesystem__has_no_presigned_urls(settings):
+    settings.QUIRE = {**settings.QUIRE, "STORAGE": "filesystem"}
+    assert storage.presigned_url("sources/ab/" + "ab" * 32, filename="x", media_type="x") is None
+
+
+def test_store__choice_follows_settings(settings):
+    settings.QUIRE = {**settings.QUIRE, "STORAGE": "nfs"}
+    with pytest.raises(storage.StorageError):
+        storage.store()
+    settings.QUIRE = {**settings.QUIRE, "STORAGE": "filesystem"}
+    assert storage.store().kind == "filesystem"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_results__redirect_to_a_short_lived_presigned_url_when_configured(
+    s3_server, settings, tmp_path, api, no_broker_publish, fast_quire
+):
+    import hashlib
+
+    from conversion_jobs.converters import testdocs
+    from tests.integration.execution.jobkit import execute, submit, unique_text
+
+    settings.QUIRE = {
+        **settings.QUIRE,
+        "STORAGE": "s3",
+        "S3": {
+            **settings.QUIRE["S3"],
+            "BUCKET": s3_server["QUIRE_S3_BUCKET"],
+            "ENDPOINT_URL": s3_server["QUIRE_S3_ENDPOINT_URL"],
+            "ADDRESSING_STYLE": "path",
+            "PREFIX": f"test-{uuid.uuid4().hex}",
+            "PRESIGN_TTL_S": 30.0,
+        },
+    }
+    job = submit(
+        testdocs.make_pdf(tmp_path / "d.pdf", pages=2, text_of=unique_text()), output="png"
+    )
+    assert execute(job) == "succeeded"
+    job.refresh_from_db()
+    client = api()
+
+    response = client.get(f"/api/v1/jobs/{job.id}/result")
+    assert response.status_code == 302
+    assert response["Cache-Control"] == "private, no-store"
+    assert response["ETag"] == f'"{job.result_sha256}"'
+    location = response["Location"]
+    assert location.startswith(s3_server["QUIRE_S3_ENDPOINT_URL"])
+    assert "X-Amz-Expires=30" in location
+    with urllib.request.urlopen(location, timeout=10) as fetched:  # noqa: S310
+        body = fetched.read()
+        assert fetched.headers["Content-Type"] == "application/zip"
+    assert hashlib.sha256(body).hexdigest() == job.result_sha256
+
+    page = client.get(f"/api/v1/jobs/{job.id}/pages/1")
+    assert page.status_code == 302
+    with urllib.request.urlopen(page["Location"], timeout=10) as fetched:  # noqa: S310
+        assert fetched.read().startswith(b"\x89PNG")
+    cached = client.get(f"/api/v1/jobs/{job.id}/result", HTTP_IF_NONE_MATCH=response["ETag"])
+    assert cached.status_code == 304
