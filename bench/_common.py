@@ -204,6 +204,10 @@ def _rabbitmqctl(*args: str) -> str:
     return run(["rabbitmqctl", "--quiet", *args])
 
 
+#: The vhost whose permissions a throwaway vhost copies (parallel checkouts each have their own).
+TEMPLATE_VHOST = os.environ.get("QUIRE_RMQ_VHOST", "quire")
+
+
 @contextlib.contextmanager
 def throwaway_vhost(*, user: str, password: str) -> Iterator[str]:
     """A fresh vhost carrying ``deploy/rabbitmq/definitions.json`` (exchanges, quorum queue,

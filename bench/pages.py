@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _common import (
     PYTHON,
     ROOT,
+    TEMPLATE_VHOST,
     _rabbitmqctl,
     base_env,
     bench_db_name,
@@ -60,6 +61,7 @@ from _common import (
     run,
     start_procfile,
     throwaway_vhost,
+    verdict,
 )
 
 PUBLISHER = (
@@ -122,7 +124,7 @@ def service(db_name: str, *, keep: bool = False, **settings_env: str) -> Iterato
             vhost = publisher_url.rsplit("/", 1)[1]
             for line in _rabbitmqctl("list_user_permissions", WORKER[0]).splitlines():
                 cols = line.split("\t")
-                if cols and cols[0] == "quire":
+                if cols and cols[0] == TEMPLATE_VHOST:
                     _rabbitmqctl("set_permissions", "-p", vhost, "--", WORKER[0], *cols[1:4])
             env = base_env(
                 DATABASE_URL=url,
@@ -184,11 +186,18 @@ def submit(path: Path, *, output: str, options: dict | None = None, tenant: str 
 
 
 def wait_terminal(job_ids: list, *, timeout: float = 900) -> list:
+    from django.db import OperationalError, connections
+
     from conversion_jobs.models import ConversionJob
 
     deadline = time.monotonic() + timeout
     while True:
-        jobs = list(ConversionJob.objects.filter(id__in=job_ids))
+        try:
+            jobs = list(ConversionJob.objects.filter(id__in=job_ids))
+        except OperationalError:  # Postgres restarted (someone else's outage test): poll again
+            connections.close_all()
+            time.sleep(0.5)
+            continue
         if all(j.finished_at is not None for j in jobs) and len(jobs) == len(job_ids):
             return jobs
         if time.monotonic() > deadline:
@@ -456,6 +465,127 @@ def docx_overhead(svc: Service, *, runs: int) -> dict:
     return out
 
 
+# -- 4. warm LibreOffice engine (ADR 0019) --------------------------------------------------------
+
+
+def _rss_tree_kb(pid: int) -> int:
+    """Resident memory of ``pid``'s whole tree (worker, pool, fork server, engine host, soffice)."""
+    return sum(_status_kb(p, "VmRSS") for p in [pid, *_descendants(pid)])
+
+
+def _docx_batch(svc: Service, name: str, n: int) -> list:
+    return [submit(_docx(svc.scratch / f"{name}-{i}.docx"), output="pdf") for i in range(n)]
+
+
+def _rate(jobs: list) -> float:
+    bad = [(j.state, j.error_code) for j in jobs if j.state != "succeeded"]
+    if bad:
+        raise RuntimeError(f"docx jobs did not succeed: {bad[:3]}")
+    span = max(j.finished_at for j in jobs) - min(j.created_at for j in jobs)
+    return len(jobs) / span.total_seconds()
+
+
+def office_engine(
+    svc: Service,
+    *,
+    runs: int,
+    batch: int,
+    rss_conversions: int,
+    parts: set[str],
+    rss_max_conversions: int = 1000,
+) -> dict:
+    """Warm engine vs LibreOffice alone (fresh process), throughput engine off vs on with the
+    Procfile's worker, and the worker tree's RSS after 10 and after ``rss_conversions``.
+    ``parts``: which of ``e2e``, ``rate``, ``rss`` to run."""
+    out: dict = {}
+    if "e2e" in parts:
+        out.update(_engine_e2e(svc, runs=runs))
+    if "rate" in parts:
+        out.update(_engine_rate(svc, batch=batch))
+    if "rss" in parts:
+        out.update(
+            _engine_rss(svc, rss_conversions=rss_conversions, max_conversions=rss_max_conversions)
+        )
+    return out
+
+
+def _engine_e2e(svc: Service, *, runs: int) -> dict:
+    base = svc.scratch / "soffice-engine"
+    base.mkdir(parents=True, exist_ok=True)
+    fresh = [
+        soffice_alone(_docx(base / f"f{i}.docx"), profile=base / f"p{i}", outdir=base / "o")
+        for i in range(runs)
+    ]
+    alone = statistics.median(fresh)
+    # (a) end to end, one job at a time, warm engine
+    worker = svc.worker(concurrency=1, QUIRE_OFFICE_ENGINE="warm")
+    wait_terminal([j.id for j in _docx_batch(svc, "warmup", 2)])
+    times = []
+    for i in range(runs):
+        (done,) = wait_terminal([submit(_docx(svc.scratch / f"e2e{i}.docx"), output="pdf").id])
+        if done.state != "succeeded":
+            raise RuntimeError(f"docx job {done.state} {done.error_code}")
+        times.append((done.finished_at - done.created_at).total_seconds())
+    svc.stop(worker)
+    median = statistics.median(times)
+    p95 = sorted(times)[max(0, round(0.95 * len(times)) - 1)]
+    print(
+        f"warm engine, 5-page DOCX -> PDF end to end: median {median:.3f} s, p95 {p95:.3f} s; "
+        f"soffice alone fresh {', '.join(f'{t:.2f}' for t in fresh)} s (median {alone:.2f}); "
+        f"median ratio {median / alone:.2f} (target <= 0.4) {verdict(median / alone <= 0.4)}, "
+        f"p95 ratio {p95 / alone:.2f} (target <= 0.6) {verdict(p95 / alone <= 0.6)}",
+        flush=True,
+    )
+    return {"soffice_fresh_s": fresh, "service_warm_s": times, "median_ratio": median / alone,
+            "p95_ratio": p95 / alone}  # fmt: skip
+
+
+def _engine_rate(svc: Service, *, batch: int) -> dict:
+    """(b) documents per second, the Procfile's worker (concurrency 2), engine off vs on."""
+    rates = {}
+    for mode in ("fresh", "warm"):
+        worker = svc.worker(concurrency=2, QUIRE_OFFICE_ENGINE=mode)
+        wait_terminal([j.id for j in _docx_batch(svc, f"warm-{mode}", 2)])
+        rates[mode] = _rate(wait_terminal([j.id for j in _docx_batch(svc, mode, batch)]))
+        svc.stop(worker)
+        print(f"{batch} DOCX -> PDF, engine {mode}: {rates[mode]:.2f} docs/s", flush=True)
+    ratio = rates["warm"] / rates["fresh"]
+    print(
+        f"{batch} DOCX -> PDF, Procfile worker (concurrency 2): engine off "
+        f"{rates['fresh']:.2f} docs/s, warm {rates['warm']:.2f} docs/s; ratio "
+        f"{ratio:.2f} (target >= 2.5) {verdict(ratio >= 2.5)}",
+        flush=True,
+    )
+    return {"docs_per_s": rates, "throughput_ratio": ratio}
+
+
+def _engine_rss(svc: Service, *, rss_conversions: int, max_conversions: int) -> dict:
+    """(c) RSS of the worker's tree with a warm engine after 10 and after rss_conversions. With
+    ``max_conversions`` above ``rss_conversions`` one engine serves them all (what is measured
+    is LibreOffice's own creep); with the default (50) the engine has just been recycled at 200
+    and the figure says what a worker carries in production."""
+    worker = svc.worker(
+        concurrency=1,
+        QUIRE_OFFICE_ENGINE="warm",
+        QUIRE_OFFICE_ENGINE_MAX_CONVERSIONS=str(max_conversions),
+    )
+    wait_terminal([j.id for j in _docx_batch(svc, "rss10", 10)])
+    rss_10 = _rss_tree_kb(worker.pid)
+    wait_terminal([j.id for j in _docx_batch(svc, "rssN", rss_conversions - 10)])
+    rss_n = _rss_tree_kb(worker.pid)
+    svc.stop(worker)
+    out = {"rss_kb": {"after_10": rss_10, f"after_{rss_conversions}": rss_n}}
+    out["rss_ratio"] = rss_n / rss_10
+    print(
+        f"worker tree RSS with a warm engine (recycled every {max_conversions}): after 10 "
+        f"conversions {rss_10 / 1024:.0f} MB, after "
+        f"{rss_conversions} {rss_n / 1024:.0f} MB; ratio {out['rss_ratio']:.2f} (target <= 1.2) "
+        f"{verdict(out['rss_ratio'] <= 1.2)}",
+        flush=True,
+    )
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pages", type=int, default=200)
@@ -463,6 +593,16 @@ def main() -> None:
     parser.add_argument("--rss-pages", type=int, default=300)
     parser.add_argument("--docx-runs", type=int, default=3)
     parser.add_argument("--outputs", default="text,png")
+    parser.add_argument("--engine-runs", type=int, default=10)
+    parser.add_argument("--engine-batch", type=int, default=20)
+    parser.add_argument("--engine-rss", type=int, default=200)
+    parser.add_argument("--engine-parts", default="e2e,rate,rss")
+    parser.add_argument(
+        "--engine-rss-max-conversions",
+        type=int,
+        default=1000,
+        help="engine recycling for the RSS part (above --engine-rss: one engine serves all)",
+    )
     parser.add_argument("--skip", default="")
     parser.add_argument("--keep", action="store_true")
     parser.add_argument(
@@ -493,6 +633,15 @@ def main() -> None:
             peak_rss(svc, pages=args.rss_pages)
         if "docx" not in skip:
             docx_overhead(svc, runs=args.docx_runs)
+        if "engine" not in skip:
+            office_engine(
+                svc,
+                runs=args.engine_runs,
+                batch=args.engine_batch,
+                rss_conversions=args.engine_rss,
+                parts=set(args.engine_parts.split(",")),
+                rss_max_conversions=args.engine_rss_max_conversions,
+            )
     print(f"load at end: {os.getloadavg()}", flush=True)
 
 

@@ -58,6 +58,9 @@ class ConversionJob(models.Model):
     options = models.JSONField(default=dict)
     #: sha256 of the canonical JSON of ``options``: part of the content identity.
     options_digest = models.CharField(max_length=64)
+    #: ``options.password`` sealed with the service key (``conversion_jobs/passwords.py``) while
+    #: the job may still run; wiped (NULL) once it is terminal. Never in ``options`` or the API.
+    password_sealed = models.TextField(null=True, blank=True, editable=False)
     policy_version = models.PositiveIntegerField(default=1)
 
     attempts = models.PositiveIntegerField(default=0)
@@ -136,6 +139,11 @@ class ConversionJob(models.Model):
         ]
         indexes = [
             models.Index(name="job_tenant_created", fields=["tenant", "-created_at", "-id"]),
+            models.Index(
+                name="job_password_sealed",
+                fields=["state"],
+                condition=Q(password_sealed__isnull=False),
+            ),
             models.Index(
                 name="job_live_tenant",
                 fields=["tenant"],

@@ -11,7 +11,9 @@ from conversion_jobs.converters.base import DEFAULT_DPI, TEST_FAULTS_ENV
 from conversion_jobs.exceptions import InvalidOptions
 
 MIN_DPI = 36
-KNOWN = {"dpi", "pages", "allow_partial"}
+KNOWN = {"dpi", "pages", "allow_partial", "password"}
+#: A document password: at most this many characters (LibreOffice and PDF allow less in practice).
+MAX_PASSWORD_CHARS = 256
 #: Converter fault injection for e2e tests (conversion_jobs/converters/isolation.py); the option
 #: exists only in a process started with QUIRE_ENABLE_TEST_FAULTS=1, and is rejected otherwise.
 TEST_FAULT = "_test_fault"
@@ -52,6 +54,18 @@ def normalize_options(raw: Any, *, output: str, max_dpi: int = 600) -> dict[str,
         "pages": pages,
         "allow_partial": allow_partial,
     }
+    if "password" in raw:
+        password = raw["password"]
+        if (
+            not isinstance(password, str)
+            or not 1 <= len(password) <= MAX_PASSWORD_CHARS
+            or "\x00" in password
+        ):
+            raise InvalidOptions(
+                f"password must be a string of 1 to {MAX_PASSWORD_CHARS} characters"
+            )
+        # Kept only until acceptance seals it (passwords.py); never stored or shown in clear.
+        normalized["password"] = password
     if TEST_FAULT in raw:
         fault = raw[TEST_FAULT]
         if not isinstance(fault, dict) or not isinstance(fault.get("kind"), str):

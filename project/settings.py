@@ -172,6 +172,8 @@ QUIRE: dict[str, Any] = {
     "JWT_JWKS_TIMEOUT_S": env_float("QUIRE_JWT_JWKS_TIMEOUT_S", 3.0),
     "JWT_LEEWAY_S": env_float("QUIRE_JWT_LEEWAY_S", 0.0),
     "PSEUDONYM_KEY": env_str("QUIRE_PSEUDONYM_KEY", "quire-dev-only-pseudonym-key-change-me"),
+    # seals document passwords at rest and keys their HMAC in the content identity (ADR 0019)
+    "PASSWORD_KEY": env_str("QUIRE_PASSWORD_KEY", "quire-dev-only-password-key-change-me"),
     # storage (DESIGN §3.1): "filesystem" (STORAGE_DIR) or "s3" (S3; credentials come from the
     # environment's AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or the instance role)
     "STORAGE": env_str("QUIRE_STORAGE", "filesystem"),
@@ -203,6 +205,15 @@ QUIRE: dict[str, Any] = {
     "POLICY_VERSION": env_int("QUIRE_POLICY_VERSION", 1),
     # execution
     "MAX_ATTEMPTS": env_int("QUIRE_MAX_ATTEMPTS", 5),
+    # Warm LibreOffice per worker process (ADR 0019): "warm" or "fresh" (a new one per document).
+    "OFFICE_ENGINE": env_str("QUIRE_OFFICE_ENGINE", "warm"),
+    "OFFICE_ENGINE_MAX_CONVERSIONS": env_int("QUIRE_OFFICE_ENGINE_MAX_CONVERSIONS", 50),
+    "OFFICE_ENGINE_MAX_RSS_MB": env_int("QUIRE_OFFICE_ENGINE_MAX_RSS_MB", 800),
+    # Converter reuse (DESIGN §14): "attempt" (a fresh child per attempt) or "tenant" (a child
+    # may serve up to N consecutive attempts of one tenant; converters/sessions.py).
+    "CONVERTER_REUSE": env_str("QUIRE_CONVERTER_REUSE", "attempt"),
+    "CONVERTER_REUSE_MAX_ATTEMPTS": env_int("QUIRE_CONVERTER_REUSE_MAX_ATTEMPTS", 20),
+    "CONVERTER_REUSE_MAX_RSS_MB": env_int("QUIRE_CONVERTER_REUSE_MAX_RSS_MB", 512),
     "HEARTBEAT_S": env_float("QUIRE_HEARTBEAT_S", 2.0),
     "LEASE_S": env_float("QUIRE_LEASE_S", 10.0),
     "PAGE_MAX_ATTEMPTS": env_int("QUIRE_PAGE_MAX_ATTEMPTS", 3),

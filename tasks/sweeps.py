@@ -41,7 +41,14 @@ def recover_expired_leases() -> int:
 
 @shared_task(name="tasks.sweeps.remove_stale_work_dirs", ignore_result=True)
 def remove_stale_work_dirs() -> int:
-    return _sweep("remove_stale_work_dirs", recovery.work_dirs_remove_stale)
+    return _sweep("remove_stale_work_dirs", _remove_stale_work_dirs)
+
+
+def _remove_stale_work_dirs() -> int:
+    from conversion_jobs.passwords import sealed_passwords_wipe
+
+    sealed_passwords_wipe()  # a terminal job's document password goes with its leftovers
+    return recovery.work_dirs_remove_stale()
 
 
 @shared_task(name="tasks.sweeps.remove_orphaned_artifacts", ignore_result=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from conversion_jobs.models import ConversionJob, ExecutionAuditEvent, PageCheckpoint
+from conversion_jobs.passwords import IDENTITY_KEY
 from conversion_jobs.states import TERMINAL_STATES, State
 
 API = "/api/v1/jobs/"
@@ -30,7 +31,8 @@ def job_representation(job: ConversionJob) -> dict[str, Any]:
         "generation": job.generation,
         "state_version": job.state_version,
         "output": job.output,
-        "options": job.options,
+        # a password is never echoed, nor its keyed HMAC (conversion_jobs/passwords.py)
+        "options": {k: v for k, v in job.options.items() if k != IDENTITY_KEY},
         "source": {
             "media_type": job.source_media_type,
             "size": job.source_size,

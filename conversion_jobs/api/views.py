@@ -510,11 +510,22 @@ class CapabilitiesView(APIView):
         operation_id="capabilities",
     )
     def get(self, request: Request) -> Response:
-        from conversion_jobs.services.runner import limits_from_settings
+        from conversion_jobs.services.runner import (
+            engine_settings_from_settings,
+            limits_from_settings,
+        )
 
+        engine = engine_settings_from_settings()
+        office = engine.warm and converters.capabilities().keys() & converters.OFFICE_TYPES
         return Response(
             {
                 "conversions": converters.capabilities(),
+                "engines": {
+                    "libreoffice": {
+                        "warm": bool(office),
+                        "max_conversions": engine.max_conversions,
+                    }
+                },
                 "limits": {
                     "max_upload_bytes": settings.QUIRE["MAX_UPLOAD_BYTES"],
                     **converters.limits_description(limits_from_settings()),

@@ -11,7 +11,15 @@ LibreOffice are only ever used inside the child process.
 
 from . import sandbox
 from .assemble import assemble_result
-from .base import OUTPUTS, Converter, Limits, PageArtifact, Prepared, limits_description
+from .base import (
+    OFFICE_TYPES,
+    OUTPUTS,
+    Converter,
+    Limits,
+    PageArtifact,
+    Prepared,
+    limits_description,
+)
 from .errors import (
     ConversionError,
     ConversionStopped,
@@ -20,15 +28,18 @@ from .errors import (
     EncryptedInput,
     InputTooLarge,
     InvalidInput,
+    InvalidPassword,
+    PasswordRequired,
     UnsupportedConversion,
 )
 from .isolation import TEST_FAULTS_ENV, kill_process_group, process_group_members, run_isolated
 from .registry import READ_AHEAD_PAGES, capabilities, converter_for
 from .sandbox import SandboxUnavailable
-from .sessions import release, warm
+from .sessions import ReuseSettings, begin_attempt, configure_reuse, release, warm
 from .sniff import sniff_media_type
 
 __all__ = [
+    "OFFICE_TYPES",
     "OUTPUTS",
     "READ_AHEAD_PAGES",
     "TEST_FAULTS_ENV",
@@ -40,13 +51,18 @@ __all__ = [
     "EncryptedInput",
     "InputTooLarge",
     "InvalidInput",
+    "InvalidPassword",
     "Limits",
     "PageArtifact",
+    "PasswordRequired",
     "Prepared",
+    "ReuseSettings",
     "SandboxUnavailable",
     "UnsupportedConversion",
     "assemble_result",
+    "begin_attempt",
     "capabilities",
+    "configure_reuse",
     "converter_for",
     "kill_process_group",
     "limits_description",

@@ -89,7 +89,11 @@ class Converter(Protocol):
         workdir: Path,
         limits: Limits,
         should_stop: Callable[[], bool],
-    ) -> Prepared: ...
+        options: dict | None = None,
+    ) -> Prepared:
+        """Open the document (``options``: the job's options for this attempt, e.g. its
+        password)."""
+        ...
 
     def convert_page(
         self,

@@ -63,6 +63,18 @@ def _op_office_prepare(**kwargs):
     return office_prepare(**kwargs)
 
 
+def _op_office_engine_convert(**kwargs):
+    from .officeengine import office_engine_convert
+
+    return office_engine_convert(**kwargs)
+
+
+def _op_office_engine_start(**kwargs):
+    from .officeengine import office_engine_start
+
+    return office_engine_start(**kwargs)
+
+
 def _op_probe(*, limits: Limits) -> dict:
     """For tests: what the isolated process looks like from inside."""
     return {
@@ -74,7 +86,14 @@ def _op_probe(*, limits: Limits) -> dict:
         "django_loaded": any(name.split(".")[0] == "django" for name in sys.modules),
         "environ": sorted(os.environ),
         "cwd": os.getcwd(),
+        "open_document": _open_document(),
     }
+
+
+def _open_document() -> str | None:
+    pdfops = sys.modules.get("conversion_jobs.converters.pdfops")
+    key = pdfops._open["key"] if pdfops is not None else None
+    return key[0] if key else None
 
 
 def _op_attempt_access(
@@ -121,6 +140,8 @@ OPS: dict[str, Callable[..., dict]] = {
     "image_prepare": _op_image_prepare,
     "image_page": _op_image_page,
     "office_prepare": _op_office_prepare,
+    "office_engine_convert": _op_office_engine_convert,
+    "office_engine_start": _op_office_engine_start,
     "probe": _op_probe,
     "attempt_access": _op_attempt_access,
 }
@@ -151,9 +172,36 @@ def _start_watchdog(watch: _Watch, *, parent_pid: int) -> None:
                 or (busy_until is not None and now > busy_until)
                 or (busy_until is None and now - watch.idle_since > CHILD_IDLE_EXIT_S)
             ):
+                _before_group_kill()
                 os.killpg(0, signal.SIGKILL)
 
     threading.Thread(target=run, name="quire-watchdog", daemon=True).start()
+
+
+def _reset() -> None:
+    """Forget the attempt that ended (converter reuse within a tenant, sessions.py): close the
+    open document and leave its private directory, which the parent then removes. The next
+    ``setup`` gives the next attempt a new one."""
+    pdfops = sys.modules.get("conversion_jobs.converters.pdfops")
+    if pdfops is not None:
+        pdfops.close_document()
+    os.chdir("/")
+    os.environ["HOME"] = os.environ["TMPDIR"] = "/nonexistent"
+    tempfile.tempdir = None
+    import gc
+
+    gc.collect()
+
+
+def _before_group_kill() -> None:
+    """What must go before this group dies and cannot clean up after itself: the warm engine's
+    sockets (see officeengine). Never lets an error stop the kill."""
+    module = sys.modules.get("conversion_jobs.converters.officeengine")
+    if module is not None:
+        try:
+            module.before_group_kill()
+        except Exception:  # noqa: S110
+            pass
 
 
 def _setup(*, directory: str, limits: dict) -> Limits:
@@ -232,6 +280,9 @@ def _answer(request: dict, limits: Limits | None) -> tuple[dict, Limits | None]:
     op, args = request["op"], request.get("args") or {}
     if op == "setup":
         return {"ok": True, "result": {"pid": os.getpid()}}, _setup(**args)
+    if op == "reset":
+        _reset()
+        return {"ok": True, "result": {"pid": os.getpid()}}, limits
     if limits is None:
         raise RuntimeError("a request before setup")
     return _run_op(op, args, fault=request.get("fault"), limits=limits), limits
@@ -262,8 +313,12 @@ def main() -> int:
     limits: Limits | None = None
     while True:
         line = requests.readline()
-        if not line:
-            return 0  # the parent closed the session
+        if not line:  # the parent closed the session (or died)
+            engine = sys.modules.get("conversion_jobs.converters.officeengine")
+            if engine is not None and engine.running():
+                _before_group_kill()  # the engine's processes must not outlive their host
+                os.killpg(0, signal.SIGKILL)
+            return 0
         request = json.loads(line)
         watch.busy_until = time.monotonic() + float(request["timeout_s"]) + WATCHDOG_GRACE_S
         if request["op"] in STREAM_OPS and limits is not None:

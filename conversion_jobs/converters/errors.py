@@ -21,6 +21,18 @@ class EncryptedInput(ConversionError):
     code = "encrypted_input"
 
 
+class InvalidPassword(ConversionError):
+    """The document is encrypted and the password given does not open it."""
+
+    code = "invalid_password"
+
+
+class PasswordRequired(ConversionError):
+    """The job's password can no longer be read (the service key changed); submit it again."""
+
+    code = "password_required"
+
+
 class InvalidInput(ConversionError):
     """The input is damaged or not what it claims to be."""
 
@@ -63,6 +75,8 @@ ERRORS_BY_CODE: dict[str, type[ConversionError]] = {
     cls.code: cls
     for cls in (
         EncryptedInput,
+        InvalidPassword,
+        PasswordRequired,
         InvalidInput,
         InputTooLarge,
         ConversionTimeout,

@@ -76,6 +76,11 @@ class ChildSession:
         self.limits: Limits | None = None
         self.private: Path | None = None
         self.closed = False
+        #: converter reuse within a tenant (sessions.py): whose attempts it served, how many,
+        #: and whether any request failed (a failed session is never reused)
+        self.tenant: str | None = None
+        self.attempts = 0
+        self.errored = False
         self._buffer = b""
         #: pages asked for by read_ahead whose answers are still to be read, in order
         self.ahead: list[int] = []
@@ -190,7 +195,16 @@ class ChildSession:
         self.last_used = time.monotonic()
         if outcome["ok"]:
             return outcome["result"]
+        self.errored = True
         raise error_from_code(outcome["code"], outcome.get("detail"))
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the child (0 if it cannot be read)."""
+        try:
+            with open(f"/proc/{self.pgid}/statm") as fh:
+                return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            return 0
 
     def read_ahead(
         self,
@@ -243,6 +257,7 @@ class ChildSession:
         self._ahead_since = self.last_used = time.monotonic()
         if outcome["ok"]:
             return outcome["result"]
+        self.errored = True
         raise error_from_code(outcome["code"], outcome.get("detail"))
 
     @staticmethod

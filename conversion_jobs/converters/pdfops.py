@@ -15,14 +15,16 @@ import pypdfium2 as pdfium
 import pypdfium2.raw as pdfium_c
 
 from .base import MAX_PAGE_SIDE_PT, PDF, PNG, TEXT_PLAIN, Limits
-from .errors import EncryptedInput, InputTooLarge, InvalidInput
+from .errors import EncryptedInput, InputTooLarge, InvalidInput, InvalidPassword
 
 
-def open_pdf(path: Path) -> pdfium.PdfDocument:
+def open_pdf(path: Path, password: str | None = None) -> pdfium.PdfDocument:
     try:
-        return pdfium.PdfDocument(str(path))
+        return pdfium.PdfDocument(str(path), password=password)
     except pdfium.PdfiumError as exc:
         if exc.err_code == pdfium_c.FPDF_ERR_PASSWORD:
+            if password is not None:
+                raise InvalidPassword() from None
             raise EncryptedInput() from None
         if exc.err_code == pdfium_c.FPDF_ERR_SECURITY:
             raise EncryptedInput("the document uses an unsupported security handler") from None
@@ -32,13 +34,14 @@ def open_pdf(path: Path) -> pdfium.PdfDocument:
 _open: dict = {"key": None, "doc": None}
 
 
-def document(path: Path) -> pdfium.PdfDocument:
-    """The open document for ``path``, reused while the file is the same (size, mtime, inode)."""
+def document(path: Path, password: str | None = None) -> pdfium.PdfDocument:
+    """The open document for ``path``, reused while the file is the same (size, mtime, inode).
+    ``password`` opens an encrypted PDF; it is not kept (an open document needs it no more)."""
     st = os.stat(path)
     key = (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
     if _open["key"] != key:
         close_document()
-        _open["doc"] = open_pdf(path)
+        _open["doc"] = open_pdf(path, password)
         _open["key"] = key
     return _open["doc"]
 
@@ -67,9 +70,9 @@ def warm_up() -> None:
         doc.close()
 
 
-def pdf_prepare(*, path: str, limits: Limits) -> dict:
+def pdf_prepare(*, path: str, limits: Limits, password: str | None = None) -> dict:
     """Open the PDF, count its pages and reject absurd page sizes (whole-document checks)."""
-    doc = document(Path(path))
+    doc = document(Path(path), password)
     count = len(doc)
     if count < 1:
         raise InvalidInput("the PDF has no pages")
@@ -95,8 +98,17 @@ def _check_page_size(doc: pdfium.PdfDocument, index: int) -> tuple[float, float]
     return width, height
 
 
-def pdf_page(*, path: str, page: int, output: str, dpi: int, dest: str, limits: Limits) -> dict:
-    doc = document(Path(path))
+def pdf_page(
+    *,
+    path: str,
+    page: int,
+    output: str,
+    dpi: int,
+    dest: str,
+    limits: Limits,
+    password: str | None = None,
+) -> dict:
+    doc = document(Path(path), password)
     if not 1 <= page <= len(doc):
         raise InvalidInput(f"page {page} does not exist (the document has {len(doc)})")
     if output == "text":

@@ -8,6 +8,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from . import engines
 from .base import (
     DEFAULT_DPI,
     IMAGE_TYPES,
@@ -19,10 +20,10 @@ from .base import (
     PageArtifact,
     Prepared,
 )
-from .errors import InvalidInput, UnsupportedConversion
+from .errors import EncryptedInput, InvalidInput, UnsupportedConversion
 from .isolation import test_fault_from
 from .sessions import forget, fresh_child, open_session, session_for
-from .sniff import sniff_media_type
+from .sniff import office_encrypted, sniff_media_type
 
 _SUFFIX = {"text": ".txt", "png": ".png", "pdf": ".pdf"}
 
@@ -35,16 +36,23 @@ def _check_magic(source: Path, media_type: str) -> None:
 
 
 def _prepare_in_session(
-    *, op: str, source: Path, workdir: Path, limits: Limits, should_stop: Callable[[], bool]
+    *,
+    op: str,
+    source: Path,
+    workdir: Path,
+    limits: Limits,
+    should_stop: Callable[[], bool],
+    password: str | None = None,
 ) -> dict:
     """Prepare in a fresh child that then stays open for this document's pages."""
     session = open_session(
         document=Path(source), scratch_dir=workdir, limits=limits, should_stop=should_stop
     )
+    secret = {"password": password} if password is not None else {}
     try:
         return session.call(
             op,
-            {"path": str(session.document)},
+            {"path": str(session.document), **secret},
             timeout_s=limits.prepare_timeout_s,
             should_stop=should_stop,
         )
@@ -68,6 +76,7 @@ def _page_call(
     limits: Limits,
     should_stop: Callable[[], bool],
     lookahead: Sequence[int] = (),
+    password: str | None = None,
 ) -> PageArtifact:
     """Convert ``page`` in the document's session. ``lookahead``: the pages the caller will ask
     for next, in order; they are requested with this one (up to READ_AHEAD_PAGES) and the child
@@ -78,6 +87,8 @@ def _page_call(
     dest_dir.mkdir(parents=True, exist_ok=True)
     dest = _page_dest(dest_dir, page, output)
     dpi = int((options or {}).get("dpi") or DEFAULT_DPI)
+    # a fresh child (after a failed page) opens the document again: the password goes along
+    secret = {"password": password} if password is not None else {}
     fault = test_fault_from(options)
     try:
         # The session of this document (the child keeps it open); a fresh child if an earlier
@@ -110,6 +121,7 @@ def _page_call(
                     "path": str(session.document),
                     "output": output,
                     "dpi": max(1, min(dpi, limits.max_dpi)),
+                    **secret,
                 },
                 timeout_s=limits.page_timeout_s,
                 should_stop=should_stop,
@@ -138,10 +150,17 @@ class PdfConverter:
     def available(self) -> bool:
         return True
 
-    def prepare(self, *, source, media_type, workdir, limits, should_stop) -> Prepared:
+    def prepare(
+        self, *, source, media_type, workdir, limits, should_stop, options=None
+    ) -> Prepared:
         _check_magic(source, media_type)
         result = _prepare_in_session(
-            op="pdf_prepare", source=source, workdir=workdir, limits=limits, should_stop=should_stop
+            op="pdf_prepare",
+            source=source,
+            workdir=workdir,
+            limits=limits,
+            should_stop=should_stop,
+            password=(options or {}).get("password"),
         )
         return Prepared(document=Path(source), media_type=PDF, page_count=result["page_count"])
 
@@ -160,6 +179,7 @@ class PdfConverter:
             limits=limits,
             should_stop=should_stop,
             lookahead=lookahead,
+            password=(options or {}).get("password"),
         )
 
 
@@ -173,7 +193,9 @@ class ImageConverter:
     def available(self) -> bool:
         return True
 
-    def prepare(self, *, source, media_type, workdir, limits, should_stop) -> Prepared:
+    def prepare(
+        self, *, source, media_type, workdir, limits, should_stop, options=None
+    ) -> Prepared:
         _check_magic(source, media_type)
         result = _prepare_in_session(
             op="image_prepare",
@@ -206,6 +228,13 @@ class ImageConverter:
         )
 
 
+def engine_label(converter: Converter) -> str:
+    """The converter's name for metrics; LibreOffice's says whether its engine is warm."""
+    if converter.name == "libreoffice":
+        return "libreoffice-warm" if engines.current_settings().warm else "libreoffice-fresh"
+    return converter.name
+
+
 class OfficeConverter:
     """Office documents -> PDF with LibreOffice headless (private profile per call), then as PDF.
 
@@ -219,25 +248,51 @@ class OfficeConverter:
     def available(self) -> bool:
         return soffice_available()
 
-    def prepare(self, *, source, media_type, workdir, limits, should_stop) -> Prepared:
+    def prepare(
+        self, *, source, media_type, workdir, limits, should_stop, options=None
+    ) -> Prepared:
         _check_magic(source, media_type)
-        # A fresh child converts to PDF in its private directory (LibreOffice's profile, the
-        # copy of the input): all of it goes with the child; the PDF is handed out first.
-        with fresh_child() as session:
-            session.setup(limits=limits, scratch_dir=workdir, should_stop=should_stop)
-            copy = session.hand_in(source)
-            result = session.call(
-                "office_prepare",
-                {
+        options = options or {}
+        password = options.get("password")
+        encrypted = office_encrypted(Path(source))
+        if encrypted and password is None:
+            raise EncryptedInput()
+        fault = test_fault_from(options)
+        document = Path(workdir) / f"office-{uuid.uuid4().hex}.pdf"
+        if engines.current_settings().warm:
+            result = engines.convert(
+                source=source,
+                media_type=media_type,
+                dest=document,
+                limits=limits,
+                should_stop=should_stop,
+                password=password,
+                encrypted=encrypted,
+                fault=fault,
+            )
+        else:
+            # A fresh child converts to PDF in its private directory (LibreOffice's profile, the
+            # copy of the input): all of it goes with the child; the PDF is handed out first.
+            # ``--convert-to`` cannot take a password: an encrypted document is opened over UNO
+            # by a one-off engine in the same child.
+            with fresh_child() as session:
+                session.setup(limits=limits, scratch_dir=workdir, should_stop=should_stop)
+                copy = session.hand_in(source)
+                args = {
                     "path": str(copy),
                     "media_type": media_type,
                     "base": str(session.inside("office")),
-                },
-                timeout_s=limits.prepare_timeout_s,
-                should_stop=should_stop,
-            )
-            document = Path(workdir) / f"office-{uuid.uuid4().hex}.pdf"
-            session.hand_out(Path(result["document"]), document)
+                }
+                if password is not None:
+                    args["password"], args["encrypted"] = password, encrypted
+                result = session.call(
+                    "office_prepare" if password is None else "office_engine_convert",
+                    args,
+                    timeout_s=limits.prepare_timeout_s,
+                    should_stop=should_stop,
+                    fault=fault,
+                )
+                session.hand_out(Path(result["document"]), document)
         return Prepared(document=document, media_type=PDF, page_count=result["page_count"])
 
     def convert_page(

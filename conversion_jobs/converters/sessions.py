@@ -11,14 +11,24 @@ To take the child's start-up (interpreter, pypdfium2) off the page path, ``relea
 one *spare* child per process: spawned but never set up, it has seen no input and no directory,
 and becomes the next session of whichever thread needs one. A spare or a session idle longer than
 ``MAX_IDLE_S`` is replaced (the child ends itself after ``CHILD_IDLE_EXIT_S``).
+
+**Reuse within a tenant** (``QUIRE_CONVERTER_REUSE=tenant``, DESIGN §14; default ``attempt``:
+a fresh child per attempt). The worker names the attempt's tenant with ``begin_attempt`` (an
+opaque pseudonym, never the tenant id). ``release`` then keeps the attempt's child, *reset*
+(document closed, private directory removed), for the next attempt of the same tenant on this
+process, unless it failed in any way (a structured error, a timeout, a crash), served
+``max_attempts`` attempts, or is above ``max_rss_bytes``. The next attempt of another tenant, or
+one with other limits, ends it and gets a fresh child.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import shutil
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from .base import CHILD_IDLE_EXIT_S, Limits
@@ -35,11 +45,91 @@ _sessions: dict[tuple, ChildSession] = {}
 _spare: ChildSession | None = None
 
 
+@dataclass(frozen=True)
+class ReuseSettings:
+    #: ``attempt``: a fresh child per attempt; ``tenant``: a child may serve consecutive
+    #: attempts of one tenant
+    mode: str = "attempt"
+    max_attempts: int = 20
+    max_rss_bytes: int = 512 * 1024 * 1024
+
+
+_reuse = ReuseSettings()
+#: the kept child (reuse within a tenant), reset, with ``tenant`` and ``attempts`` set
+_kept: ChildSession | None = None
+_attempt = threading.local()
+
+
+def configure_reuse(settings: ReuseSettings) -> None:
+    global _reuse
+    _reuse = settings
+
+
+def begin_attempt(*, tenant: str | None) -> None:
+    """Name the calling thread's attempt's tenant (an opaque pseudonym) for converter reuse."""
+    _attempt.tenant = tenant
+
+
+def _attempt_tenant() -> str | None:
+    return getattr(_attempt, "tenant", None)
+
+
+def _take_kept(*, tenant: str | None, limits: Limits) -> ChildSession | None:
+    """The kept child if it may serve this attempt; otherwise it ends (tenant change...)."""
+    global _kept
+    with _lock:
+        _forked()
+        kept, _kept = _kept, None
+    if kept is None:
+        return None
+    if (
+        _reuse.mode == "tenant"
+        and tenant is not None
+        and kept.tenant == tenant
+        and kept.limits == limits
+        and kept.usable(max_idle_s=MAX_IDLE_S)
+    ):
+        return kept
+    kept.close()
+    return None
+
+
+def _keep(session: ChildSession) -> bool:
+    """Keep ``session`` for the tenant's next attempt if it may serve one; True if kept."""
+    global _kept
+    tenant = _attempt_tenant()
+    if (
+        _reuse.mode != "tenant"
+        or tenant is None
+        or session.closed
+        or session.errored
+        or session.ahead
+        or session.attempts + 1 >= _reuse.max_attempts
+        or not session.usable(max_idle_s=MAX_IDLE_S)
+        or session.rss_bytes() > _reuse.max_rss_bytes
+    ):
+        return False
+    try:
+        session.call("reset", {}, timeout_s=10.0, should_stop=lambda: False)
+    except BaseException:
+        session.close()
+        return False
+    if session.private is not None:
+        shutil.rmtree(session.private, ignore_errors=True)
+        session.private, session.document = None, None
+    session.tenant, session.attempts = tenant, session.attempts + 1
+    with _lock:
+        stale, _kept = _kept, session
+    if stale is not None:
+        stale.close()
+    return True
+
+
 def _forked() -> None:
     """After a fork the parent's children are not ours to use or kill: forget them."""
-    global _owner_pid, _spare
+    global _owner_pid, _spare, _kept
     if os.getpid() != _owner_pid:
-        _owner_pid, _spare = os.getpid(), None
+        _owner_pid, _spare, _kept = os.getpid(), None, None
         _sessions.clear()
 
 
@@ -109,7 +199,7 @@ def open_session(
         old = _take_thread_sessions()
     for session in old:
         session.close()
-    session = fresh_child()
+    session = _take_kept(tenant=_attempt_tenant(), limits=limits) or fresh_child()
     try:
         session.setup(limits=limits, scratch_dir=scratch_dir, should_stop=should_stop)
         session.document = session.hand_in(document)
@@ -154,7 +244,8 @@ def release(prepared=None, *, spare: bool = True) -> None:
         taken = _take_thread_sessions(document=document)
         idle = not _sessions
     for session in taken:
-        session.close()
+        if not (prepared is None and _keep(session)):
+            session.close()
     server = current_zygote()
     if idle and server is not None:
         server.clear_tmp()  # nothing of this attempt stays in the sandbox's /tmp
@@ -163,8 +254,8 @@ def release(prepared=None, *, spare: bool = True) -> None:
 
 
 def release_all() -> None:
-    """End every session and the spare of this process (at exit)."""
-    global _spare
+    """End every session, the spare and the kept child of this process (at exit)."""
+    global _spare, _kept
     with _lock:
         if os.getpid() != _owner_pid:
             return
@@ -173,6 +264,9 @@ def release_all() -> None:
         if _spare is not None:
             taken.append(_spare)
             _spare = None
+        if _kept is not None:
+            taken.append(_kept)
+            _kept = None
     for session in taken:
         session.close()
     stop_zygote()

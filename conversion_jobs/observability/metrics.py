@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Histogram
 
+from conversion_jobs.converters.base import IMAGE_TYPES, OFFICE_TYPES, PDF
+
 ADMISSIONS = Counter("quire_admissions", "Submissions by admission result", ["result", "reason"])
 IDEMPOTENT_REPLAYS = Counter("quire_idempotent_replays", "Idempotency-Key replays answered")
 OUTBOX_PUBLISHED = Counter("quire_outbox_published", "Outbox rows published", ["path"])
@@ -43,6 +45,23 @@ DEAD_LETTERS = Counter("quire_dead_letters", "Messages dead-lettered as poison")
 PAGES = Counter("quire_pages", "Pages converted by outcome", ["outcome"])
 TERMINAL = Counter("quire_jobs_finished", "Jobs that reached a terminal state", ["state"])
 RETENTION_PURGES = Counter("quire_retention_purges", "Rows and files purged by retention", ["kind"])
+ENGINE_STARTS = Counter("quire_engine_starts", "Warm engines started", ["engine"])
+ENGINE_RECYCLES = Counter(
+    "quire_engine_recycles", "Warm engines ended, by reason", ["engine", "reason"]
+)
+ENGINE_LIFE_CONVERSIONS = Histogram(
+    "quire_engine_conversions_per_life",
+    "Conversions a warm engine served before it was recycled",
+    ["engine"],
+    buckets=(0, 1, 2, 5, 10, 20, 50, 100, 200, 500),
+)
+CONVERSION_DURATION = Histogram(
+    "quire_conversion_duration_seconds",
+    "Time to open a document (count its pages; for Office input, the conversion to PDF) by "
+    "input type and converter",
+    ["input", "engine"],
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 180),
+)
 
 #: Every label value the code can set, so each series exists (at zero) from the first scrape
 #: after a start or a deploy instead of appearing with its first event (DESIGN §12). Kept in
@@ -76,6 +95,33 @@ KNOWN_SERIES: dict[Counter | Histogram, list[dict[str, str]]] = {
     TERMINAL: [{"state": s} for s in ("succeeded", "partial", "failed", "cancelled")],
     RETENTION_PURGES: [
         {"kind": k} for k in ("outbox_rows", "jobs_expired", "jobs_purged", "audit_events")
+    ],
+    ENGINE_STARTS: [{"engine": "libreoffice"}],
+    ENGINE_RECYCLES: [
+        {"engine": "libreoffice", "reason": r}
+        for r in (
+            "max_conversions",
+            "memory",
+            "failure",
+            "timeout",
+            "stopped",
+            "crashed",
+            "idle",
+            "settings",
+            "start_failed",
+            "shutdown",
+        )
+    ],
+    ENGINE_LIFE_CONVERSIONS: [{"engine": "libreoffice"}],
+    CONVERSION_DURATION: [
+        {"input": media_type, "engine": engine}
+        for engines, media_types in (
+            (("pdfium",), (PDF,)),
+            (("image",), sorted(IMAGE_TYPES)),
+            (("libreoffice-warm", "libreoffice-fresh"), sorted(OFFICE_TYPES)),
+        )
+        for engine in engines
+        for media_type in media_types
     ],
 }
 

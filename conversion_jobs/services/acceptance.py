@@ -11,7 +11,7 @@ from django.conf import settings
 from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
-from conversion_jobs import converters, faults, storage
+from conversion_jobs import converters, faults, passwords, storage
 from conversion_jobs.db import violated_constraint
 from conversion_jobs.exceptions import (
     IdempotencyKeyReused,
@@ -173,6 +173,14 @@ def conversion_job_accept(
         if output not in converters.capabilities().get(media_type, []):
             raise UnsupportedOutput(f"{media_type} cannot be converted to {output} here")
         options = normalize_options(raw_options, output=output)
+        # The password leaves the options here: sealed for the worker, a keyed HMAC of it in
+        # the options (and so in the content identity and the fingerprint).
+        password = options.pop("password", None)
+        sealed = None
+        if password is not None:
+            options[passwords.IDENTITY_KEY] = passwords.identity(password)
+            sealed = passwords.seal(password)
+            del password
         digest = options_digest(options)
         fingerprint = request_fingerprint(
             source_sha256=upload.sha256, output=output, options=options
@@ -213,6 +221,7 @@ def conversion_job_accept(
         max_attempts=settings.QUIRE["MAX_ATTEMPTS"],
         queued_at=timezone.now(),
         traceparent=traceparent,
+        password_sealed=sealed,
     )
     try:
         with transaction.atomic():

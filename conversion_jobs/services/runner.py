@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import socket
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -22,8 +23,12 @@ from django.db import close_old_connections
 
 from conversion_jobs import converters, storage
 from conversion_jobs.converters import ConversionError, ConversionStopped, Limits
+from conversion_jobs.converters.engines import EngineSettings, configure
+from conversion_jobs.converters.registry import engine_label
 from conversion_jobs.models import ConversionJob, PageCheckpoint, PageState
-from conversion_jobs.observability import tracing
+from conversion_jobs.observability import metrics, tracing
+from conversion_jobs.passwords import sealed_passwords_wipe, unseal
+from conversion_jobs.pseudonym import pseudonym
 from conversion_jobs.services import execution
 from conversion_jobs.services.checkpoints import (
     INLINE_PREFIX,
@@ -51,6 +56,23 @@ def limits_from_settings() -> Limits:
     return Limits(**settings.QUIRE.get("CONVERTER_LIMITS", {}))
 
 
+def reuse_settings_from_settings() -> converters.ReuseSettings:
+    return converters.ReuseSettings(
+        mode=settings.QUIRE["CONVERTER_REUSE"],
+        max_attempts=settings.QUIRE["CONVERTER_REUSE_MAX_ATTEMPTS"],
+        max_rss_bytes=settings.QUIRE["CONVERTER_REUSE_MAX_RSS_MB"] * 1024 * 1024,
+    )
+
+
+def engine_settings_from_settings() -> EngineSettings:
+    return EngineSettings(
+        mode=settings.QUIRE["OFFICE_ENGINE"],
+        max_conversions=settings.QUIRE["OFFICE_ENGINE_MAX_CONVERSIONS"],
+        max_rss_bytes=settings.QUIRE["OFFICE_ENGINE_MAX_RSS_MB"] * 1024 * 1024,
+        scratch_dir=Path(settings.QUIRE["WORK_DIR"]) / ".engines",
+    )
+
+
 def conversion_job_execute(*, job_id: uuid.UUID, generation: int) -> str:
     """Claim and run one delivery. Returns what happened (for logs and tests): ``duplicate``,
     ``succeeded``, ``partial``, ``failed``, ``retry_wait``, ``cancelled`` or ``lost``."""
@@ -72,19 +94,31 @@ def conversion_job_execute(*, job_id: uuid.UUID, generation: int) -> str:
         Path(settings.QUIRE["WORK_DIR"]) / str(job_id) / f"{lease.attempt_id}-{lease.token.hex}"
     )
     workdir.mkdir(parents=True, mode=0o700)
+    converters.configure_reuse(reuse_settings_from_settings())
+    # The converter layer sees the tenant only as an opaque pseudonym (reuse within a tenant).
+    converters.begin_attempt(tenant=pseudonym("tenant", claim.job.tenant))
+    outcome = "lost"
     try:
-        return _run(lease=lease, job=claim.job, heartbeat=heartbeat, workdir=workdir)
+        outcome = _run(lease=lease, job=claim.job, heartbeat=heartbeat, workdir=workdir)
+        return outcome
     finally:
         heartbeat.finish()
-        # This attempt's converter child and its process group end here, then its work dir
-        # goes; only then a spare child is started for the next attempt.
+        if claim.job.password_sealed is not None and outcome in _TERMINAL_OUTCOMES:
+            db_retry(sealed_passwords_wipe, job_id=job_id)
+        # This attempt's converter child and its process group end here (or, reused within a
+        # tenant, it is kept reset), then its work dir goes; only then a spare child is started.
         converters.release(spare=False)
+        converters.begin_attempt(tenant=None)
         shutil.rmtree(workdir, ignore_errors=True)
         try:
             workdir.parent.rmdir()
         except OSError:
             pass
         converters.warm()
+
+
+#: What ``_run`` returns when the job is now terminal (its sealed password is wiped at once).
+_TERMINAL_OUTCOMES = frozenset({"succeeded", "partial", "failed", "cancelled"})
 
 
 def _run(*, lease: Lease, job: ConversionJob, heartbeat: Heartbeat, workdir: Path) -> str:
@@ -147,19 +181,31 @@ def _options_for_attempt(options: dict[str, Any], lease: Lease) -> dict[str, Any
 def _convert(*, lease: Lease, job: ConversionJob, heartbeat: Heartbeat, workdir: Path) -> str:
     """``job``: the row as the claim read it back (options, source, output never change)."""
     options = _options_for_attempt(job.options, lease)
+    if job.password_sealed is not None:
+        password = unseal(job.password_sealed)
+        if password is None:  # the service key changed since acceptance
+            raise converters.PasswordRequired()
+        # In this attempt's memory only; the converter passes it to its child over a pipe.
+        options = {**options, "password": password}
     limits = limits_from_settings()
+    configure(engine_settings_from_settings())
     converter = converters.converter_for(job.source_media_type, job.output)
     stop = heartbeat.stop.is_set
     # The converter reads a copy in the attempt's work directory, never the store itself.
     source = workdir / "source"
     storage.download(job.source_key, source)
+    started = time.monotonic()
     prepared = converter.prepare(
         source=source,
         media_type=job.source_media_type,
         workdir=workdir,
         limits=limits,
         should_stop=stop,
+        options=options,
     )
+    metrics.CONVERSION_DURATION.labels(
+        input=job.source_media_type, engine=engine_label(converter)
+    ).observe(time.monotonic() - started)
     if job.source_page_count != prepared.page_count:
         db_retry(
             execution.conversion_job_record_page_count, lease=lease, page_count=prepared.page_count

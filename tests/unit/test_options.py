@@ -57,6 +57,10 @@ def test_normalize_options__single_page(pages):
         ({"pages": [1, True]}, "text"),
         ({"pages": 3}, "text"),
         ({"allow_partial": "yes"}, "text"),
+        ({"password": ""}, "text"),
+        ({"password": 1234}, "text"),
+        ({"password": "x" * 257}, "text"),
+        ({"password": "nul\x00byte"}, "text"),
         ({"colour": "red"}, "text"),
         ("[1, 2]", "text"),
         ("not json", "text"),
@@ -114,3 +118,8 @@ def test_normalize_options__test_fault_option_needs_the_env_switch(monkeypatch):
     monkeypatch.delenv("QUIRE_ENABLE_TEST_FAULTS", raising=False)
     with pytest.raises(InvalidOptions):
         normalize_options({"_test_fault": {"kind": "hang"}}, output="text")
+
+
+def test_normalize_options__password_is_kept_for_acceptance_to_seal():
+    assert normalize_options({"password": "s3cret"}, output="pdf")["password"] == "s3cret"
+    assert "password" not in normalize_options({}, output="pdf")

@@ -204,6 +204,16 @@ def test_capabilities__lists_conversions_and_limits(client, settings_quire):
     assert "text" in body["conversions"]["application/pdf"]
     assert body["limits"]["max_upload_bytes"] == 12345
     assert set(body["outputs"]) == {"text", "png", "pdf"}
+    assert body["engines"]["libreoffice"]["warm"] is True  # soffice is installed here
+
+
+def test_capabilities__says_whether_warm_engines_are_on(client, settings_quire):
+    settings_quire(OFFICE_ENGINE="fresh")
+    engine = client.get("/api/v1/capabilities").json()["engines"]["libreoffice"]
+    assert engine["warm"] is False
+    settings_quire(OFFICE_ENGINE="warm", OFFICE_ENGINE_MAX_CONVERSIONS=7)
+    engine = client.get("/api/v1/capabilities").json()["engines"]["libreoffice"]
+    assert engine == {"warm": True, "max_conversions": 7}
 
 
 @pytest.mark.django_db

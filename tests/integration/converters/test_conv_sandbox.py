@@ -40,17 +40,24 @@ def test_libreoffice_killed_at_the_memory_limit__leaves_no_osl_pipe_on_the_host(
     (issue 10). Sandboxed it lands in the sandbox's own /tmp (never the host's: other
     processes on this shared host may create their own there), emptied when the attempt ends."""
     source = testdocs.make_docx(tmp_path / "in.docx", paragraphs=["memory"] * 50)
-    with pytest.raises(ConversionError):
-        converter_for(DOCX, "text").prepare(
-            source=source,
-            media_type=DOCX,
-            workdir=tmp_path,
-            limits=Limits(memory_bytes=300_000_000, prepare_timeout_s=60),
-            should_stop=never,
-        )
     root = zygote.zygote().root
     assert root is not None
-    left = [p.name for p in root.tmp.glob("OSL_PIPE_*")]
+    left: list[str] = []
+    # Where exactly LibreOffice dies under the limit varies a little: a run that died before
+    # creating its pipe proves nothing, so up to three limits are tried.
+    for limit in (300_000_000, 350_000_000, 400_000_000):
+        with pytest.raises(ConversionError):
+            converter_for(DOCX, "text").prepare(
+                source=source,
+                media_type=DOCX,
+                workdir=tmp_path,
+                limits=Limits(memory_bytes=limit, prepare_timeout_s=60),
+                should_stop=never,
+            )
+        left = [p.name for p in root.tmp.glob("OSL_PIPE_*")]
+        if left:
+            break
+        release()
     assert left, "LibreOffice left no pipe behind: the memory limit did not kill it"
     assert not any(os.path.exists(f"/tmp/{name}") for name in left)
     release()

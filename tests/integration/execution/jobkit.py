@@ -17,7 +17,7 @@ from django.conf import settings
 from django.db import connection
 
 from conversion_jobs import storage
-from conversion_jobs.converters import TEST_FAULTS_ENV, zygote
+from conversion_jobs.converters import TEST_FAULTS_ENV, engines, zygote
 from conversion_jobs.models import ConversionJob
 from conversion_jobs.services.acceptance import StagedUpload, conversion_job_accept
 from conversion_jobs.services.runner import conversion_job_execute
@@ -111,7 +111,14 @@ def work_dir_entries() -> list[Path]:
         work_inside = str(box / "work").lstrip("/").removeprefix("tmp/")
         mount_point = box / "tmp" / work_inside
         skeleton |= {mount_point, *mount_point.parents}
-    return sorted(p for p in root.rglob("*") if p not in skeleton)
+    # A warm engine outlives attempts (ADR 0019; what it keeps is tested on its own): its
+    # private directory, and with the sandbox off ``.engines``, are not an attempt's leftovers.
+    kept = [root / ".engines", engines.host_private()]
+    return sorted(
+        p
+        for p in root.rglob("*")
+        if p not in skeleton and not any(k is not None and (p == k or k in p.parents) for k in kept)
+    )
 
 
 def result_files(job_id: uuid.UUID) -> list[str]:
@@ -134,9 +141,10 @@ def converter_children(job_id: uuid.UUID) -> list[int]:
     (the tests run one job at a time)."""
     work_dir = Path(settings.QUIRE["WORK_DIR"]).resolve()
     places = (str(work_dir / str(job_id)) + "/", str(work_dir / ".sandbox") + "/")
+    engine_host = engines.host_pgid()  # the warm engine serves attempts, it is not one
     found = []
     for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
+        if not entry.name.isdigit() or int(entry.name) == engine_host:
             continue
         try:
             with open(f"/proc/{entry.name}/comm", "rb") as fh:

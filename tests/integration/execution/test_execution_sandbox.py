@@ -89,7 +89,7 @@ def alpha_page(tmp_path, no_broker_publish) -> Path:
     job = submit(secret_png(tmp_path / "alpha.png"), output="png", tenant="alpha")
     assert execute(job) == "succeeded"
     checkpoint = PageCheckpoint.objects.get(job_id=job.id, page_number=1)
-    path = storage.path_of(checkpoint.artifact_key)
+    path = storage.store().path_of(checkpoint.artifact_key)  # type: ignore[attr-defined]
     assert path.is_file() and path.resolve().is_relative_to(Path(settings.QUIRE["STORAGE_DIR"]))
     return path
 

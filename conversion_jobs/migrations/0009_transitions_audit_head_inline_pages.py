@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('conversion_jobs', '0007_asgi_job_change_notify'),
+        ('conversion_jobs', '0008_office_password'),
     ]
 
     operations = [

@@ -1,0 +1,248 @@
+"""The worker side of warm engines (ADR 0019; DESIGN §7.9).
+
+One warm LibreOffice per worker process: an *engine host*, a converter child forked by the
+process's fork server like any other (own session and process group, scrubbed environment,
+limits, watchdog), that keeps ``soffice`` and its UNO client running between attempts (see
+``officeengine``). It converts one document at a time (a lock) and is recycled — its whole
+process group killed with SIGKILL and its private directory removed — when:
+
+* it has served ``max_conversions`` conversions (``max_conversions``);
+* its engine's resident memory is above ``max_rss_bytes`` after a conversion (``memory``);
+* a conversion failed in any way, structured error included (``failure``), ran past its time
+  limit (``timeout``; the attempt is charged ``conversion_timeout``), was stopped by a
+  cancellation or a lost lease (``stopped``), or the host died (``crashed``);
+* it sat idle past ``MAX_IDLE_S`` (``idle``; its watchdog would end it anyway), the limits
+  changed (``settings``), or it could not start (``start_failed``).
+
+The reason is the label of ``quire_engine_recycles``. Being a child of the fork server, the host
+lives in the worker process's sandbox (ADR 0013): documents are handed in as copies and PDFs
+handed out. The worker's death (even ``kill -9``) ends the fork server; the host then sees end of
+file or a new parent and kills its own group: no ``soffice`` and no socket outlive the worker.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .base import Limits
+from .errors import ConversionError, ConversionStopped, ConversionTimeout
+from .isolation import ChildSession, process_group_members
+from .sessions import MAX_IDLE_S, fresh_child
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    #: ``warm``: Office documents go to the warm engine; ``fresh``: a new LibreOffice per document.
+    mode: str = "warm"
+    max_conversions: int = 50
+    max_rss_bytes: int = 800 * 1024 * 1024
+    #: where engine hosts keep their private directories (profile, temporary files)
+    scratch_dir: Path | None = None
+
+    @property
+    def warm(self) -> bool:
+        return self.mode == "warm" and self.scratch_dir is not None
+
+
+_settings = EngineSettings()
+
+
+def configure(settings: EngineSettings) -> None:
+    """Set this process's engine settings (the worker does it from Django settings)."""
+    global _settings
+    _settings = settings
+
+
+def current_settings() -> EngineSettings:
+    return _settings
+
+
+@dataclass
+class _Host:
+    session: ChildSession
+    owner_pid: int
+    #: the engine's LibreOffice pipe sockets (removed after its group is killed)
+    sockets: tuple[str, ...] = ()
+    conversions: int = 0
+    started_at: float = 0.0
+
+    def forked_away(self) -> bool:
+        """True in a forked copy of the process that started it: not ours to use or kill."""
+        return self.owner_pid != os.getpid()
+
+
+_lock = threading.Lock()
+_host: _Host | None = None
+
+
+def _observe(event: str, **labels: object) -> None:
+    """Metrics (prometheus_client only; this package stays Django-free)."""
+    from conversion_jobs.observability import metrics
+
+    if event == "start":
+        metrics.ENGINE_STARTS.labels(engine="libreoffice").inc()
+    elif event == "recycle":
+        metrics.ENGINE_RECYCLES.labels(engine="libreoffice", reason=labels["reason"]).inc()
+        metrics.ENGINE_LIFE_CONVERSIONS.labels(engine="libreoffice").observe(
+            float(labels["conversions"])  # type: ignore[arg-type]
+        )
+
+
+def _recycle(reason: str) -> None:
+    """End the current host (caller holds the lock)."""
+    global _host
+    host, _host = _host, None
+    if host is None:
+        return
+    from .officeengine import bound_sockets, remove_sockets
+
+    # A killed soffice leaves its sockets: note them (the host reported them; a host killed
+    # before its first answer is asked through /proc) and remove them once the group is dead.
+    sockets = set(_host_paths(host, host.sockets))
+    if not host.session.closed and host.session.proc.sandbox_root is None:
+        # (a sandbox has its own network namespace: its sockets are not listed here)
+        sockets.update(bound_sockets(process_group_members(host.session.pgid)))
+    host.session.close()
+    remove_sockets(sorted(sockets))
+    _observe("recycle", reason=reason, conversions=host.conversions)
+
+
+def _host_paths(host: _Host, paths: tuple[str, ...]) -> list[str]:
+    """Where the engine's socket paths are on this host: in a sandbox, its ``/tmp`` is the
+    sandbox's own directory."""
+    root = host.session.proc.sandbox_root
+    if root is None:
+        return list(paths)
+    return [str(root.tmp / Path(p).name) for p in paths if p.startswith("/tmp/")]  # noqa: S108
+
+
+def _host_for(*, scratch_dir: Path, limits: Limits, should_stop: Callable[[], bool]) -> _Host:
+    global _host
+    if _host is not None and _host.forked_away():
+        _host = None  # a forked copy of this module: the parent's host is not ours
+    if _host is not None and (
+        _host.session.limits != limits or not _host.session.usable(max_idle_s=MAX_IDLE_S)
+    ):
+        _recycle("idle" if _host.session.limits == limits else "settings")
+    if _host is None:
+        scratch_dir.mkdir(parents=True, exist_ok=True)
+        session = fresh_child()
+        try:
+            session.setup(limits=limits, scratch_dir=scratch_dir, should_stop=should_stop)
+        except BaseException:
+            session.close()
+            raise
+        _host = _Host(session=session, owner_pid=os.getpid(), started_at=time.monotonic())
+        _observe("start")
+        try:
+            started = session.call(
+                "office_engine_start",
+                {},
+                timeout_s=limits.prepare_timeout_s,
+                should_stop=should_stop,
+            )
+        except BaseException:
+            _recycle("start_failed")
+            raise
+        _host.sockets = tuple(started["engine_sockets"])
+    return _host
+
+
+def convert(
+    *,
+    source: Path,
+    media_type: str,
+    dest: Path,
+    limits: Limits,
+    should_stop: Callable[[], bool],
+    password: str | None = None,
+    encrypted: bool | None = None,
+    fault: dict | None = None,
+) -> dict:
+    """Convert an Office document to the PDF ``dest`` with this process's warm engine. The
+    document is handed in as a copy in the host's private directory and the PDF handed out; both
+    are gone from the host before this returns. Returns ``{"page_count", "engine_rss",
+    "engine_started"}``; raises the conversion's ConversionError (the engine is then recycled)."""
+    settings = _settings
+    if settings.scratch_dir is None:
+        raise RuntimeError("warm engines are not configured")
+    with _lock:
+        host = _host_for(scratch_dir=settings.scratch_dir, limits=limits, should_stop=should_stop)
+        session = host.session
+        args: dict = {}
+        try:
+            args = {
+                "path": str(session.hand_in(source)),
+                "media_type": media_type,
+                "base": str(session.folder("out")),
+            }
+            if password is not None:
+                args["password"], args["encrypted"] = password, encrypted
+            if fault is not None:
+                args["fault"] = fault
+            result = session.call(
+                "office_engine_convert",
+                args,
+                timeout_s=limits.prepare_timeout_s,
+                should_stop=should_stop,
+            )
+            session.hand_out(Path(result["document"]), dest)
+        except ConversionTimeout:
+            _recycle("timeout")
+            raise
+        except ConversionStopped:
+            _recycle("stopped")
+            raise
+        except ConversionError as exc:
+            _recycle("crashed" if exc.retryable else "failure")
+            raise
+        except BaseException:
+            _recycle("failure")
+            raise
+        finally:
+            args.pop("password", None)
+            if not session.closed:  # nothing of this document stays with the host
+                for folder in ("in", "out"):
+                    shutil.rmtree(session.inside(folder), ignore_errors=True)
+        host.conversions += 1
+        if host.conversions >= settings.max_conversions:
+            _recycle("max_conversions")
+        elif int(result.get("engine_rss") or 0) > settings.max_rss_bytes:
+            _recycle("memory")
+        return result
+
+
+def host_sockets() -> list[str]:
+    """The current engine's LibreOffice sockets, as paths on this host (tests, diagnostics)."""
+    with _lock:
+        return _host_paths(_host, _host.sockets) if _host is not None else []
+
+
+def host_private() -> Path | None:
+    """The current engine host's private directory on this host (tests, diagnostics)."""
+    with _lock:
+        return _host.session.private if _host is not None else None
+
+
+def host_pgid() -> int | None:
+    """The current engine host's process group (for tests and health), or None."""
+    with _lock:
+        return _host.session.pgid if _host is not None else None
+
+
+def stop(reason: str = "shutdown") -> None:
+    """End this process's engine (worker shutdown, tests)."""
+    with _lock:
+        if _host is not None and _host.forked_away():
+            return
+        _recycle(reason)
+
+
+atexit.register(stop)

@@ -1,0 +1,125 @@
+"""Converter reuse within a tenant (issue 12 point 4; converters/sessions.py) with real children:
+a tenant change always gets a fresh process, an error recycles, N recycles, a memory mark
+recycles, and nothing of one attempt is visible to the next."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from convhelpers import FAST, never
+
+from conversion_jobs.converters import InvalidInput, sessions, testdocs
+from conversion_jobs.converters.registry import PdfConverter
+
+pytestmark = pytest.mark.usefixtures("no_children_left_behind")
+
+
+@pytest.fixture
+def reuse():
+    sessions.configure_reuse(sessions.ReuseSettings(mode="tenant", max_attempts=3))
+    yield sessions.configure_reuse
+    sessions.configure_reuse(sessions.ReuseSettings())
+    sessions.begin_attempt(tenant=None)
+
+
+def _attempt(tmp_path: Path, name: str, *, tenant: str, options=None) -> dict:
+    """One attempt as the runner makes it: name the tenant, prepare, convert its pages,
+    release. Returns what the child looked like from inside at the end (probe)."""
+    sessions.begin_attempt(tenant=tenant)
+    workdir = tmp_path / name
+    workdir.mkdir()
+    source = testdocs.make_pdf(workdir / "in.pdf", pages=2, text_of=lambda n: f"{name} page {n}")
+    converter = PdfConverter()
+    prepared = converter.prepare(
+        source=source, media_type="application/pdf", workdir=workdir, limits=FAST, should_stop=never
+    )
+    failure = None
+    for page in (1, 2):
+        try:
+            converter.convert_page(
+                prepared=prepared,
+                page=page,
+                output="text",
+                options=options or {},
+                dest_dir=workdir / "pages",
+                limits=FAST,
+                should_stop=never,
+            )
+        except InvalidInput as exc:
+            failure = exc
+    session = sessions.session_for(
+        document=prepared.document, scratch_dir=workdir, limits=FAST, should_stop=never
+    )
+    probe = session.call("probe", {}, timeout_s=10, should_stop=never)
+    private, document, pid = session.private, session.document, session.pgid
+    sessions.release()
+    sessions.begin_attempt(tenant=None)
+    # pid: as this host sees it (a sandboxed child has other pids inside)
+    return {
+        "pid": pid,
+        "probe": probe,
+        "private": private,
+        "document": document,
+        "failure": failure,
+    }
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] not in (b"Z", b"X")
+
+
+def test_same_tenant_reuses__nothing_of_the_previous_attempt_is_visible(tmp_path, reuse):
+    first = _attempt(tmp_path, "a1", tenant="tenant-pseudonym-a")
+    second = _attempt(tmp_path, "a2", tenant="tenant-pseudonym-a")
+    assert second["pid"] == first["pid"]
+    # The earlier attempt's directory is gone and the child never looks at it again: a new
+    # private directory, the earlier document no longer open.
+    assert not first["private"].exists()
+    assert second["probe"]["cwd"] != first["probe"]["cwd"]
+    assert second["probe"]["open_document"] == str(second["document"])
+    assert not first["document"].exists()
+    assert str(tmp_path / "a1") not in str(second["probe"])
+
+
+def test_tenant_change_always_gets_a_fresh_process(tmp_path, reuse):
+    first = _attempt(tmp_path, "a", tenant="tenant-pseudonym-a")
+    other = _attempt(tmp_path, "b", tenant="tenant-pseudonym-b")
+    assert other["pid"] != first["pid"]
+    assert not _alive(first["pid"])  # the kept child of tenant a ended
+    back = _attempt(tmp_path, "a-again", tenant="tenant-pseudonym-a")
+    assert back["pid"] not in (first["pid"], other["pid"])
+
+
+def test_error_recycles(tmp_path, reuse, faults_enabled):
+    failed = _attempt(
+        tmp_path, "f", tenant="t", options={"_test_fault": {"kind": "fail", "page": 2}}
+    )
+    assert failed["failure"] is not None
+    after = _attempt(tmp_path, "g", tenant="t")
+    assert after["pid"] != failed["pid"]
+    assert not _alive(failed["pid"])
+
+
+def test_recycled_after_n_attempts_and_above_memory_mark(tmp_path, reuse):
+    pids = [_attempt(tmp_path, f"n{i}", tenant="t")["pid"] for i in range(4)]
+    assert pids[0] == pids[1] == pids[2] != pids[3]  # max_attempts=3
+    reuse(sessions.ReuseSettings(mode="tenant", max_attempts=3, max_rss_bytes=1))
+    one = _attempt(tmp_path, "m1", tenant="t")["pid"]
+    two = _attempt(tmp_path, "m2", tenant="t")["pid"]
+    assert one != two
+
+
+def test_attempt_mode_never_reuses(tmp_path, reuse):
+    reuse(sessions.ReuseSettings(mode="attempt"))
+    one = _attempt(tmp_path, "x1", tenant="t")["pid"]
+    two = _attempt(tmp_path, "x2", tenant="t")["pid"]
+    assert one != two
+    assert not _alive(one)
+    assert os.getpid() not in (one, two)
