@@ -152,11 +152,12 @@ class SandboxRoot:
 
     def clear_tmp(self) -> None:
         """Empty the sandbox's ``/tmp`` (LibreOffice's OSL_PIPE sockets of killed instances).
-        Keeps the directories that lead to ``work`` when it lies under /tmp (its mount point
-        inside the sandbox: removing it would unmount the work area there)."""
-        keep = str(self.work) + "/"
+        Keeps the directories that lead to ``work`` and to the read-only code paths when they
+        lie under /tmp (their mount points inside the sandbox: removing one would unmount it
+        there)."""
+        keep = [p + "/" for p in (str(self.work), *_readonly_paths())]
         for entry in list(os.scandir(self.tmp)):
-            if keep.startswith(f"/tmp/{entry.name}/"):  # noqa: S108
+            if any(k.startswith(f"/tmp/{entry.name}/") for k in keep):  # noqa: S108
                 continue
             if entry.is_dir(follow_symlinks=False):
                 shutil.rmtree(entry.path, ignore_errors=True)
@@ -228,10 +229,13 @@ def command(root: SandboxRoot, argv: list[str]) -> list[str]:
     bwrap = _bwrap()
     readonly = _readonly_paths()
     # (source on the host, path inside, read-only)
-    binds = [(p, p, True) for p in readonly] + [
+    # The sandbox's own /tmp is mounted first: a checkout, virtualenv or work directory that
+    # lies under the host's /tmp is then bound on top of it instead of being hidden by it.
+    binds = [
+        (str(root.tmp), "/tmp", False),  # noqa: S108 - the sandbox's own /tmp
+        *((p, p, True) for p in readonly),
         (str(root.path / "passwd"), "/etc/passwd", True),
         (str(root.path / "group"), "/etc/group", True),
-        (str(root.tmp), "/tmp", False),  # noqa: S108 - the sandbox's own /tmp
         (str(root.work), str(root.work), False),
     ]
     as_root = os.geteuid() == 0
@@ -304,7 +308,7 @@ _probe_cache: tuple[float, Status] | None = None
 
 
 def probe(*, fresh: bool = False) -> Status:
-    """Whether a sandbox can be set up here: starts ``true`` in one (cached for 30 s)."""
+    """Whether a sandbox can be set up here: starts this Python in one (cached for 30 s)."""
     global _probe_cache
     if not enabled():
         return Status(enabled=False, available=False, reason="turned off by QUIRE_SANDBOX=off")
@@ -322,7 +326,9 @@ def _probe_once() -> Status:
     try:
         root = SandboxRoot()
         done = subprocess.run(  # noqa: S603
-            command(root, ["/bin/true"]),
+            # The interpreter the fork server runs, so a path the sandbox cannot show (say a
+            # virtualenv it hides) fails readiness here rather than every conversion later.
+            command(root, [sys.executable, "-c", "pass"]),
             stdin=subprocess.DEVNULL,
             capture_output=True,
             timeout=20,

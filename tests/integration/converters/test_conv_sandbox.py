@@ -127,3 +127,35 @@ def test_stale_sandbox_directories_of_dead_processes_are_removed(tmp_path, fresh
     zygote.zygote()
     assert not dead.exists()
     assert Path(parent).is_dir()
+
+
+def test_sandbox__code_under_the_hosts_tmp_is_bound_over_its_own_tmp(monkeypatch):
+    """A checkout or virtualenv under the host's /tmp (a CI clone, a newcomer's mktemp -d) is
+    still visible inside: the sandbox's own /tmp is mounted first and the code bound on top,
+    and emptying that /tmp keeps the mount points."""
+    import subprocess
+    import sys
+    import tempfile
+
+    code_dir = Path(tempfile.mkdtemp(dir="/tmp", prefix="quire-code-"))  # noqa: S108
+    try:
+        (code_dir / "hello.py").write_text("print('inside')\n")
+        code_dir.chmod(0o755)
+        (code_dir / "hello.py").chmod(0o644)
+        real = sandbox._readonly_paths
+        monkeypatch.setattr(sandbox, "_readonly_paths", lambda: [*real(), str(code_dir)])
+        root = sandbox.SandboxRoot()
+        try:
+            run = [sys.executable, str(code_dir / "hello.py")]
+            done = subprocess.run(sandbox.command(root, run), capture_output=True, check=False)  # noqa: S603
+            assert done.returncode == 0, done.stderr.decode()
+            assert done.stdout.decode().strip() == "inside"
+            root.clear_tmp()
+            again = subprocess.run(sandbox.command(root, run), capture_output=True, check=False)  # noqa: S603
+            assert again.stdout.decode().strip() == "inside", again.stderr.decode()
+        finally:
+            root.remove()
+    finally:
+        import shutil
+
+        shutil.rmtree(code_dir, ignore_errors=True)
