@@ -137,7 +137,7 @@ def test_sandbox__code_under_the_hosts_tmp_is_bound_over_its_own_tmp(monkeypatch
     import sys
     import tempfile
 
-    code_dir = Path(tempfile.mkdtemp(dir="/tmp", prefix="quire-code-"))  # noqa: S108
+    code_dir = Path(tempfile.mkdtemp(dir="/tmp", prefix="quire-code-"))
     try:
         (code_dir / "hello.py").write_text("print('inside')\n")
         code_dir.chmod(0o755)
@@ -147,11 +147,11 @@ def test_sandbox__code_under_the_hosts_tmp_is_bound_over_its_own_tmp(monkeypatch
         root = sandbox.SandboxRoot()
         try:
             run = [sys.executable, str(code_dir / "hello.py")]
-            done = subprocess.run(sandbox.command(root, run), capture_output=True, check=False)  # noqa: S603
+            done = subprocess.run(sandbox.command(root, run), capture_output=True, check=False)
             assert done.returncode == 0, done.stderr.decode()
             assert done.stdout.decode().strip() == "inside"
             root.clear_tmp()
-            again = subprocess.run(sandbox.command(root, run), capture_output=True, check=False)  # noqa: S603
+            again = subprocess.run(sandbox.command(root, run), capture_output=True, check=False)
             assert again.stdout.decode().strip() == "inside", again.stderr.decode()
         finally:
             root.remove()
