@@ -638,6 +638,40 @@ def submit_job(*, tenant: str = "bench", pages: int = 1, options: dict | None = 
     return accepted.job.id, stamp[0]
 
 
+def accept_file(
+    path: Path,
+    *,
+    tenant: str = "bench",
+    output: str = "text",
+    options: dict | None = None,
+    idempotency_key: str | None = None,
+) -> object:
+    """Accept the file ``path`` through the service layer (as tests/e2e/conftest.py ``submit``):
+    copied into the artifact store's staging (filesystem or S3, per this process's settings),
+    hashed, ``conversion_job_accept`` (whose on_commit fast path publishes it). Returns the job."""
+    import hashlib
+    import shutil
+
+    from conversion_jobs import storage
+    from conversion_jobs.services.acceptance import StagedUpload, conversion_job_accept
+
+    fh, staged = storage.stage()
+    with fh, open(path, "rb") as data:
+        shutil.copyfileobj(data, fh)
+    raw = path.read_bytes()
+    accepted = conversion_job_accept(
+        tenant=tenant,
+        actor="bench",
+        upload=StagedUpload(path=staged, sha256=hashlib.sha256(raw).hexdigest(), size=len(raw)),
+        output=output,
+        raw_options=options or {},
+        idempotency_key=idempotency_key,
+    )
+    if not accepted.created:
+        raise RuntimeError("a benchmark job was not new")
+    return accepted.job
+
+
 def proc_cpu_with_children_s(pid: int) -> float:
     """utime + stime + cutime + cstime: the process and its reaped children (e.g. converter
     children a pool process has killed and waited for); 0 if it is gone."""
@@ -706,3 +740,28 @@ def storage_in_process(env: dict[str, str]) -> Iterator[None]:
     finally:
         settings.QUIRE.clear()
         settings.QUIRE.update(saved)
+
+
+#: S3 artifact store / filesystem, same run (issue 14): one-page jobs, 200-page PNG, accept.
+S3_TARGET = 0.8
+#: The same phase with ``--history`` finished jobs in the tables / with empty tables (DESIGN §14).
+HISTORY_TARGET = 0.9
+
+
+def ratio_line(label: str, ratio: float, target: float, extra: str = "") -> str:
+    """``label  ratio  target >= t  OK|MISSED`` (``extra`` appended), one printed ratio."""
+    return f"ratio {label:<42} {ratio:6.3f}   target >= {target}   {verdict(ratio >= target)}" + (
+        f"   {extra}" if extra else ""
+    )
+
+
+def seed_history_db(db_url: str, jobs: int) -> float:
+    """Seed ``jobs`` finished jobs into the Quire database ``db_url`` (bench/history.py, then
+    VACUUM ANALYZE + CHECKPOINT, so the measured phase pays no first autovacuum pass); seconds."""
+    import psycopg
+    from history import seed_history
+
+    t0 = time.perf_counter()
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        seed_history(conn.cursor(), jobs=jobs, vacuum=True)
+    return time.perf_counter() - t0

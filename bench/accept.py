@@ -1,6 +1,7 @@
 """Acceptance throughput over the real HTTP stack, against a same-run baseline (issue 2).
 
-    .venv/bin/python bench/accept.py [--clients 16] [--warm 5] [--measure 20]
+    .venv/bin/python bench/accept.py [--clients 16] [--warm 5] [--measure 20] [--idle-polls 1000]
+                                     [--storage filesystem|s3] [--history N]
 
 What runs:
 
@@ -20,7 +21,13 @@ What runs:
   is rejected;
 * phase 4, asgi+idle: phase 3 again on the same server while ``--idle-polls`` (1,000) long-polls
   (``?wait=30`` with a current ``If-None-Match``, re-sent when they time out) are held open
-  (``--idle-polls 0`` skips it).
+  (``--idle-polls 0`` skips it);
+* phase 5, asgi-s3 (``--storage s3``, issue 14): phase 3 on a fresh server whose artifact store
+  is a real S3 server (SeaweedFS, ``tests/s3server.py``, free loopback ports): ratio s3 /
+  filesystem, target >= 0.8;
+* phase 6, asgi+Nk (``--history N``, DESIGN §14): N finished jobs seeded (``bench/history.py``,
+  then VACUUM ANALYZE), phase 3 again on a fresh server: ratio to the empty tables, target >= 0.9.
+  It runs last (the seed stays).
 
 Each phase: ``--clients`` threads on keep-alive connections, ``--warm`` seconds discarded, then
 ``--measure`` seconds measured. Prints accepted/s, p50/p99 latency, the ratio to the baseline,
@@ -34,7 +41,6 @@ import asyncio
 import json
 import os
 import random
-import re
 import shutil
 import sys
 import tempfile
@@ -50,11 +56,10 @@ import _common as c
 
 #: One database per checkout (QUIRE_RMQ_VHOST names it): parallel checkouts on one host must not
 #: drop each other's benchmark database mid-run.
-DB_NAME = "quire_bench_" + re.sub(
-    r"[^a-z0-9_]", "_", os.environ.get("QUIRE_RMQ_VHOST", "quire").lower()
-)
+DB_NAME = c.bench_db_name("quire_bench")
 BASELINE_SETTINGS = "bench.baseline_app.settings"
-TARGETS = {"accepted_per_s": 600.0, "p99_ms": 80.0, "ratio": 0.5, "idle_ratio": 0.9}
+#: DESIGN §14 (ratio to the bare insert view, p99), issue 2 (rate), ADR 0016 (idle long-polls).
+TARGETS = {"accepted_per_s": 600.0, "p99_ms": 100.0, "ratio": 0.4, "idle_ratio": 0.9}
 
 
 @dataclass
@@ -285,6 +290,19 @@ def main() -> int:
     )
     parser.add_argument("--keep", action="store_true", help="keep the database and storage")
     parser.add_argument(
+        "--storage",
+        choices=["filesystem", "s3"],
+        default="filesystem",
+        help="s3: add a Quire phase with the artifacts in S3 (SeaweedFS), print the ratio",
+    )
+    parser.add_argument(
+        "--history",
+        type=int,
+        default=0,
+        help="last, seed this many finished jobs (bench/history.py) and run the Quire phase "
+        "again: prints the ratio to the empty tables (target >= 0.9)",
+    )
+    parser.add_argument(
         "--py-spy",
         type=Path,
         metavar="DIR",
@@ -394,7 +412,7 @@ def main() -> int:
                     profile_dir=spy,
                 )
 
-            gthread = idle = None
+            gthread = idle = s3 = history = None
             if not args.skip_gthread:
                 with c.gunicorn(
                     env=quire_env,
@@ -416,6 +434,20 @@ def main() -> int:
                         idle = quire_phase("asgi+idle", server)
                     idle.errors.extend(f"long-poll: {e}" for e in polls.errors)
                     facts["idle_answers"] = dict(polls.answers)
+            if args.storage == "s3":
+                with (
+                    c.s3_server(storage) as s3_env,
+                    c.gunicorn(
+                        env={**quire_env, **s3_env, "QUIRE_UPLOAD_DIR": str(storage / "uploads")},
+                        log=storage / "gunicorn-quire-s3.log",
+                    ) as server,
+                ):
+                    s3 = quire_phase("asgi-s3", server)
+            if args.history:
+                seed_s = c.seed_history_db(db_url, args.history)
+                print(f"seeded {args.history} finished jobs in {seed_s:.0f} s", flush=True)
+                with c.gunicorn(env=quire_env, log=storage / "gunicorn-history.log") as server:
+                    history = quire_phase(f"asgi+{args.history // 1000}k", server)
             time.sleep(1.0)
             jobs = c.best_effort(c.sql_scalar, db_url, "SELECT count(*) FROM conversion_job")
             unpublished = c.best_effort(
@@ -441,8 +473,17 @@ def main() -> int:
         "queued_msgs": queued_msgs,
         "kept": storage if args.keep else None,
         "idle_polls": args.idle_polls,
+        "history": args.history,
     }
-    report(baseline=baseline, gthread=gthread, quire=quire, idle=idle, facts=facts)
+    report(
+        baseline=baseline,
+        gthread=gthread,
+        quire=quire,
+        idle=idle,
+        s3=s3,
+        history=history,
+        facts=facts,
+    )
     return 0
 
 
@@ -474,6 +515,8 @@ def report(
     gthread: PhaseResult | None,
     quire: PhaseResult,
     idle: PhaseResult | None,
+    s3: PhaseResult | None,
+    history: PhaseResult | None,
     facts: dict[str, object],
 ) -> None:
     print()
@@ -490,7 +533,7 @@ def report(
     )
     print(header)
     print("-" * len(header))
-    rows = [r for r in (baseline, gthread, quire, idle) if r is not None]
+    rows = [r for r in (baseline, gthread, quire, idle, s3, history) if r is not None]
     for r in rows:
         print(_row(r))
     print()
@@ -536,6 +579,26 @@ def report(
             f"{idle_ratio:.2f}x without   target >= {TARGETS['idle_ratio']}   "
             f"{c.verdict(idle_ratio >= TARGETS['idle_ratio'])}; p99 {idle.pct(99):.1f} ms; "
             f"long-poll answers {facts.get('idle_answers')}"
+        )
+    if s3 is not None:
+        s3_ratio = s3.rate(202) / accepted if accepted else float("nan")
+        print(
+            c.ratio_line(
+                "asgi-s3 / asgi (artifacts in S3 / filesystem)",
+                s3_ratio,
+                c.S3_TARGET,
+                f"{s3.rate(202):.1f} accepted/s, p99 {s3.pct(99):.1f} ms",
+            )
+        )
+    if history is not None:
+        h_ratio = history.rate(202) / accepted if accepted else float("nan")
+        print(
+            c.ratio_line(
+                f"{history.name} / asgi ({facts['history']} finished jobs / empty)",
+                h_ratio,
+                c.HISTORY_TARGET,
+                f"{history.rate(202):.1f} accepted/s, p99 {history.pct(99):.1f} ms",
+            )
         )
     print(
         f"database: {facts['jobs']} jobs, {facts['unpublished']} outbox rows unpublished; "

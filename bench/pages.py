@@ -1,7 +1,8 @@
 """Whole-service page throughput, worker memory and DOCX overhead (issue 4, performance).
 
     .venv/bin/python bench/pages.py [--pages 200] [--split 2] [--rss-pages 300] [--docx-runs 3]
-                                    [--skip throughput,rss,docx]
+                                    [--skip throughput,rss,docx,engine]
+                                    [--sandbox both|on|off] [--storage filesystem|s3]
 
 Everything runs through real processes: a fresh database ``quire_cx_pages``, a throwaway RabbitMQ
 vhost carrying the production topology (publisher and worker users with exactly their ``quire``
@@ -16,7 +17,10 @@ is ``bench/accept.py``'s subject, not this one's.
    ``finished_at`` - first job's ``created_at``), Postgres timestamps, so it includes dispatch,
    claim, checkpoints, finalization (text join / PNG ZIP) and publication. Baseline, in the same
    run: ``bench/pages_converter.py``'s direct loop (2 processes, each pypdfium2 over half the
-   pages, writing files). Ratio = service / direct.
+   pages, writing files). Ratio = service / direct. ``--sandbox both`` (default) runs it with the
+   converter sandbox on, then off (ratio on / off of the service/direct ratios, target >= 0.95);
+   ``--storage s3`` runs it once more (first sandbox setting) with every artifact in a real S3
+   server (SeaweedFS, ``tests/s3server.py``): ratio s3 / filesystem pages/s, target >= 0.8.
 2. **Peak RSS**: a worker with ``WORKER_CONCURRENCY=1`` converts a ``--rss-pages`` PDF to PNG at
    150 dpi; every 50 ms the driver samples ``/proc/<pid>/status`` (VmHWM, VmRSS) of the celery
    main process, its pool process, the pool's converter fork server (zygote) and its children.
@@ -25,13 +29,15 @@ is ``bench/accept.py``'s subject, not this one's.
    reused profile; then the service, accept -> succeeded (Postgres timestamps): the first DOCX
    job of a freshly started worker (cold) and later jobs (warm). Overhead = service - soffice
    alone (fresh profile).
+4. **Warm LibreOffice engine** (ADR 0019, ``--engine-parts e2e,rate,rss``): 5-page DOCX -> PDF
+   end to end with a warm engine vs soffice alone (fresh process), docs/s engine off vs warm,
+   the worker tree's RSS after 10 and after ``--engine-rss`` conversions.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import os
 import shutil
 import signal
@@ -45,31 +51,31 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _common import (
+    PUBLISHER,
     PYTHON,
     ROOT,
-    TEMPLATE_VHOST,
-    _rabbitmqctl,
+    S3_TARGET,
+    WORKER,
+    accept_file,
     base_env,
     bench_db_name,
     drop_database,
+    ratio_line,
     recreate_database,
     run,
+    s3_server,
     start_procfile,
+    storage_in_process,
     throwaway_vhost,
     verdict,
+    vhost_grant_like_quire,
 )
-
-PUBLISHER = (
-    "quire_publisher",
-    os.environ.get("QUIRE_RMQ_PUBLISHER_PASSWORD", "quire-publisher-dev"),
-)
-WORKER = ("quire_worker", os.environ.get("QUIRE_RMQ_WORKER_PASSWORD", "quire-worker-dev"))
-
 
 # -- the service ----------------------------------------------------------------------------------
 
@@ -122,10 +128,7 @@ def service(db_name: str, *, keep: bool = False, **settings_env: str) -> Iterato
     try:
         with throwaway_vhost(user=PUBLISHER[0], password=PUBLISHER[1]) as publisher_url:
             vhost = publisher_url.rsplit("/", 1)[1]
-            for line in _rabbitmqctl("list_user_permissions", WORKER[0]).splitlines():
-                cols = line.split("\t")
-                if cols and cols[0] == TEMPLATE_VHOST:
-                    _rabbitmqctl("set_permissions", "-p", vhost, "--", WORKER[0], *cols[1:4])
+            vhost_grant_like_quire(vhost, WORKER[0])
             env = base_env(
                 DATABASE_URL=url,
                 CELERY_BROKER_URL=publisher_url,
@@ -166,23 +169,8 @@ def service(db_name: str, *, keep: bool = False, **settings_env: str) -> Iterato
             shutil.rmtree(scratch, ignore_errors=True)
 
 
-def submit(path: Path, *, output: str, options: dict | None = None, tenant: str = "bench"):
-    from conversion_jobs import storage
-    from conversion_jobs.services.acceptance import StagedUpload, conversion_job_accept
-
-    fh, staged = storage.staging_file()
-    with fh, open(path, "rb") as data:
-        shutil.copyfileobj(data, fh)
-    raw = path.read_bytes()
-    accepted = conversion_job_accept(
-        tenant=tenant,
-        actor="bench",
-        upload=StagedUpload(path=staged, sha256=hashlib.sha256(raw).hexdigest(), size=len(raw)),
-        output=output,
-        raw_options=options or {},
-        idempotency_key=uuid.uuid4().hex,
-    )
-    return accepted.job
+def submit(path: Path, *, output: str, options: dict | None = None) -> Any:
+    return accept_file(path, output=output, options=options, idempotency_key=uuid.uuid4().hex)
 
 
 def wait_terminal(job_ids: list, *, timeout: float = 900) -> list:
@@ -219,11 +207,20 @@ def unique_pdf(path: Path, pages: int) -> Path:
 
 
 def throughput(
-    svc: Service, *, pages: int, split: int, outputs: list[str], sandbox: str = "on"
+    svc: Service,
+    *,
+    pages: int,
+    split: int,
+    outputs: list[str],
+    sandbox: str = "on",
+    storage: str = "filesystem",
+    **worker_env: str,
 ) -> list[dict]:
+    """``worker_env``: extra settings of the worker (e.g. the S3 store's, with ``storage="s3"``
+    and this process's store pointed there too: ``storage_in_process``)."""
     import pages_converter
 
-    worker = svc.worker(concurrency=2, QUIRE_SANDBOX=sandbox)
+    worker = svc.worker(concurrency=2, QUIRE_SANDBOX=sandbox, **worker_env)
     warm = [submit(unique_pdf(svc.scratch / f"warm{i}.pdf", 2), output="png") for i in range(2)]
     wait_terminal([j.id for j in warm])
     rows = []
@@ -248,6 +245,7 @@ def throughput(
         rows.append(
             {
                 "sandbox": sandbox,
+                "storage": storage,
                 "output": output,
                 "direct_pages_s": direct["pages_s"],
                 "service_pages_s": service_pps,
@@ -256,8 +254,9 @@ def throughput(
             }
         )
         print(
-            f"throughput {output}, sandbox {sandbox}: direct {direct['pages_s']:.1f} pages/s, "
-            f"service {service_pps:.1f} pages/s ({split} jobs {rows[-1]['jobs']}), "
+            f"throughput {output}, sandbox {sandbox}, {storage}: direct "
+            f"{direct['pages_s']:.1f} pages/s, service {service_pps:.1f} pages/s "
+            f"({split} jobs {rows[-1]['jobs']}), "
             f"ratio {rows[-1]['ratio']:.2f}",
             flush=True,
         )
@@ -272,7 +271,7 @@ TARGET_SANDBOX_RATIO = 0.95
 def sandbox_ratios(rows: list[dict]) -> None:
     """Per output: service pages/s sandboxed / unsandboxed, and the same for the service /
     direct ratios (which cancel the drift of a shared machine between the two runs)."""
-    by = {(row["sandbox"], row["output"]): row for row in rows}
+    by = {(row["sandbox"], row["output"]): row for row in rows if row["storage"] == "filesystem"}
     for output in dict.fromkeys(row["output"] for row in rows):
         on, off = by.get(("on", output)), by.get(("off", output))
         if on is None or off is None:
@@ -284,6 +283,27 @@ def sandbox_ratios(rows: list[dict]) -> None:
             f"sandbox on / off, {output}: pages/s {raw:.3f}; service/direct ratios "
             f"{on['ratio']:.2f} / {off['ratio']:.2f} = {normalised:.3f} "
             f"(target >= {TARGET_SANDBOX_RATIO}: {verdict})",
+            flush=True,
+        )
+
+
+def storage_ratios(rows: list[dict]) -> None:
+    """Per output: service pages/s with the artifacts in S3 / on the filesystem (same sandbox
+    setting), and the service/direct ratios of both."""
+    by = {(row["storage"], row["output"]): row for row in rows if row["storage"] == "s3"}
+    for fs in rows:
+        s3 = by.get(("s3", fs["output"]))
+        if fs["storage"] != "filesystem" or s3 is None or s3["sandbox"] != fs["sandbox"]:
+            continue
+        ratio = s3["service_pages_s"] / fs["service_pages_s"]
+        print(
+            ratio_line(
+                f"{fs['output']} s3 / filesystem (pages/s)",
+                ratio,
+                S3_TARGET,
+                f"filesystem {fs['service_pages_s']:.1f}, s3 {s3['service_pages_s']:.1f} pages/s;"
+                f" service/direct {fs['ratio']:.2f} / {s3['ratio']:.2f}",
+            ),
             flush=True,
         )
 
@@ -611,24 +631,25 @@ def main() -> None:
         default="both",
         help="converter sandbox setting(s) for the throughput part (both: on, then off)",
     )
+    parser.add_argument(
+        "--storage",
+        choices=["filesystem", "s3"],
+        default="filesystem",
+        help="s3: run the throughput part once more with the artifacts in S3 (SeaweedFS)",
+    )
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     print(f"load at start: {os.getloadavg()}", flush=True)
     with service(bench_db_name("quire_cx_pages"), keep=args.keep) as svc:
         if "throughput" not in skip:
             modes = ["on", "off"] if args.sandbox == "both" else [args.sandbox]
-            rows = [
-                row
-                for mode in modes
-                for row in throughput(
-                    svc,
-                    pages=args.pages,
-                    split=args.split,
-                    outputs=args.outputs.split(","),
-                    sandbox=mode,
-                )
-            ]
+            part = {"pages": args.pages, "split": args.split, "outputs": args.outputs.split(",")}
+            rows = [row for mode in modes for row in throughput(svc, sandbox=mode, **part)]
+            if args.storage == "s3":
+                with s3_server(svc.scratch) as env, storage_in_process(env):
+                    rows += throughput(svc, sandbox=modes[0], storage="s3", **part, **env)
             sandbox_ratios(rows)
+            storage_ratios(rows)
         if "rss" not in skip:
             peak_rss(svc, pages=args.rss_pages)
         if "docx" not in skip:

@@ -4,6 +4,7 @@ otherwise write, and vs a Celery no-op; same broker settings, same PDFs, same ru
     .venv/bin/python bench/throughput.py [--n 2000] [--layout 1x2|2x1] [--accept-threads 4]
                                          [--reuse attempt[,tenant]] [--history N]
                                          [--sandbox both|on|off] [--child-starts 300]
+                                         [--storage filesystem|s3]
 
 What runs:
 
@@ -43,6 +44,15 @@ reap + group check) times are printed as p50 / p99.
 workers started with ``QUIRE_CONVERTER_REUSE=<mode>``). ``attempt`` is today's behaviour; the
 ``tenant`` mode is the hook for converter reuse within a tenant (issue 12 point 4): until that
 setting exists it runs exactly like ``attempt``.
+
+``--storage s3`` (issue 14) adds a Quire phase for the first reuse mode with every artifact in a
+real S3 server (SeaweedFS, ``tests/s3server.py``, started on free loopback ports): sources are
+put there by this process's acceptance, pages and results by the workers; the ratio
+s3 / filesystem has a target of >= 0.8.
+
+``--history N`` runs last (its seed stays in the database): the first reuse mode's Quire phase
+again with N finished jobs in the tables (``bench/history.py``); ratio to the empty-table phase,
+target >= 0.9.
 """
 
 from __future__ import annotations
@@ -253,38 +263,13 @@ def phase_plain(
     return phase
 
 
-def _submit_file(path: Path, tenant: str) -> None:
-    """Accept one PDF through the service layer (as tests/e2e/conftest.py ``submit``)."""
-    import hashlib
-    import shutil
-
-    from conversion_jobs import storage
-    from conversion_jobs.services.acceptance import StagedUpload, conversion_job_accept
-
-    fh, staged = storage.staging_file()
-    fh.close()
-    shutil.copyfile(path, staged)
-    raw = staged.read_bytes()
-    upload = StagedUpload(path=staged, sha256=hashlib.sha256(raw).hexdigest(), size=len(raw))
-    accepted = conversion_job_accept(
-        tenant=tenant,
-        actor="bench",
-        upload=upload,
-        output="text",
-        raw_options={},
-        idempotency_key=None,
-    )
-    if not accepted.created:
-        raise RuntimeError("a benchmark job was not new")
-
-
 def _accept_all(*, pdfs: list[Path], threads: int, tenant: str) -> float:
     from django.db import connection
 
     def batch(paths: list[Path]) -> None:
         try:
             for path in paths:
-                _submit_file(path, tenant=tenant)
+                c.accept_file(path, tenant=tenant)
         finally:
             connection.close()
 
@@ -307,12 +292,16 @@ def phase_quire(
     accept_threads: int,
     timeout: float,
     sandbox: str = "on",
+    name: str | None = None,
+    env: dict[str, str] | None = None,
 ) -> Phase:
     """Accept ``pdfs`` as ``tenant``'s jobs, then start beat, sweeper and workers (converter reuse
     mode ``reuse``) and time them to the last finish; everything counted is ``tenant``'s, so
-    phases can share a database (and its history). The processes are stopped at the end."""
+    phases can share a database (and its history). The processes are stopped at the end.
+    ``env``: extra settings of every process of the phase (e.g. the S3 store's)."""
     n = len(pdfs)
-    phase = Phase(name=f"quire[{reuse}]" + ("" if sandbox == "on" else " sandbox off"), n=n)
+    env = env or {}
+    phase = Phase(name=name or f"quire[{reuse}]" + ("" if sandbox == "on" else " sandbox off"), n=n)
     accept_s = _accept_all(pdfs=pdfs, threads=accept_threads, tenant=tenant)
     unpublished = _scalar(
         stack.db_url,
@@ -324,8 +313,8 @@ def phase_quire(
         f"accepted {n} jobs through the service layer in {accept_s:.1f} s "
         f"({n / accept_s:.0f}/s, {accept_threads} threads); outbox rows unpublished: {unpublished}"
     )
-    stack.start("beat")
-    stack.start("sweeper")
+    stack.start("beat", **env)
+    stack.start("sweeper", **env)
     boot = time.time()
     cpu0 = _cpu()
     workers = [
@@ -335,6 +324,7 @@ def phase_quire(
             WORKER_CONCURRENCY=str(concurrency),
             QUIRE_CONVERTER_REUSE=reuse,
             QUIRE_SANDBOX=sandbox,
+            **env,
         )
         for _ in range(procs)
     ]
@@ -403,20 +393,6 @@ def _scalar(url: str, query: str, tenant: str) -> object:
             time.sleep(1.0)
 
 
-def _seed(stack: c.Stack, jobs: int) -> float:
-    import psycopg
-    from history import seed_history
-
-    t0 = time.perf_counter()
-    with psycopg.connect(stack.db_url, autocommit=True) as conn:
-        seed_history(conn.cursor(), jobs=jobs, vacuum=True)
-    return time.perf_counter() - t0
-
-
-#: Quire with a million finished jobs in its tables / the same with empty tables (DESIGN §14).
-HISTORY_TARGET = 0.9
-
-
 def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -467,7 +443,7 @@ def report(*, phases: list[Phase], load: str, layout: str, n: int) -> None:
     )
     print()
     header = (
-        f"{'phase':<14} {'done':>6} {'window s':>9} {'jobs/s':>8} {'boot->last s':>13} "
+        f"{'phase':<28} {'done':>6} {'window s':>9} {'jobs/s':>8} {'boot->last s':>13} "
         f"{'worker CPU ms/job':>18} {'machine ms/job':>15} {'rabbitmq ms/job':>16}"
     )
     print(header)
@@ -475,7 +451,7 @@ def report(*, phases: list[Phase], load: str, layout: str, n: int) -> None:
     for p in phases:
         per = 1000 / p.done if p.done else float("nan")
         print(
-            f"{p.name:<14} {p.done:>6} {p.window_s:>9.2f} {p.per_s:>8.1f} "
+            f"{p.name:<28} {p.done:>6} {p.window_s:>9.2f} {p.per_s:>8.1f} "
             f"{p.boot_to_last_s:>13.2f} {p.worker_cpu_s * per:>18.2f} "
             f"{p.machine_cpu_s * per:>15.2f} {p.rabbitmq_cpu_s * per:>16.2f}"
         )
@@ -495,30 +471,30 @@ def report(*, phases: list[Phase], load: str, layout: str, n: int) -> None:
             continue
         if "plain celery" in by:
             ratio = quire.per_s / by["plain celery"].per_s
-            print(
-                f"ratio quire[{mode}] / plain celery task   {ratio:6.3f}   target >= {target}   "
-                f"{c.verdict(ratio >= target)}"
-            )
+            print(c.ratio_line(f"quire[{mode}] / plain celery task", ratio, target))
         if "celery no-op" in by:
             print(
-                f"ratio quire[{mode}] / celery no-op        "
+                f"ratio {f'quire[{mode}] / celery no-op':<42} "
                 f"{quire.per_s / by['celery no-op'].per_s:6.3f}   (no target)"
             )
     for mode in TARGETS:
-        on, off = by.get(f"quire[{mode}]"), by.get(f"quire[{mode}] sandbox off")
-        if on is not None and off is not None:
-            ratio = on.per_s / off.per_s
-            print(
-                f"ratio quire[{mode}] sandbox on / off   {ratio:6.3f}   target >= "
-                f"{TARGET_SANDBOX_RATIO}   {c.verdict(ratio >= TARGET_SANDBOX_RATIO)}"
-            )
+        base = by.get(f"quire[{mode}]")
+        if base is None:
+            continue
+        for suffix, label, target in (
+            (" sandbox off", "sandbox on / off", TARGET_SANDBOX_RATIO),
+            (" s3", "s3 / filesystem", c.S3_TARGET),
+        ):
+            other = by.get(f"quire[{mode}]{suffix}")
+            if other is None:
+                continue
+            ratio = (base.per_s / other.per_s) if "sandbox" in suffix else other.per_s / base.per_s
+            print(c.ratio_line(f"quire[{mode}] {label}", ratio, target))
     for p in phases:
         if "+" in p.name and p.name.split("+")[0] in by:
             ratio = p.per_s / by[p.name.split("+")[0]].per_s
-            print(
-                f"ratio {p.name} / {p.name.split('+')[0]} (empty tables)   {ratio:6.3f}   "
-                f"target >= {HISTORY_TARGET}   {c.verdict(ratio >= HISTORY_TARGET)}"
-            )
+            label = f"{p.name} / {p.name.split('+')[0]} (empty tables)"
+            print(c.ratio_line(label, ratio, c.HISTORY_TARGET))
     print(f"load average at end {c.load_average()}")
 
 
@@ -550,6 +526,12 @@ def main() -> int:
     )
     parser.add_argument(
         "--child-starts", type=int, default=300, help="converter child starts timed per setting"
+    )
+    parser.add_argument(
+        "--storage",
+        choices=["filesystem", "s3"],
+        default="filesystem",
+        help="s3: add the first reuse mode's Quire phase with the artifacts in S3 (SeaweedFS)",
     )
     args = parser.parse_args()
     procs, concurrency = (int(x) for x in args.layout.split("x"))
@@ -612,8 +594,24 @@ def main() -> int:
                     )
                 )
                 print(f"{phases[-1].name} phase done: {phases[-1].per_s:.1f}/s", flush=True)
+            if args.storage == "s3":
+                with c.s3_server(stack.storage) as s3_env, c.storage_in_process(s3_env):
+                    phases.append(
+                        phase_quire(
+                            stack=stack,
+                            pdfs=pdfs,
+                            reuse=modes[0],
+                            tenant=f"bench-{modes[0]}-s3",
+                            accept_threads=args.accept_threads,
+                            sandbox=sandboxes[0],
+                            name=f"quire[{modes[0]}] s3",
+                            env=s3_env,
+                            **common,
+                        )
+                    )
+                print(f"{phases[-1].name} phase done: {phases[-1].per_s:.1f}/s", flush=True)
             if args.history:
-                seed_s = _seed(stack, args.history)
+                seed_s = c.seed_history_db(stack.db_url, args.history)
                 phase = phase_quire(
                     stack=stack,
                     pdfs=pdfs,
