@@ -750,7 +750,7 @@ HISTORY_TARGET = 0.9
 
 def ratio_line(label: str, ratio: float, target: float, extra: str = "") -> str:
     """``label  ratio  target >= t  OK|MISSED`` (``extra`` appended), one printed ratio."""
-    return f"ratio {label:<42} {ratio:6.3f}   target >= {target}   {verdict(ratio >= target)}" + (
+    return f"ratio {label:<52} {ratio:6.3f}   target >= {target}   {verdict(ratio >= target)}" + (
         f"   {extra}" if extra else ""
     )
 
