@@ -613,8 +613,8 @@ def submit_job(*, tenant: str = "bench", pages: int = 1, options: dict | None = 
     from django.db import transaction
 
     from conversion_jobs import storage
-    from conversion_jobs.converters import testdocs
     from conversion_jobs.services.acceptance import StagedUpload, conversion_job_accept
+    from tests import testdocs
 
     fh, staged = storage.stage()
     fh.close()

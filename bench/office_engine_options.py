@@ -27,8 +27,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from conversion_jobs.converters import process_group_members, testdocs
+from conversion_jobs.converters import process_group_members
 from conversion_jobs.converters.officeengine import bound_sockets, remove_sockets
+from tests import testdocs
 
 BRIDGE = Path(__file__).resolve().parent.parent / "conversion_jobs" / "converters" / "unobridge.py"
 

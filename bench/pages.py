@@ -196,7 +196,7 @@ def wait_terminal(job_ids: list, *, timeout: float = 900) -> list:
 def unique_pdf(path: Path, pages: int) -> Path:
     from pages_converter import page_text
 
-    from conversion_jobs.converters import testdocs
+    from tests import testdocs
 
     salt = uuid.uuid4().hex[:8]
     text = page_text(40)
@@ -415,7 +415,7 @@ def peak_rss(svc: Service, *, pages: int) -> dict:
 
 
 def _docx(path: Path) -> Path:
-    from conversion_jobs.converters import testdocs
+    from tests import testdocs
 
     salt = uuid.uuid4().hex
     text = " ".join(["The quick brown fox jumps over the lazy dog."] * 12)

@@ -126,7 +126,8 @@ def worker_converter(
     *, source: Path, output: str, first: int, last: int, out: Path, warm: bool
 ) -> None:
     from conversion_jobs import converters
-    from conversion_jobs.converters import Limits, converter_for, testdocs
+    from conversion_jobs.converters import Limits, converter_for
+    from tests import testdocs
 
     limits = Limits()
     stop = threading.Event()
@@ -249,7 +250,7 @@ def main() -> None:
             worker_converter(**common, warm=mode == "warm")
         return
 
-    from conversion_jobs.converters import testdocs
+    from tests import testdocs
 
     scratch = Path(tempfile.mkdtemp(prefix="quire-bench-pages-"))
     try:

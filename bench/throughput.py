@@ -128,7 +128,7 @@ def _worker_argv(layout_concurrency: str, hostname: str, queue: str) -> list[str
 
 def make_pdfs(n: int, directory: Path) -> list[Path]:
     """``n`` distinct one-page PDFs (both phases convert these very files)."""
-    from conversion_jobs.converters import testdocs
+    from tests import testdocs
 
     directory.mkdir(parents=True, exist_ok=True)
     paths = []

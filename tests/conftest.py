@@ -134,7 +134,7 @@ def api() -> Callable[..., Any]:
 
 @pytest.fixture
 def pdf_file(tmp_path: Path) -> Callable[..., Path]:
-    from conversion_jobs.converters import testdocs
+    from tests import testdocs
 
     def make(pages: int = 2, name: str = "doc.pdf", salt: str = "") -> Path:
         path = tmp_path / f"{uuid.uuid4().hex}-{name}"

@@ -52,13 +52,52 @@ def close_document() -> None:
         doc.close()
 
 
+#: A one-page PDF with a line of text (what tests/testdocs.pdf_bytes makes), for ``warm_up``.
+_WARM_UP_PDF = (
+    b"%PDF-1.7\n"
+    b"%\xe2\xe3\xcf\xd3\n"
+    b"3 0 obj\n"
+    b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica /Encoding /WinAnsiEncoding >>\n"
+    b"endobj\n"
+    b"4 0 obj\n"
+    b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] "
+    b"/Resources << /Font << /F1 3 0 R >> >> /Contents 5 0 R >>\n"
+    b"endobj\n"
+    b"5 0 obj\n"
+    b"<< /Length 47 >>\n"
+    b"stream\n"
+    b"BT /F1 12 Tf 14 TL 36 744.00 Td\n"
+    b"(warm up) Tj\n"
+    b"ET\n"
+    b"endstream\n"
+    b"endobj\n"
+    b"2 0 obj\n"
+    b"<< /Type /Pages /Kids [4 0 R] /Count 1 >>\n"
+    b"endobj\n"
+    b"1 0 obj\n"
+    b"<< /Type /Catalog /Pages 2 0 R >>\n"
+    b"endobj\n"
+    b"xref\n"
+    b"0 6\n"
+    b"0000000000 65535 f \n"
+    b"0000000392 00000 n \n"
+    b"0000000335 00000 n \n"
+    b"0000000015 00000 n \n"
+    b"0000000112 00000 n \n"
+    b"0000000238 00000 n \n"
+    b"trailer\n"
+    b"<< /Size 6 /Root 1 0 R >>\n"
+    b"startxref\n"
+    b"441\n"
+    b"%%EOF\n"
+)
+
+
 def warm_up() -> None:
     """Run pdfium once over a generated one-page PDF (text and a tiny render) so its lazily
     initialised state (font mapper, caches) exists before the fork server forks: every child
     then starts with it instead of building it again (~1 ms of CPU per child)."""
-    from .testdocs import pdf_bytes
-
-    doc = pdfium.PdfDocument(pdf_bytes(pages=1, text_of=lambda _n: "warm up"))
+    doc = pdfium.PdfDocument(_WARM_UP_PDF)
     try:
         page = doc[0]
         textpage = page.get_textpage()

@@ -137,8 +137,8 @@ def submit(settings: Any, tmp_path: Path) -> Callable[..., Any]:
     """``submit(pages=…, options=…)`` -> a new job accepted through the service layer (its
     on_commit fast path publishes as the publisher user)."""
     from conversion_jobs import storage
-    from conversion_jobs.converters import testdocs
     from conversion_jobs.services.acceptance import StagedUpload, conversion_job_accept
+    from tests import testdocs
 
     def make(
         *,

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import requests
 
-from conversion_jobs.converters import testdocs
 from conversion_jobs.services.runner import conversion_job_execute
+from tests import testdocs
 from tests.conftest import token
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]

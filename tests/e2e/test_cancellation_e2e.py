@@ -143,8 +143,8 @@ def work_dirs(job_id) -> list[str]:
 
 def submit_docx(tmp_path: Path, *, paragraphs: int, output: str = "pdf") -> ConversionJob:
     """Like the ``submit`` fixture, for a DOCX made with python-docx."""
-    from conversion_jobs.converters import testdocs
     from conversion_jobs.services.acceptance import StagedUpload, conversion_job_accept
+    from tests import testdocs
 
     salt = uuid.uuid4().hex
     src = testdocs.make_docx(

@@ -11,9 +11,8 @@ import pytest
 import requests
 from django.conf import settings
 
-from conversion_jobs.converters import testdocs
 from conversion_jobs.models import ConversionJob
-from tests import multipart
+from tests import multipart, testdocs
 from tests.conftest import token
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]

@@ -17,8 +17,8 @@ import pytest
 from django.db import connection
 
 from conversion_jobs import storage
-from conversion_jobs.converters import testdocs
 from conversion_jobs.models import ConversionAttempt, ConversionJob, PageCheckpoint
+from tests import testdocs
 from tests.conftest import token
 from tests.e2e import harness, netns
 

@@ -73,7 +73,7 @@ def _query(db: Path, sql: str, *params: object) -> list[tuple]:
 
 
 def _submit(cluster, tmp_path: Path, *, pages: int, options: dict) -> str:
-    from conversion_jobs.converters import testdocs
+    from tests import testdocs
 
     src = tmp_path / f"doc-{pages}-{len(os.listdir(tmp_path))}.pdf"
     testdocs.make_pdf(src, pages=pages, text_of=lambda n: f"Page {n} {src.name}")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conversion_jobs import storage
-from conversion_jobs.converters import testdocs
+from tests import testdocs
 from tests.conftest import token
 from tests.e2e import harness
 

@@ -221,7 +221,7 @@ def test_a_thousand_long_polls_and_two_hundred_stalled_clients_starve_nothing(
     submit: Callable[..., Any],
     tmp_path: Any,
 ) -> None:
-    from conversion_jobs.converters import testdocs
+    from tests import testdocs
 
     web = start("web")  # the Procfile's defaults: nothing tuned for this test
     jobs = [submit(pages=1) for _ in range(20)]

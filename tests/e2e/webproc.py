@@ -15,7 +15,7 @@ from typing import Any
 
 import requests
 
-from conversion_jobs.converters import testdocs
+from tests import testdocs
 from tests.conftest import token
 from tests.e2e import harness
 from tests.e2e.private_services import free_port

@@ -7,8 +7,7 @@ from typing import Any
 
 import pytest
 
-from conversion_jobs.converters import testdocs
-from tests import multipart
+from tests import multipart, testdocs
 from tests.integration.api.conftest import problem, row_counts, staged_uploads, stored_objects
 
 BODIES = multipart.hostile_bodies(testdocs.pdf_bytes(pages=1))

@@ -9,7 +9,7 @@ import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
 
 from conversion_jobs import storage
-from conversion_jobs.converters import testdocs
+from tests import testdocs
 from tests.integration.api.conftest import (
     problem,
     row_counts,

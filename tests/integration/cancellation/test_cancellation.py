@@ -18,7 +18,7 @@ from django.db import connection
 from django.utils import timezone
 
 from conversion_jobs import storage
-from conversion_jobs.converters import process_group_members, testdocs
+from conversion_jobs.converters import process_group_members
 from conversion_jobs.models import (
     CancellationRequest,
     ConversionAttempt,
@@ -35,6 +35,7 @@ from conversion_jobs.services.recovery import (
     conversion_jobs_recover_if_lease_expired,
     conversion_jobs_requeue_if_retry_due,
 )
+from tests import testdocs
 from tests.integration.execution.jobkit import (
     Worker,
     converter_children,

@@ -10,9 +10,9 @@ from conversion_jobs.converters import (
     InvalidInput,
     Limits,
     converter_for,
-    testdocs,
 )
 from conversion_jobs.converters.base import DOCX, PDF, PNG
+from tests import testdocs
 
 LIMITS = Limits(page_timeout_s=10, prepare_timeout_s=10)
 

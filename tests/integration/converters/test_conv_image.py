@@ -2,7 +2,8 @@ import pypdfium2 as pdfium
 from convhelpers import convert_all
 from PIL import Image
 
-from conversion_jobs.converters import assemble_result, testdocs
+from conversion_jobs.converters import assemble_result
+from tests import testdocs
 
 
 def test_png_to_png__same_pixels(tmp_path):

@@ -21,9 +21,9 @@ from conversion_jobs.converters import (
     process_group_members,
     run_isolated,
     sandbox,
-    testdocs,
 )
 from conversion_jobs.converters.isolation import host_pid
+from tests import testdocs
 
 REPO = Path(__file__).resolve().parents[3]
 

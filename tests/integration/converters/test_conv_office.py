@@ -3,7 +3,8 @@
 import pypdfium2 as pdfium
 from convhelpers import convert_all, private_dirs
 
-from conversion_jobs.converters import Limits, assemble_result, release, testdocs
+from conversion_jobs.converters import Limits, assemble_result, release
+from tests import testdocs
 
 SLOW_START = Limits(page_timeout_s=30, prepare_timeout_s=120)
 

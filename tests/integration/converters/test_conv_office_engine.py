@@ -16,10 +16,11 @@ from pathlib import Path
 import pypdfium2 as pdfium
 import pytest
 
-from conversion_jobs.converters import ConversionStopped, ConversionTimeout, engines, testdocs
+from conversion_jobs.converters import ConversionStopped, ConversionTimeout, engines
 from conversion_jobs.converters.base import DOCX, ODT, PPTX, XLSX, Limits
 from conversion_jobs.converters.isolation import process_group_members
 from conversion_jobs.converters.registry import OfficeConverter
+from tests import testdocs
 
 REPO = Path(__file__).resolve().parents[3]
 LIMITS = Limits(page_timeout_s=30, prepare_timeout_s=120)
@@ -250,7 +251,8 @@ def test_nothing_of_one_attempt_is_left_for_the_next(tmp_path, engine_dir):
 _WORKER = """
 import json, os, sys, time
 from pathlib import Path
-from conversion_jobs.converters import engines, testdocs
+from conversion_jobs.converters import engines
+from tests import testdocs
 from conversion_jobs.converters.base import DOCX, Limits
 from conversion_jobs.converters.registry import OfficeConverter
 root = Path(sys.argv[1])

@@ -15,11 +15,11 @@ from conversion_jobs.converters import (
     InvalidPassword,
     engines,
     sniff_media_type,
-    testdocs,
 )
 from conversion_jobs.converters.base import DOC, ODT
 from conversion_jobs.converters.registry import OfficeConverter, PdfConverter
 from conversion_jobs.converters.sniff import office_encrypted
+from tests import testdocs
 
 HELPER = Path(__file__).with_name("make_encrypted_office.py")
 PASSWORD = "correct horse"

@@ -4,7 +4,8 @@ import pytest
 from convhelpers import FAST, convert_all
 from PIL import Image
 
-from conversion_jobs.converters import Limits, assemble_result, testdocs
+from conversion_jobs.converters import Limits, assemble_result
+from tests import testdocs
 
 
 def text_of(n):

@@ -11,9 +11,9 @@ from conversion_jobs.converters import (
     InvalidInput,
     Limits,
     process_group_members,
-    testdocs,
 )
 from conversion_jobs.converters.registry import READ_AHEAD_PAGES
+from tests import testdocs
 
 LIMITS = Limits(page_timeout_s=3, prepare_timeout_s=20)
 

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 from convhelpers import FAST, never
 
-from conversion_jobs.converters import InvalidInput, sessions, testdocs
+from conversion_jobs.converters import InvalidInput, sessions
 from conversion_jobs.converters.registry import PdfConverter
+from tests import testdocs
 
 pytestmark = pytest.mark.usefixtures("no_children_left_behind")
 

@@ -16,11 +16,11 @@ from conversion_jobs.converters import (
     release,
     sandbox,
     sessions,
-    testdocs,
     zygote,
 )
 from conversion_jobs.converters.base import DOCX
 from conversion_jobs.converters.isolation import ChildSession
+from tests import testdocs
 
 pytestmark = pytest.mark.usefixtures("no_children_left_behind")
 

@@ -17,8 +17,8 @@ from conversion_jobs.converters import (
     process_group_members,
     release,
     sessions,
-    testdocs,
 )
+from tests import testdocs
 
 LIMITS = Limits(page_timeout_s=10, prepare_timeout_s=20)
 

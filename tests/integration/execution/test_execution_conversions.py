@@ -11,8 +11,8 @@ import pytest
 from PIL import Image
 from pypdf import PdfReader
 
-from conversion_jobs.converters import testdocs
 from conversion_jobs.models import ConversionAttempt, ConversionJob, PageCheckpoint
+from tests import testdocs
 from tests.integration.execution.jobkit import (
     execute,
     object_bytes,

@@ -9,8 +9,9 @@ import uuid
 
 import pytest
 
-from conversion_jobs.converters import engines, process_group_members, testdocs
+from conversion_jobs.converters import engines, process_group_members
 from conversion_jobs.models import ConversionJob
+from tests import testdocs
 from tests.integration.execution.jobkit import Worker, execute, submit, wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("fast_quire")]

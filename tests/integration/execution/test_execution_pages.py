@@ -8,7 +8,6 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from conversion_jobs.converters import testdocs
 from conversion_jobs.models import (
     ConversionAttempt,
     ConversionJob,
@@ -18,6 +17,7 @@ from conversion_jobs.models import (
 )
 from conversion_jobs.services import runner
 from conversion_jobs.services.recovery import conversion_jobs_recover_if_lease_expired
+from tests import testdocs
 from tests.integration.execution.jobkit import (
     Worker,
     execute,

@@ -10,9 +10,9 @@ from django.db import connection
 from django.utils import timezone
 
 from conversion_jobs import passwords
-from conversion_jobs.converters import testdocs
 from conversion_jobs.models import ConversionJob
 from conversion_jobs.states import State
+from tests import testdocs
 from tests.integration.execution.jobkit import execute, submit
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("fast_quire")]

@@ -7,8 +7,8 @@ import uuid
 
 import pytest
 
-from conversion_jobs.converters import testdocs
 from conversion_jobs.services import execution
+from tests import testdocs
 from tests.integration.execution.jobkit import execute, submit, unique_text
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("fast_quire")]

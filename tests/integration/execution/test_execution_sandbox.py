@@ -18,8 +18,9 @@ from django.conf import settings
 from PIL import Image
 
 from conversion_jobs import storage
-from conversion_jobs.converters import Limits, run_isolated, sandbox, sessions, testdocs
+from conversion_jobs.converters import Limits, run_isolated, sandbox, sessions
 from conversion_jobs.models import PageCheckpoint
+from tests import testdocs
 from tests.integration.execution.jobkit import execute, submit
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("fast_quire")]

@@ -11,11 +11,11 @@ import pytest
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from conversion_jobs.converters import testdocs
 from conversion_jobs.models import ConversionJob, WorkerLease
 from conversion_jobs.services import recovery
 from conversion_jobs.services.execution import conversion_job_claim
 from conversion_jobs.services.runner import conversion_job_execute
+from tests import testdocs
 from tests.conftest import token
 from tests.integration.execution.jobkit import submit
 

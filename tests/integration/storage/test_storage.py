@@ -189,7 +189,7 @@ def test_results__redirect_to_a_short_lived_presigned_url_when_configured(
 ):
     import hashlib
 
-    from conversion_jobs.converters import testdocs
+    from tests import testdocs
     from tests.integration.execution.jobkit import execute, submit, unique_text
 
     settings.QUIRE = {

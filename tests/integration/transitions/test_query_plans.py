@@ -22,11 +22,11 @@ from django.utils import timezone
 
 from bench.history import seed_history
 from conversion_jobs import storage
-from conversion_jobs.converters import testdocs
 from conversion_jobs.models import ConversionJob, ConversionOutbox, WorkerLease
 from conversion_jobs.services import dispatch, recovery, retention, transitions
 from conversion_jobs.services.acceptance import StagedUpload, conversion_job_accept
 from conversion_jobs.services.cancellation import conversion_job_cancel
+from tests import testdocs
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 

@@ -3,7 +3,8 @@ import zipfile
 import pypdfium2 as pdfium
 from pypdf import PdfReader
 
-from conversion_jobs.converters import assemble_result, testdocs
+from conversion_jobs.converters import assemble_result
+from tests import testdocs
 
 
 def test_assemble_result__text_joined_by_form_feed_in_page_order(tmp_path):

@@ -3,8 +3,9 @@ from pathlib import Path
 
 import pytest
 
-from conversion_jobs.converters import sniff_media_type, testdocs
+from conversion_jobs.converters import sniff_media_type
 from conversion_jobs.converters.base import DOC, DOCX, JPEG, ODT, PDF, PNG, PPTX, RTF, TIFF, XLSX
+from tests import testdocs
 
 
 def _ooxml(path: Path, main_part: str) -> Path:

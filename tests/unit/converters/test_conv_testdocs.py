@@ -3,7 +3,7 @@
 import pypdfium2 as pdfium
 from PIL import Image
 
-from conversion_jobs.converters import testdocs
+from tests import testdocs
 
 
 def test_make_pdf__text_round_trips_through_pdfium(tmp_path):
@@ -33,3 +33,11 @@ def test_make_png_bomb__declares_huge_size_in_a_small_file(tmp_path):
     path = testdocs.make_png_bomb(tmp_path / "bomb.png", width=50_000, height=60_000)
     assert path.stat().st_size < 10_000
     assert path.read_bytes()[16:24] == (50_000).to_bytes(4, "big") + (60_000).to_bytes(4, "big")
+
+
+def test_pdfops_warm_up_pdf__is_the_generated_one_page_pdf():
+    """The fork server warms pdfium with a PDF kept in the production code (the generator
+    lives with the tests): it must stay the document the generator makes."""
+    from conversion_jobs.converters.pdfops import _WARM_UP_PDF
+
+    assert _WARM_UP_PDF == testdocs.pdf_bytes(pages=1, text_of=lambda _n: "warm up")
