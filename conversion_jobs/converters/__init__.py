@@ -19,6 +19,7 @@ from .base import (
     PageArtifact,
     Prepared,
     limits_description,
+    process_group_members,
 )
 from .errors import (
     ConversionError,
@@ -32,7 +33,7 @@ from .errors import (
     PasswordRequired,
     UnsupportedConversion,
 )
-from .isolation import TEST_FAULTS_ENV, kill_process_group, process_group_members, run_isolated
+from .isolation import TEST_FAULTS_ENV, kill_process_group, run_isolated
 from .registry import READ_AHEAD_PAGES, capabilities, converter_for
 from .sandbox import SandboxUnavailable
 from .sessions import ReuseSettings, begin_attempt, configure_reuse, release, warm

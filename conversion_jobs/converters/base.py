@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -110,3 +111,22 @@ class Converter(Protocol):
         """Convert one page into ``dest_dir``. ``lookahead``: the pages the caller will ask for
         next, in order (a converter may start on them early)."""
         ...
+
+
+def process_group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes whose process group is ``pgid``, from /proc."""
+    members = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        # The command name may contain spaces and parentheses; fields resume after the last ")".
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        state, pgrp = fields[0], int(fields[2])
+        if pgrp == pgid and state not in (b"Z", b"X"):
+            members.append(int(entry.name))
+    return members

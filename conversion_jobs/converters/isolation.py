@@ -40,7 +40,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import IO
 
-from .base import EXIT_OUT_OF_MEMORY, TEST_FAULTS_ENV, Limits
+from .base import EXIT_OUT_OF_MEMORY, TEST_FAULTS_ENV, Limits, process_group_members
 from .errors import ConversionStopped, ConversionTimeout, ConverterCrashed, error_from_code
 from .zygote import ForkedProcess, spawn
 
@@ -446,22 +446,3 @@ def _group_exists(pgid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def process_group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes whose process group is ``pgid``, from /proc."""
-    members = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat", "rb") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        # The command name may contain spaces and parentheses; fields resume after the last ")".
-        fields = stat[stat.rfind(b")") + 2 :].split()
-        state, pgrp = fields[0], int(fields[2])
-        if pgrp == pgid and state not in (b"Z", b"X"):
-            members.append(int(entry.name))
-    return members

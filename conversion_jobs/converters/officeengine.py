@@ -31,7 +31,7 @@ import uuid
 from pathlib import Path
 from typing import IO
 
-from .base import DOC, DOCX, ODT, PPTX, RTF, XLSX, Limits
+from .base import DOC, DOCX, ODT, PPTX, RTF, XLSX, Limits, process_group_members
 from .errors import (
     ConverterCrashed,
     EncryptedInput,
@@ -221,20 +221,7 @@ def _remove(path: Path) -> None:
 
 
 def _group_pids() -> list[int]:
-    pgid = os.getpgid(0)
-    pids = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat", "rb") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(b")") + 2 :].split()
-        if int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
-            pids.append(int(entry.name))
-    return pids
+    return process_group_members(os.getpgid(0))
 
 
 _engine: _Engine | None = None
