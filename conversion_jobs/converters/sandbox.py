@@ -155,7 +155,7 @@ class SandboxRoot:
         Keeps the directories that lead to ``work`` and to the read-only code paths when they
         lie under /tmp (their mount points inside the sandbox: removing one would unmount it
         there)."""
-        keep = [p + "/" for p in (str(self.work), *_readonly_paths())]
+        keep = [p + "/" for p in tmp_mount_points(self.work)]
         for entry in list(os.scandir(self.tmp)):
             if any(k.startswith(f"/tmp/{entry.name}/") for k in keep):  # noqa: S108
                 continue
@@ -202,6 +202,14 @@ def _readonly_paths() -> list[str]:
             paths.append(real)
     paths.append(str(_PACKAGE_DIR))
     return paths
+
+
+def tmp_mount_points(work: Path) -> list[str]:
+    """The paths bound inside a sandbox that lie under /tmp (its ``work`` and any read-only
+    code path, e.g. a checkout in /tmp): bwrap creates their mount points, empty directories,
+    in the sandbox's own /tmp (``SandboxRoot.tmp``)."""
+    inside = (str(work), *_readonly_paths())
+    return [p for p in inside if p.startswith("/tmp/")]  # noqa: S108
 
 
 #: Where, in the launcher's private mount namespace, a root worker stages what bwrap binds

@@ -17,7 +17,7 @@ from django.conf import settings
 from django.db import connection
 
 from conversion_jobs import storage
-from conversion_jobs.converters import TEST_FAULTS_ENV, engines, zygote
+from conversion_jobs.converters import TEST_FAULTS_ENV, engines, sandbox, zygote
 from conversion_jobs.models import ConversionJob
 from conversion_jobs.services.acceptance import StagedUpload, conversion_job_accept
 from conversion_jobs.services.runner import conversion_job_execute
@@ -99,18 +99,18 @@ class Worker(threading.Thread):
 
 def work_dir_entries() -> list[Path]:
     """Everything in WORK_DIR except the skeleton of live converter sandboxes (their ``work``
-    and ``tmp`` directories, account files and, when WORK_DIR is under /tmp, the mount point
-    of ``work`` inside the sandbox's /tmp). A private directory or a file left by a converter
-    child in a sandbox counts."""
+    and ``tmp`` directories, account files and the mount points bwrap makes in the sandbox's
+    /tmp for what lies under the host's /tmp: ``work``, a checkout). A private directory or a
+    file left by a converter child in a sandbox counts."""
     root = Path(settings.QUIRE["WORK_DIR"])
     if not root.exists():
         return []
     skeleton = {root / ".sandbox"}
     for box in (root / ".sandbox").glob("*"):
         skeleton |= {box, box / "work", box / "tmp", box / "passwd", box / "group"}
-        work_inside = str(box / "work").lstrip("/").removeprefix("tmp/")
-        mount_point = box / "tmp" / work_inside
-        skeleton |= {mount_point, *mount_point.parents}
+        for inside in sandbox.tmp_mount_points(box / "work"):
+            mount_point = box / "tmp" / inside.removeprefix("/tmp/")
+            skeleton |= {mount_point, *mount_point.parents}
     # A warm engine outlives attempts (ADR 0019; what it keeps is tested on its own): its
     # private directory, and with the sandbox off ``.engines``, are not an attempt's leftovers.
     kept = [root / ".engines", engines.host_private()]
