@@ -131,7 +131,10 @@ TIME_ZONE = "UTC"
 LANGUAGE_CODE = "en-us"
 
 # --- uploads: never buffer a whole document in memory -------------------------------------------
-FILE_UPLOAD_MAX_MEMORY_SIZE = 0
+# Under ASGI, Django first spools the request body into a SpooledTemporaryFile of this size:
+# 0 would mean "never roll over to disk", i.e. the whole upload in memory. Job uploads then go
+# through StagingUploadHandler (api/uploads.py), which never keeps a file part in memory.
+FILE_UPLOAD_MAX_MEMORY_SIZE = 256 * 1024
 DATA_UPLOAD_MAX_MEMORY_SIZE = 64 * 1024
 
 # --- REST framework ---------------------------------------------------------------------------
