@@ -254,8 +254,14 @@ def release(prepared=None, *, spare: bool = True) -> None:
 
 
 def release_all() -> None:
-    """End every session, the spare and the kept child of this process (at exit)."""
+    """End every session, the spare, the kept child and the warm engine of this process (at
+    exit, or before its fork server is replaced): the engine lives in the fork server's sandbox,
+    so it is recycled here rather than found dead, mid-conversion, by the next attempt."""
     global _spare, _kept
+    from .engines import stop as stop_engine
+
+    if os.getpid() == _owner_pid:
+        stop_engine("shutdown")
     with _lock:
         if os.getpid() != _owner_pid:
             return

@@ -77,6 +77,14 @@ class Listener:
         self.server.server_close()
 
 
+@pytest.fixture(autouse=True)
+def _filesystem_store(settings):
+    """These attacks aim at the artifact store on the worker's disk, so they run against the
+    filesystem backend in every profile (with S3 there is no local store to reach; the
+    network attacks, the HTTP listener, stand for a bucket endpoint)."""
+    settings.QUIRE = {**settings.QUIRE, "STORAGE": "filesystem"}
+
+
 @pytest.fixture
 def listener(tmp_path):
     server = Listener(secret_png(tmp_path / "served.png").read_bytes())
