@@ -228,17 +228,17 @@ def job_insert_queued(new: NewJob) -> None:
     now = timezone.now()
     job.created_at = job.updated_at = now
     job.audit_seq = 1
-    job.audit_head = _event_hash(
-        prev_hash=GENESIS,
-        job_id=job.id,
-        seq=1,
-        event_type="accepted",
-        generation=1,
-        attempt_id=None,
-        actor=new.actor,
-        details=new.details,
-        created_at=now,
-    )
+    first_event: dict[str, Any] = {
+        "job_id": job.id,
+        "seq": 1,
+        "event_type": "accepted",
+        "generation": 1,
+        "attempt_id": None,
+        "actor": new.actor,
+        "details": new.details,
+        "created_at": now,
+    }
+    job.audit_head = _event_hash(prev_hash=GENESIS, **first_event)
     if _postgres():
         fields = [f for f in ConversionJob._meta.concrete_fields]
         params: dict[str, Any] = {
@@ -268,18 +268,7 @@ def job_insert_queued(new: NewJob) -> None:
             IdempotencyRecord.objects.create(
                 tenant=job.tenant, key=new.idempotency_key, fingerprint=new.fingerprint, job=job
             )
-        ExecutionAuditEvent.objects.create(
-            job_id=job.id,
-            seq=1,
-            event_type="accepted",
-            generation=1,
-            attempt_id=None,
-            actor=new.actor,
-            details=new.details,
-            created_at=now,
-            prev_hash=GENESIS,
-            hash=job.audit_head,
-        )
+        ExecutionAuditEvent.objects.create(**first_event, prev_hash=GENESIS, hash=job.audit_head)
     outbox_publish_after_commit(
         outbox_id=outbox_id, job_id=job.id, generation=1, traceparent=job.traceparent
     )
