@@ -317,24 +317,10 @@ def claim(*, job_id: uuid.UUID, generation: int, worker: str) -> Claim | None:
     now = timezone.now()
     expires = now + lease_ttl()
     worker = worker[:128]
-    if _postgres():
-        won = _claim_postgres(
-            job_id=job_id,
-            generation=generation,
-            worker=worker,
-            token=token,
-            now=now,
-            expires=expires,
-        )
-    else:
-        won = _claim_orm(
-            job_id=job_id,
-            generation=generation,
-            worker=worker,
-            token=token,
-            now=now,
-            expires=expires,
-        )
+    claim = _claim_postgres if _postgres() else _claim_orm
+    won = claim(
+        job_id=job_id, generation=generation, worker=worker, token=token, now=now, expires=expires
+    )
     if won is None:
         current = (
             ConversionJob.objects.filter(id=job_id).values_list("generation", flat=True).first()
