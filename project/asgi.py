@@ -15,11 +15,13 @@ django.setup(set_prefix=False)
 
 from conversion_jobs.api import waiting  # noqa: E402  (needs configured Django)
 from conversion_jobs.observability import tracing  # noqa: E402
+from conversion_jobs.services import publisher  # noqa: E402
 from project.web import AccessLog, Liveness, QuireASGIHandler  # noqa: E402
 
 django_application = QuireASGIHandler()
 
 tracing.instrument_web()
+publisher.enable()  # the fast-path publish off the request thread (ADR 0017 addendum)
 # A server's event loop lives as long as the process: waiting clients may share one LISTEN
 # connection on it (conversion_jobs/api/waiting.py).
 waiting.listener.serving = True

@@ -174,6 +174,8 @@ QUIRE: dict[str, Any] = {
     "JWT_JWKS_MIN_REFRESH_S": env_float("QUIRE_JWT_JWKS_MIN_REFRESH_S", 10.0),
     "JWT_JWKS_TIMEOUT_S": env_float("QUIRE_JWT_JWKS_TIMEOUT_S", 3.0),
     "JWT_LEEWAY_S": env_float("QUIRE_JWT_LEEWAY_S", 0.0),
+    # Verified tokens are remembered (by hash) until they expire, at most this long; 0: off.
+    "JWT_CACHE_S": env_float("QUIRE_JWT_CACHE_S", 60.0),
     "PSEUDONYM_KEY": env_str("QUIRE_PSEUDONYM_KEY", "quire-dev-only-pseudonym-key-change-me"),
     # seals document passwords at rest and keys their HMAC in the content identity (ADR 0019)
     "PASSWORD_KEY": env_str("QUIRE_PASSWORD_KEY", "quire-dev-only-password-key-change-me"),
@@ -227,6 +229,12 @@ QUIRE: dict[str, Any] = {
     "BACKOFF_CAP_S": env_float("QUIRE_BACKOFF_CAP_S", 300.0),
     # dispatch
     "PUBLISH_CONFIRM_TIMEOUT_S": env_float("QUIRE_PUBLISH_CONFIRM_TIMEOUT_S", 0.5),
+    # The web's fast path (ADR 0017 addendum): "background" hands committed rows to a
+    # per-process publisher thread (bounded queue, batches confirmed together); "inline"
+    # publishes in the request's after-commit hook.
+    "FAST_PUBLISH": env_str("QUIRE_FAST_PUBLISH", "background"),
+    "PUBLISH_QUEUE_MAX": env_int("QUIRE_PUBLISH_QUEUE_MAX", 10000),
+    "PUBLISH_BATCH": env_int("QUIRE_PUBLISH_BATCH", 200),
     "DISPATCH_TIMEOUT_S": env_float("QUIRE_DISPATCH_TIMEOUT_S", 600.0),
     "SWEEP_BATCH": env_int("QUIRE_SWEEP_BATCH", 500),
     "SWEEP_INTERVAL_S": env_float("QUIRE_SWEEP_INTERVAL_S", 1.0),
@@ -244,6 +252,11 @@ QUIRE: dict[str, Any] = {
     "OUTBOX_RETENTION_S": env_float("QUIRE_OUTBOX_RETENTION_S", 86400),
     "AUDIT_RETENTION_S": env_float("QUIRE_AUDIT_RETENTION_S", 400 * 86400),
 }
+
+if QUIRE["FAST_PUBLISH"] not in ("background", "inline"):
+    from django.core.exceptions import ImproperlyConfigured
+
+    raise ImproperlyConfigured("QUIRE_FAST_PUBLISH must be 'background' or 'inline'")
 
 if QUIRE["JWT_JWKS_URL"] and not (QUIRE["JWT_ISSUER"] and QUIRE["JWT_AUDIENCE"]):
     from django.core.exceptions import ImproperlyConfigured

@@ -15,6 +15,7 @@ token invalid: it is never truncated or cleaned, so two tenants can never collap
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import threading
 import time
@@ -195,10 +196,32 @@ def _decode_shared_secret(token: str, config: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+#: Verified tokens by the SHA-256 of the token (ADR 0017 addendum): a client sends the same
+#: token on every request, and verifying it (base64, JSON, HMAC or RSA) was ~10 % of an
+#: acceptance's web CPU. An entry is used until the token expires (``exp`` + leeway, exactly
+#: when PyJWT would refuse it) and at most ``QUIRE_JWT_CACHE_S`` (so a JWKS key withdrawn by the
+#: issuer stops being honoured within that bound). Only successes are cached; the cache is
+#: per process and cleared when it reaches ``_VERIFIED_MAX`` entries.
+_verified: dict[bytes, tuple[float, Principal]] = {}
+_VERIFIED_MAX = 10_000
+
+
 def token_decode(token: str) -> Principal:
     config = settings.QUIRE
     if len(token) > TOKEN_MAX:
         raise InvalidToken()
+    cache_s = float(config.get("JWT_CACHE_S", 0))
+    now = time.time()
+    if cache_s > 0:
+        # The verifying configuration is part of the key: a changed key or issuer is a miss.
+        verifier = (
+            f"{config['JWT_KEY']}\0{config.get('JWT_ALGORITHM')}\0{config.get('JWT_JWKS_URL')}"
+            f"\0{config.get('JWT_ISSUER')}\0{config.get('JWT_AUDIENCE')}\0"
+        )
+        digest = hashlib.sha256((verifier + token).encode()).digest()
+        hit = _verified.get(digest)
+        if hit is not None and now < hit[0]:
+            return hit[1]
     try:
         if config.get("JWT_JWKS_URL"):
             claims = _decode_jwks(token, config)
@@ -206,7 +229,13 @@ def token_decode(token: str) -> Principal:
             claims = _decode_shared_secret(token, config)
     except jwt.PyJWTError as exc:
         raise InvalidToken() from exc
-    return _principal_from(claims)
+    principal = _principal_from(claims)
+    if cache_s > 0:
+        until = min(float(claims["exp"]) + float(config["JWT_LEEWAY_S"]), now + cache_s)
+        if len(_verified) >= _VERIFIED_MAX:
+            _verified.clear()
+        _verified[digest] = (until, principal)
+    return principal
 
 
 def token_mint(*, tenant: str, subject: str, scopes: list[str], ttl_s: int) -> str:

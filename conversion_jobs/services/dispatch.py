@@ -41,6 +41,24 @@ def publish_conversion(*, job_id: uuid.UUID, generation: int, traceparent: str) 
         _send(app, job_id=job_id, generation=generation, headers=headers)
 
 
+def send_one(producer: Any, *, job_id: uuid.UUID, generation: int, headers: dict[str, str]) -> None:
+    """One message on ``producer`` (the background publisher's confirm-mode channel), no retry
+    and no wait: the caller waits for the batch's confirms."""
+    from project.celery import app
+
+    app.send_task(
+        TASK_NAME,
+        args=[str(job_id), generation],
+        queue=settings.CONVERSION_QUEUE,
+        exchange=settings.CONVERSION_EXCHANGE,
+        routing_key=settings.CONVERSION_QUEUE,
+        headers=headers,
+        producer=producer,
+        retry=False,
+        ignore_result=True,
+    )
+
+
 def _send(app: Any, *, job_id: uuid.UUID, generation: int, headers: dict[str, str]) -> None:
     app.send_task(
         TASK_NAME,
@@ -75,7 +93,16 @@ def _error_code(exc: BaseException) -> str:
 def outbox_publish_after_commit(
     *, outbox_id: int, job_id: uuid.UUID, generation: int, traceparent: str
 ) -> None:
-    """Register the fast path: publish right after the surrounding transaction commits."""
+    """Register the fast path: publish right after the surrounding transaction commits. In a
+    web process the row is handed to the background publisher (``services/publisher.py``),
+    elsewhere it is published inline."""
+    from conversion_jobs.services import publisher
+
+    background = publisher.current()
+    if background is not None:
+        item = publisher.Pending(outbox_id, job_id, generation, traceparent)
+        transaction.on_commit(lambda: background.submit(item))
+        return
     transaction.on_commit(
         lambda: outbox_publish_fast(
             outbox_id=outbox_id, job_id=job_id, generation=generation, traceparent=traceparent

@@ -1,0 +1,334 @@
+"""The web's fast-path publisher, off the request thread (DESIGN §6, ADR 0017 "2026-11-30
+addendum: the fast path in the background").
+
+A web process (``project.asgi`` / ``project.wsgi``) runs one :class:`BackgroundPublisher`: the
+after-commit hook of an acceptance (or an operator retry) hands it the committed outbox row and
+returns at once; its thread takes whatever is queued (up to ``QUIRE_PUBLISH_BATCH`` rows),
+publishes the messages on one channel in confirm mode, waits for the broker's confirms of the
+whole batch (bounded by ``QUIRE_PUBLISH_CONFIRM_TIMEOUT_S``), and marks the confirmed rows with
+one statement. So a request never waits for a confirm, and the broker's fsync and the marking
+UPDATE are shared by every job of the batch.
+
+What does not change: a row is published at once after its commit (there is no timer: the
+thread wakes on the hand-over); a failure, a timeout or a full queue (``QUIRE_PUBLISH_QUEUE_MAX``)
+leaves rows unpublished, with the failure recorded, for the outbox sweep; a crash of the process
+with rows in the queue leaves them for the sweep exactly as a crash between commit and confirm
+always did. A duplicate (published, not yet marked, swept) is harmless: the claim is a CAS.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from typing import Any, NamedTuple
+
+from django.conf import settings
+from django.db import connection
+from django.db.models import F
+
+from conversion_jobs.models import ConversionOutbox
+from conversion_jobs.observability import metrics, tracing
+
+log = logging.getLogger(__name__)
+
+
+#: A connection unused for this long is replaced before the next batch (heartbeats are not
+#: serviced between batches, so the broker may have dropped it).
+IDLE_RECONNECT_S = 5.0
+
+
+class Pending(NamedTuple):
+    outbox_id: int
+    job_id: uuid.UUID
+    generation: int
+    traceparent: str
+
+
+class ConfirmTimeout(TimeoutError):
+    pass
+
+
+class Nacked(Exception):
+    pass
+
+
+class BackgroundPublisher:
+    """A bounded queue and one thread per process (started on first use, again after a fork)."""
+
+    def __init__(self, *, max_queue: int, max_batch: int, confirm_timeout: float) -> None:
+        self.max_queue, self.max_batch = max_queue, max_batch
+        self.confirm_timeout = confirm_timeout
+        self._queue: queue.Queue[Pending] = queue.Queue(maxsize=max_queue)
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._pid = 0
+        self._busy = 0  # rows taken off the queue and not yet settled
+        self._idle = threading.Condition(self._lock)
+        # The thread's own broker connection and confirm-mode channel (AMQP only).
+        self._conn: Any = None
+        self._producer: Any = None
+        self._unconfirmed: dict[int, int] = {}  # delivery tag -> index in the batch
+        self._nacked: set[int] = set()
+        self._next_tag = 1
+        self._last_used = 0.0
+
+    # --- the request side ------------------------------------------------------------------
+
+    def submit(self, item: Pending) -> bool:
+        """Hand a committed row over. Never blocks, never raises: a full queue leaves the row to
+        the sweep."""
+        try:
+            self._ensure_thread()
+            self._queue.put_nowait(item)
+        except queue.Full:
+            metrics.OUTBOX_PUBLISH_FAILURES.labels(path="fast", code="queue_full").inc()
+            log.warning(
+                "outbox fast path queue full; the sweeper will publish",
+                extra={"code": "queue_full"},
+            )
+            return False
+        except Exception as exc:  # pragma: no cover - a thread that cannot start
+            log.warning("outbox fast path unavailable", extra={"error": type(exc).__name__})
+            return False
+        return True
+
+    def depth(self) -> int:
+        return self._queue.qsize() + self._busy
+
+    def flush(self, timeout: float) -> bool:
+        """Wait (at most ``timeout`` s) until everything handed over is settled: for a graceful
+        stop and for tests. True when nothing is left."""
+        deadline = time.monotonic() + timeout
+        with self._idle:
+            while self._queue.qsize() or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(min(left, 0.05))
+        return True
+
+    def _ensure_thread(self) -> None:
+        if self._pid == os.getpid() and self._thread is not None and self._thread.is_alive():
+            return
+        with self._lock:
+            if self._pid == os.getpid() and self._thread is not None and self._thread.is_alive():
+                return
+            if self._pid != os.getpid():  # forked: the parent's queue and connection are not ours
+                self._queue = queue.Queue(maxsize=self.max_queue)
+                self._conn = self._producer = None
+                self._busy = 0
+            self._pid = os.getpid()
+            self._thread = threading.Thread(
+                target=self._run, name="quire-outbox-publisher", daemon=True
+            )
+            self._thread.start()
+
+    # --- the publisher thread --------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            first = self._queue.get()
+            with self._lock:
+                self._busy = 1
+            batch = [first]
+            while len(batch) < self.max_batch:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            with self._lock:
+                self._busy = len(batch)
+            try:
+                self.publish_batch(batch)
+            except Exception as exc:  # never let the thread die; the rows stay for the sweep
+                log.warning("outbox fast path batch failed", extra={"error": type(exc).__name__})
+            finally:
+                with self._idle:
+                    self._busy = 0
+                    self._idle.notify_all()
+
+    def publish_batch(self, batch: list[Pending]) -> None:
+        from conversion_jobs.services.dispatch import _error_code
+
+        confirmed: list[int] = []
+        error: BaseException | None = None
+        for _attempt in (0, 1):  # one immediate retry on a fresh connection (ADR 0015)
+            try:
+                confirmed = self._publish(batch)
+                error = None
+                break
+            except Exception as exc:
+                error = exc
+                self._drop_connection()
+                if not _retryable(exc):
+                    break
+        done = set(confirmed)
+        failed = [p.outbox_id for p in batch if p.outbox_id not in done]
+        if confirmed:
+            self._mark_published(confirmed)
+            metrics.OUTBOX_PUBLISHED.labels(path="fast").inc(len(confirmed))
+        if failed:
+            code = _error_code(error) if error is not None else "publish_failed"
+            log.warning(
+                "outbox fast path publish failed; the sweeper will retry",
+                extra={"code": code, "error": type(error).__name__ if error else "Nacked"},
+            )
+            metrics.OUTBOX_PUBLISH_FAILURES.labels(path="fast", code=code).inc(len(failed))
+            self._record_failure(failed, code)
+
+    def _publish(self, batch: list[Pending]) -> list[int]:
+        """Publish ``batch``; the outbox ids the broker confirmed."""
+        from conversion_jobs.services.dispatch import publish_conversion
+
+        if not settings.AMQP_BROKER:  # the standalone profile's transport has no confirms
+            for p in batch:
+                publish_conversion(
+                    job_id=p.job_id, generation=p.generation, traceparent=p.traceparent
+                )
+            return [p.outbox_id for p in batch]
+        from amqp import spec
+
+        from conversion_jobs.services.dispatch import send_one
+
+        producer = self._confirm_producer()
+        channel = producer.channel
+        self._unconfirmed.clear()
+        self._nacked.clear()
+        for index, p in enumerate(batch):
+            headers = {"traceparent": p.traceparent} if p.traceparent else {}
+            with tracing.span_from_traceparent(
+                "outbox.publish", p.traceparent, **{"quire.generation": p.generation}
+            ):
+                send_one(producer, job_id=p.job_id, generation=p.generation, headers=headers)
+            self._unconfirmed[self._next_tag] = index
+            self._next_tag += 1
+        deadline = time.monotonic() + self.confirm_timeout
+        while self._unconfirmed:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ConfirmTimeout("publisher confirms timed out")
+            channel.wait([spec.Basic.Ack, spec.Basic.Nack], timeout=left)
+        if self._nacked:
+            lost = {batch[i].outbox_id for i in self._nacked}
+            return [p.outbox_id for p in batch if p.outbox_id not in lost]
+        return [p.outbox_id for p in batch]
+
+    def _confirm_producer(self) -> Any:
+        now = time.monotonic()
+        if self._producer is not None and now - self._last_used > IDLE_RECONNECT_S:
+            # Idle past the heartbeat: the broker may have closed it without our noticing.
+            self._drop_connection()
+        self._last_used = now
+        if self._producer is not None:
+            return self._producer
+        from kombu import Producer
+
+        from project.celery import app
+
+        conn = app.connection_for_write()
+        conn.ensure_connection(max_retries=1)
+        channel: Any = conn.default_channel
+        # Confirm mode for the channel, but no per-message wait: the batch waits once.
+        channel.basic_publish = channel._basic_publish
+        channel.confirm_select()
+        channel._confirm_selected = True
+        channel.events["basic_ack"].add(self._on_ack)
+        channel.events["basic_nack"].add(self._on_nack)
+        self._next_tag = 1
+        self._conn, self._producer = conn, Producer(channel)
+        return self._producer
+
+    def _on_ack(self, tag: int, multiple: bool) -> None:
+        self._settle(tag, multiple, nack=False)
+
+    def _on_nack(self, tag: int, multiple: bool) -> None:
+        self._settle(tag, multiple, nack=True)
+
+    def _settle(self, tag: int, multiple: bool, *, nack: bool) -> None:
+        tags = [t for t in self._unconfirmed if t <= tag] if multiple else [tag]
+        for t in tags:
+            index = self._unconfirmed.pop(t, None)
+            if nack and index is not None:
+                self._nacked.add(index)
+
+    def _drop_connection(self) -> None:
+        conn, self._conn, self._producer = self._conn, None, None
+        if conn is not None:
+            try:
+                conn.release()
+            except Exception:  # already gone
+                log.debug("broker connection already gone")
+
+    # --- the rows -------------------------------------------------------------------------
+
+    def _mark_published(self, ids: list[int]) -> None:
+        try:
+            ConversionOutbox.objects.filter(id__in=ids, published_at__isnull=True).update(
+                published_at=_now_sql(), publish_attempts=F("publish_attempts") + 1
+            )
+        except Exception:  # published but not marked: the sweeper publishes harmless duplicates
+            log.warning("published but could not mark the outbox rows", exc_info=False)
+            _reset_db()
+
+    def _record_failure(self, ids: list[int], code: str) -> None:
+        try:
+            ConversionOutbox.objects.filter(id__in=ids, published_at__isnull=True).update(
+                publish_attempts=F("publish_attempts") + 1, last_error_code=code
+            )
+        except Exception:  # the database is down too: the rows are still there for the sweeper
+            log.warning("could not record the publish failure", exc_info=False)
+            _reset_db()
+
+
+def _now_sql() -> Any:
+    from django.db.models.functions import Now
+
+    return Now()
+
+
+def _reset_db() -> None:
+    try:
+        connection.close()
+    except Exception:
+        log.debug("database connection already gone")
+
+
+def _retryable(exc: BaseException) -> bool:
+    """A dead pooled connection (broker restarted) is worth one immediate retry; a confirm
+    timeout or a nack is not (the broker is there and slow: the sweep takes over)."""
+    return not isinstance(exc, ConfirmTimeout | Nacked)
+
+
+_publisher: BackgroundPublisher | None = None
+
+
+def enable() -> BackgroundPublisher | None:
+    """Called by the web entry points. ``QUIRE_FAST_PUBLISH=inline`` keeps the per-request
+    publish (the behaviour before this addendum)."""
+    global _publisher
+    if settings.QUIRE["FAST_PUBLISH"] != "background":
+        return None
+    if _publisher is None:
+        _publisher = BackgroundPublisher(
+            max_queue=settings.QUIRE["PUBLISH_QUEUE_MAX"],
+            max_batch=settings.QUIRE["PUBLISH_BATCH"],
+            confirm_timeout=settings.QUIRE["PUBLISH_CONFIRM_TIMEOUT_S"],
+        )
+        import atexit
+
+        # A graceful stop publishes what is queued (bounded); what is left is the sweep's.
+        atexit.register(_publisher.flush, settings.QUIRE["PUBLISH_CONFIRM_TIMEOUT_S"] * 2)
+    return _publisher
+
+
+def disable() -> None:
+    global _publisher
+    _publisher = None
+
+
+def current() -> BackgroundPublisher | None:
+    return _publisher
