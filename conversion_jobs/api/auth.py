@@ -108,6 +108,8 @@ class JwksKeys:
         self._fetched_at = float("-inf")
         self._attempted_at = float("-inf")
         self._lock = threading.Lock()
+        #: Bumped by every successful refresh (the token cache's entries die with it).
+        self.generation = 0
 
     def key_for(self, kid: str) -> jwt.PyJWK:
         with self._lock:
@@ -140,6 +142,7 @@ class JwksKeys:
             key.key_id: key for key in keys if key.key_id and key.algorithm_name in JWKS_ALGORITHMS
         }
         self._fetched_at = now
+        self.generation += 1
 
 
 @functools.lru_cache(maxsize=4)
@@ -206,6 +209,22 @@ _verified: dict[bytes, tuple[float, Principal]] = {}
 _VERIFIED_MAX = 10_000
 
 
+def _verifier(config: dict[str, Any]) -> str:
+    """What a verification depends on besides the token, as part of the cache key: another
+    key, issuer or audience is a miss, and so is every token after a JWKS refresh (a withdrawn
+    key stops verifying the moment the new set is fetched, cached or not)."""
+    common = f"{config.get('JWT_ISSUER')}\0{config.get('JWT_AUDIENCE')}\0"
+    if config.get("JWT_JWKS_URL"):
+        keys = jwks_keys(
+            config["JWT_JWKS_URL"],
+            float(config["JWT_JWKS_LIFESPAN_S"]),
+            float(config["JWT_JWKS_MIN_REFRESH_S"]),
+            float(config["JWT_JWKS_TIMEOUT_S"]),
+        )
+        return f"jwks\0{config['JWT_JWKS_URL']}\0{keys.generation}\0{common}"
+    return f"secret\0{config['JWT_KEY']}\0{config.get('JWT_ALGORITHM')}\0{common}"
+
+
 def token_decode(token: str) -> Principal:
     config = settings.QUIRE
     if len(token) > TOKEN_MAX:
@@ -213,12 +232,7 @@ def token_decode(token: str) -> Principal:
     cache_s = float(config.get("JWT_CACHE_S", 0))
     now = time.time()
     if cache_s > 0:
-        # The verifying configuration is part of the key: a changed key or issuer is a miss.
-        verifier = (
-            f"{config['JWT_KEY']}\0{config.get('JWT_ALGORITHM')}\0{config.get('JWT_JWKS_URL')}"
-            f"\0{config.get('JWT_ISSUER')}\0{config.get('JWT_AUDIENCE')}\0"
-        )
-        digest = hashlib.sha256((verifier + token).encode()).digest()
+        digest = hashlib.sha256((_verifier(config) + token).encode()).digest()
         hit = _verified.get(digest)
         if hit is not None and now < hit[0]:
             return hit[1]

@@ -230,7 +230,7 @@ class BackgroundPublisher:
         from project.celery import app
 
         conn = app.connection_for_write()
-        conn.ensure_connection(max_retries=1)
+        conn.ensure_connection(max_retries=0)  # our caller retries once
         channel: Any = conn.default_channel
         # Confirm mode for the channel, but no per-message wait: the batch waits once.
         channel.basic_publish = channel._basic_publish
