@@ -70,7 +70,7 @@ class BackgroundPublisher:
         self._idle = threading.Condition(self._lock)
         # The thread's own broker connection and confirm-mode channel (AMQP only).
         self._conn: Any = None
-        self._producer: Any = None
+        self._channel: Any = None
         self._unconfirmed: dict[int, int] = {}  # delivery tag -> index in the batch
         self._nacked: set[int] = set()
         self._next_tag = 1
@@ -119,7 +119,7 @@ class BackgroundPublisher:
                 return
             if self._pid != os.getpid():  # forked: the parent's queue and connection are not ours
                 self._queue = queue.Queue(maxsize=self.max_queue)
-                self._conn = self._producer = None
+                self._conn = self._channel = None
                 self._busy = 0
             self._pid = os.getpid()
             self._thread = threading.Thread(
@@ -192,18 +192,20 @@ class BackgroundPublisher:
             return [p.outbox_id for p in batch]
         from amqp import spec
 
-        from conversion_jobs.services.dispatch import send_one
+        from conversion_jobs.services.dispatch import conversion_message
 
-        producer = self._confirm_producer()
-        channel = producer.channel
+        channel = self._confirm_channel()
+        exchange, routing_key = settings.CONVERSION_EXCHANGE, settings.CONVERSION_QUEUE
         self._unconfirmed.clear()
         self._nacked.clear()
         for index, p in enumerate(batch):
-            headers = {"traceparent": p.traceparent} if p.traceparent else {}
             with tracing.span_from_traceparent(
                 "outbox.publish", p.traceparent, **{"quire.generation": p.generation}
             ):
-                send_one(producer, job_id=p.job_id, generation=p.generation, headers=headers)
+                message = conversion_message(
+                    job_id=p.job_id, generation=p.generation, traceparent=p.traceparent
+                )
+                channel.basic_publish(message, exchange=exchange, routing_key=routing_key)
             self._unconfirmed[self._next_tag] = index
             self._next_tag += 1
         deadline = time.monotonic() + self.confirm_timeout
@@ -217,16 +219,14 @@ class BackgroundPublisher:
             return [p.outbox_id for p in batch if p.outbox_id not in lost]
         return [p.outbox_id for p in batch]
 
-    def _confirm_producer(self) -> Any:
+    def _confirm_channel(self) -> Any:
         now = time.monotonic()
-        if self._producer is not None and now - self._last_used > IDLE_RECONNECT_S:
+        if self._channel is not None and now - self._last_used > IDLE_RECONNECT_S:
             # Idle past the heartbeat: the broker may have closed it without our noticing.
             self._drop_connection()
         self._last_used = now
-        if self._producer is not None:
-            return self._producer
-        from kombu import Producer
-
+        if self._channel is not None:
+            return self._channel
         from project.celery import app
 
         conn = app.connection_for_write()
@@ -239,8 +239,8 @@ class BackgroundPublisher:
         channel.events["basic_ack"].add(self._on_ack)
         channel.events["basic_nack"].add(self._on_nack)
         self._next_tag = 1
-        self._conn, self._producer = conn, Producer(channel)
-        return self._producer
+        self._conn, self._channel = conn, channel
+        return channel
 
     def _on_ack(self, tag: int, multiple: bool) -> None:
         self._settle(tag, multiple, nack=False)
@@ -256,7 +256,7 @@ class BackgroundPublisher:
                 self._nacked.add(index)
 
     def _drop_connection(self) -> None:
-        conn, self._conn, self._producer = self._conn, None, None
+        conn, self._conn, self._channel = self._conn, None, None
         if conn is not None:
             try:
                 conn.release()
