@@ -31,7 +31,8 @@ import os
 import threading
 import time
 from asyncio import TimerHandle
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future
+from queue import SimpleQueue
 from typing import Any
 
 from asgiref.sync import ThreadSensitiveContext, iscoroutinefunction, sync_to_async
@@ -126,24 +127,53 @@ def log_access(
     )
 
 
-class _SyncThread(ThreadPoolExecutor):
-    """One long-lived thread that runs one request's sync calls at a time; counts its queue."""
+class _SyncThread(Executor):
+    """One long-lived thread that runs one request's sync calls at a time; counts its queue.
+
+    A minimal executor rather than a ``ThreadPoolExecutor``: its ``submit`` takes the
+    module-wide shutdown lock of ``concurrent.futures`` that every executor of the process
+    shares, a visible part of each thread hop in the accept profile (ADR 0017 addendum)."""
 
     def __init__(self, name: str) -> None:
-        super().__init__(max_workers=1, thread_name_prefix=name)
+        self.name = name
         self.pending = 0
         self._lock = threading.Lock()
+        self._queue: SimpleQueue[tuple[Future[Any], Any, tuple[Any, ...], dict[str, Any]] | None]
+        self._queue = SimpleQueue()
+        self._thread: threading.Thread | None = None
 
     def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Future[Any]:
+        if self._thread is None:
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                    self._thread.start()
+        future: Future[Any] = Future()
         with self._lock:
             self.pending += 1
-        future = super().submit(fn, *args, **kwargs)
-        future.add_done_callback(self._done)
+        self._queue.put((future, fn, args, kwargs))
         return future
 
-    def _done(self, _: Future[Any]) -> None:
-        with self._lock:
-            self.pending -= 1
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self._queue.put(None)
+        if wait and self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, fn, args, kwargs = item
+            try:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        result = fn(*args, **kwargs)
+                    except BaseException as exc:
+                        future.set_exception(exc)
+                    else:
+                        future.set_result(result)
+            finally:
+                with self._lock:
+                    self.pending -= 1
+                del item, future, fn, args, kwargs
 
 
 class QuireASGIHandler(ASGIHandler):

@@ -41,6 +41,12 @@ log = logging.getLogger(__name__)
 IDLE_RECONNECT_S = 5.0
 
 
+_MARK_SQL = (
+    "UPDATE conversion_outbox SET published_at = CURRENT_TIMESTAMP,"
+    " publish_attempts = publish_attempts + 1 WHERE id = ANY(%s) AND published_at IS NULL"
+)
+
+
 class Pending(NamedTuple):
     outbox_id: int
     job_id: uuid.UUID
@@ -267,9 +273,13 @@ class BackgroundPublisher:
 
     def _mark_published(self, ids: list[int]) -> None:
         try:
-            ConversionOutbox.objects.filter(id__in=ids, published_at__isnull=True).update(
-                published_at=_now_sql(), publish_attempts=F("publish_attempts") + 1
-            )
+            if connection.vendor == "postgresql":  # one statement, no ORM compile
+                with connection.cursor() as cursor:
+                    cursor.execute(_MARK_SQL, [ids])
+            else:
+                ConversionOutbox.objects.filter(id__in=ids, published_at__isnull=True).update(
+                    published_at=_now_sql(), publish_attempts=F("publish_attempts") + 1
+                )
         except Exception:  # published but not marked: the sweeper publishes harmless duplicates
             log.warning("published but could not mark the outbox rows", exc_info=False)
             _reset_db()
