@@ -79,7 +79,8 @@ KNOWN_SERIES: dict[Counter | Histogram, list[dict[str, str]]] = {
         {"path": path, "code": code}
         for path in ("fast", "sweep")
         for code in ("broker_timeout", "broker_unreachable", "publish_failed")
-    ],
+    ]
+    + [{"path": "fast", "code": "queue_full"}],
     REDISPATCHES: [{"reason": r} for r in ("dispatch_timeout", "retry_due", "operator_retry")],
     DUPLICATE_DELIVERIES: [{"reason": "duplicate"}, {"reason": "stale"}],
     ATTEMPT_DURATION: [
