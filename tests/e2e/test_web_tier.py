@@ -398,7 +398,16 @@ def test_access_log_has_one_line_per_request_without_secrets(start, submit):
         timeout=10,
     )
     raw_exchange(proc.port, b"BROKEN\r\n\r\n")
-    harness.wait_until(lambda: "400" in _access_lines(proc)[-1], timeout=5, what="log lines")
+    # A line is written when its exchange has ended (after the response's close on the
+    # request's thread), so the three may land in any order: wait for all of them.
+    harness.wait_until(
+        lambda: (
+            any(" 400 " in line for line in _access_lines(proc))
+            and any(re.search(r"POST /api/v1/jobs \d{3} ", line) for line in _access_lines(proc))
+        ),
+        timeout=5,
+        what="log lines",
+    )
     lines = _access_lines(proc)
     assert any(
         f"GET /api/v1/jobs/{job.id}?access_token&state&wait 200 " in line for line in lines
