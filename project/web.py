@@ -25,6 +25,7 @@ Limits (environment; docs/OPERABILITY.md "Slow clients"):
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -36,10 +37,12 @@ from queue import SimpleQueue
 from typing import Any
 
 from asgiref.sync import ThreadSensitiveContext, iscoroutinefunction, sync_to_async
-from django.core.handlers.asgi import ASGIHandler
+from django.core import signals
+from django.core.exceptions import RequestAborted
+from django.core.handlers.asgi import ASGIHandler, get_script_prefix
 from django.core.handlers.base import BaseHandler
 from django.http import HttpRequest, HttpResponseBase
-from django.urls import Resolver404, get_resolver
+from django.urls import Resolver404, get_resolver, set_script_prefix
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from uvicorn_worker import UvicornWorker
 
@@ -195,12 +198,72 @@ class QuireASGIHandler(ASGIHandler):
         # (ADR 0017 addendum: ~10 hops, each a context copy and two thread hand-overs).
         self.sync_handler = BaseHandler()
         self.sync_handler.load_middleware(is_async=False)
-        self._sync_response = sync_to_async(self.sync_handler.get_response, thread_sensitive=True)
+        self._sync_response = sync_to_async(self._started_then_respond, thread_sensitive=True)
+
+    def _started_then_respond(self, request: HttpRequest) -> HttpResponseBase:
+        signals.request_started.send(sender=self.__class__, scope=request.scope)  # type: ignore[attr-defined]
+        return self.sync_handler.get_response(request)
 
     async def get_response_async(self, request: HttpRequest) -> HttpResponseBase:
         if _async_view(request.path_info):
+            await signals.request_started.asend(sender=self.__class__, scope=request.scope)  # type: ignore[attr-defined]
             return await super().get_response_async(request)
         return await self._sync_response(request)
+
+    async def handle(self, scope: Any, receive: Any, send: Any) -> None:
+        """Django 5.2's ``ASGIHandler.handle`` with one change: ``request_started`` (its
+        receivers reset the query log and recycle the thread's database connection) is sent
+        on the request's thread in the same hop as the view (``get_response_async``), not in a
+        hop of its own before the request is built (ADR 0017 addendum)."""
+        try:
+            body_file = await self.read_body(receive)
+        except RequestAborted:
+            return
+        set_script_prefix(get_script_prefix(scope))
+        request, error_response = self.create_request(scope, body_file)
+        if request is None or error_response is not None:
+            await signals.request_started.asend(sender=self.__class__, scope=scope)
+            body_file.close()
+            if error_response is not None:
+                await self.send_response(error_response, send)
+                await sync_to_async(error_response.close)()
+            return
+
+        async def process_request(request: Any, send: Any) -> Any:
+            response = await self.run_get_response(request)
+            try:
+                await self.send_response(response, send)
+            except asyncio.CancelledError:
+                pass  # the client disconnected during send_response
+            return response
+
+        tasks = [
+            asyncio.create_task(self.listen_for_disconnect(receive)),
+            asyncio.create_task(process_request(request, send)),
+        ]
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in tasks:
+            if task.done():
+                try:
+                    task.result()
+                except RequestAborted:
+                    pass  # client disconnects are ignored
+                except AssertionError:
+                    body_file.close()
+                    raise
+            else:
+                task.cancel()  # let views handle cancellation
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+        try:
+            response = tasks[1].result()
+        except asyncio.CancelledError:
+            await signals.request_finished.asend(sender=self.__class__)
+        else:
+            await sync_to_async(response.close)()
+        body_file.close()
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
