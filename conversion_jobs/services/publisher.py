@@ -68,11 +68,11 @@ class BackgroundPublisher:
     def __init__(self, *, max_queue: int, max_batch: int, confirm_timeout: float) -> None:
         self.max_queue, self.max_batch = max_queue, max_batch
         self.confirm_timeout = confirm_timeout
-        self._queue: queue.Queue[Pending] = queue.Queue(maxsize=max_queue)
+        self._queue: queue.Queue[Pending | None] = queue.Queue(maxsize=max_queue)
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._pid = 0
-        self._busy = 0  # rows taken off the queue and not yet settled
+        self._outstanding = 0  # rows handed over and not yet settled
         self._idle = threading.Condition(self._lock)
         # The thread's own broker connection and confirm-mode channel (AMQP only).
         self._conn: Any = None
@@ -88,29 +88,34 @@ class BackgroundPublisher:
         """Hand a committed row over. Never blocks, never raises: a full queue leaves the row to
         the sweep."""
         try:
-            self._ensure_thread()
+            self._ensure_thread()  # first: after a fork it resets the counts
+        except Exception as exc:  # pragma: no cover - a thread that cannot start
+            log.warning("outbox fast path unavailable", extra={"error": type(exc).__name__})
+            return False
+        with self._lock:
+            self._outstanding += 1
+        try:
             self._queue.put_nowait(item)
         except queue.Full:
+            with self._lock:
+                self._outstanding -= 1
             metrics.OUTBOX_PUBLISH_FAILURES.labels(path="fast", code="queue_full").inc()
             log.warning(
                 "outbox fast path queue full; the sweeper will publish",
                 extra={"code": "queue_full"},
             )
             return False
-        except Exception as exc:  # pragma: no cover - a thread that cannot start
-            log.warning("outbox fast path unavailable", extra={"error": type(exc).__name__})
-            return False
         return True
 
     def depth(self) -> int:
-        return self._queue.qsize() + self._busy
+        return self._outstanding
 
     def flush(self, timeout: float) -> bool:
         """Wait (at most ``timeout`` s) until everything handed over is settled: for a graceful
         stop and for tests. True when nothing is left."""
         deadline = time.monotonic() + timeout
         with self._idle:
-            while self._queue.qsize() or self._busy:
+            while self._outstanding > 0:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -126,7 +131,7 @@ class BackgroundPublisher:
             if self._pid != os.getpid():  # forked: the parent's queue and connection are not ours
                 self._queue = queue.Queue(maxsize=self.max_queue)
                 self._conn = self._channel = None
-                self._busy = 0
+                self._outstanding = 0
             self._pid = os.getpid()
             self._thread = threading.Thread(
                 target=self._run, name="quire-outbox-publisher", daemon=True
@@ -135,27 +140,41 @@ class BackgroundPublisher:
 
     # --- the publisher thread --------------------------------------------------------------
 
+    def stop(self, timeout: float) -> None:
+        """Publish what is queued, then end the thread and close its connections (tests; a
+        process that exits needs nothing: the thread is a daemon)."""
+        thread = self._thread
+        if thread is None or not thread.is_alive() or self._pid != os.getpid():
+            return
+        self._queue.put(None)
+        thread.join(timeout)
+
     def _run(self) -> None:
-        while True:
+        stopping = False
+        while not stopping:
             first = self._queue.get()
-            with self._lock:
-                self._busy = 1
+            if first is None:
+                break
             batch = [first]
             while len(batch) < self.max_batch:
                 try:
-                    batch.append(self._queue.get_nowait())
+                    item = self._queue.get_nowait()
                 except queue.Empty:
                     break
-            with self._lock:
-                self._busy = len(batch)
+                if item is None:
+                    stopping = True
+                    break
+                batch.append(item)
             try:
                 self.publish_batch(batch)
             except Exception as exc:  # never let the thread die; the rows stay for the sweep
                 log.warning("outbox fast path batch failed", extra={"error": type(exc).__name__})
             finally:
                 with self._idle:
-                    self._busy = 0
+                    self._outstanding -= len(batch)
                     self._idle.notify_all()
+        self._drop_connection()
+        _reset_db()
 
     def publish_batch(self, batch: list[Pending]) -> None:
         from conversion_jobs.services.dispatch import _error_code

@@ -29,7 +29,7 @@ def background(settings) -> Iterator[publisher.BackgroundPublisher]:
     enabled = publisher.enable()
     assert enabled is not None
     yield enabled
-    enabled.flush(10)
+    enabled.stop(10)  # its thread's database connection must not outlive the test database
     publisher.disable()
 
 
