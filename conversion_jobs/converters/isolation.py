@@ -218,9 +218,12 @@ class ChildSession:
     ) -> None:
         """Ask for several pages at once (``items``: (page, dest) in order); the child converts
         them one after the other and answers each as it is done, so it works on the next pages
-        while the worker checkpoints this one. Collect them in order with ``next_page``."""
-        if self.closed or self.ahead:
-            raise RuntimeError("read_ahead needs an open session with nothing pending")
+        while the worker checkpoints this one. Collect them in order with ``next_page``. Pages
+        already asked for and not yet collected stay due first: the child reads this request
+        once it has answered them (requests are served in order), so it never idles between
+        two read-aheads."""
+        if self.closed:
+            raise RuntimeError("read_ahead needs an open session")
         try:
             if should_stop():
                 raise ConversionStopped()
@@ -234,8 +237,9 @@ class ChildSession:
         except BaseException:
             self.close()
             raise
-        self.ahead = [page for page, _dest in items]
-        self._ahead_since = time.monotonic()
+        if not self.ahead:
+            self._ahead_since = time.monotonic()
+        self.ahead += [page for page, _dest in items]
 
     def next_page(self, page: int, *, timeout_s: float, should_stop: Callable[[], bool]) -> dict:
         """The answer for ``page``, which must be the next one due from ``read_ahead``. The

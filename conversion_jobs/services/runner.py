@@ -9,6 +9,7 @@ a ``CheckpointBatch`` (``checkpoints.py``); database calls are retried across a 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -254,6 +255,8 @@ def _convert_pages(
         if checkpoints.get(page) is None
         or checkpoints[page].state not in (PageState.DONE, PageState.FAILED)
     ]
+    # A small text page comes back from the child as bytes and rides in its checkpoint row.
+    inline_max = settings.QUIRE["INLINE_PAGE_MAX_BYTES"] if job.output == "text" else 0
     for index, page in enumerate(todo):
         done = checkpoints.get(page)
         if heartbeat.stop.is_set():
@@ -273,7 +276,8 @@ def _convert_pages(
                         dest_dir=workdir,
                         limits=limits,
                         should_stop=stop,
-                        lookahead=todo[index + 1 : index + converters.READ_AHEAD_PAGES],
+                        lookahead=todo[index + 1 : index + 2 * converters.READ_AHEAD_PAGES],
+                        inline_max_bytes=inline_max,
                     )
             except ConversionStopped:
                 raise
@@ -303,7 +307,10 @@ def _convert_pages(
             key = storage.page_key(
                 job_id=lease.job_id, page=page, generation=lease.generation, ext=ext
             )
-            sha, size = storage.sha256_file(artifact.path)
+            if artifact.content is not None:
+                sha, size = hashlib.sha256(artifact.content).hexdigest(), len(artifact.content)
+            else:
+                sha, size = storage.sha256_file(_path(artifact))
             checkpoint = PageCheckpoint(
                 job_id=lease.job_id,
                 page_number=page,
@@ -315,13 +322,17 @@ def _convert_pages(
                 media_type=artifact.media_type,
                 generation=lease.generation,
             )
-            if job.output == "text" and size <= settings.QUIRE["INLINE_PAGE_MAX_BYTES"]:
+            if job.output == "text" and size <= inline_max:
                 # A small text page rides in its checkpoint row: durable when the batch commits.
                 checkpoint.artifact_key = INLINE_PREFIX + key
-                checkpoint.content = artifact.path.read_bytes()
+                checkpoint.content = (
+                    artifact.content
+                    if artifact.content is not None
+                    else _path(artifact).read_bytes()
+                )
                 batch.add(checkpoint, None)
             else:
-                put = storage.put_file(key, artifact.path, wait=False)
+                put = storage.put_file(key, _path(artifact), wait=False)
                 local[page] = put.local
                 batch.add(checkpoint, put)
             break
@@ -335,6 +346,13 @@ def _convert_pages(
         workdir=workdir,
         local=local,
     )
+
+
+def _path(artifact: Any) -> Path:
+    """The file of a page artifact that is not inline (a converter bug otherwise)."""
+    if artifact.path is None:
+        raise RuntimeError("an inline page artifact where a file was expected")
+    return Path(artifact.path)
 
 
 def _page_source(checkpoint: Any, local: dict[int, Any], workdir: Path) -> Path | bytes:
