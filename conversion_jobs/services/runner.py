@@ -332,7 +332,7 @@ def _convert_pages(
                 )
                 batch.add(checkpoint, None)
             else:
-                put = storage.put_file(key, _path(artifact), wait=False)
+                put = storage.put_file(key, _path(artifact), wait=False, sha256=sha)
                 local[page] = put.local
                 batch.add(checkpoint, put)
             break
@@ -416,7 +416,7 @@ def _finalize(
     ext = {"text": "txt", "png": "zip", "pdf": "pdf"}[job.output]
     key = storage.result_key(job_id=lease.job_id, generation=lease.generation, ext=ext)
     sha, size = storage.sha256_file(assembled)
-    storage.put_file(key, assembled)
+    storage.put_file(key, assembled, sha256=sha)
     batch.durable()  # the last pages are checkpointed by the publishing transaction
     state = State.PARTIAL if failed else State.SUCCEEDED
     won = db_retry(
