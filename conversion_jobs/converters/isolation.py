@@ -296,6 +296,24 @@ class ChildSession:
     ) -> dict:
         """The next answer line. ``timeout_s``: how long to wait from now; ``limit_s``: the limit
         to name in the timeout error (default ``timeout_s``)."""
+        newline = self._buffer.find(b"\n")
+        if newline < 0:  # else the answer came with an earlier read (read-ahead): no wait
+            newline = self._wait_for_line(
+                timeout_s=timeout_s, limit_s=limit_s, should_stop=should_stop
+            )
+        line, self._buffer = self._buffer[:newline], self._buffer[newline + 1 :]
+        try:
+            outcome = json.loads(line)
+        except ValueError:
+            raise ConverterCrashed("the converter sent an unreadable answer") from None
+        if not isinstance(outcome, dict) or "ok" not in outcome:
+            raise ConverterCrashed("the converter sent an unreadable answer")
+        return outcome
+
+    def _wait_for_line(
+        self, *, timeout_s: float, limit_s: float | None, should_stop: Callable[[], bool]
+    ) -> int:
+        """Read from the child until the buffer holds a whole line; its end's index."""
         deadline = time.monotonic() + timeout_s
         next_check = time.monotonic() + POLL_MAX_S
         fd = self._pipe(self.proc.stdout).fileno()
@@ -316,14 +334,7 @@ class ChildSession:
             elif time.monotonic() >= deadline:  # an answer already in the pipe still counts
                 limit = timeout_s if limit_s is None else limit_s
                 raise ConversionTimeout(f"the converter did not finish within {limit:g} s")
-        line, self._buffer = self._buffer[:newline], self._buffer[newline + 1 :]
-        try:
-            outcome = json.loads(line)
-        except ValueError:
-            raise ConverterCrashed("the converter sent an unreadable answer") from None
-        if not isinstance(outcome, dict) or "ok" not in outcome:
-            raise ConverterCrashed("the converter sent an unreadable answer")
-        return outcome
+        return newline
 
     def _crashed(self) -> None:
         """The child ended (or closed its pipe) without answering: kill, reap, raise."""

@@ -528,6 +528,60 @@ def _publish(lease: Lease, state: State, result: Result, checkpoints: list[PageC
     return won
 
 
+#: A batch of done pages on Postgres, one statement (its own transaction): the fenced UPDATE
+#: of the job row takes the row lock first (a recovery or a cancel that committed before us
+#: makes it match zero rows after the lock wait), and the upsert inserts only from its
+#: returned row, so a lost fence writes nothing. Counted like ``_PUBLISH_SQL``'s pages.
+_DONE_PAGES_SQL = """
+WITH moved AS (
+    UPDATE conversion_job SET pages_done = pages_done + %(n_done)s, updated_at = now()
+    WHERE id = %(job)s AND generation = %(generation)s AND lease_token = %(token)s
+      AND state = 'running'
+    RETURNING id
+), pages AS (
+    INSERT INTO page_checkpoint
+        (job_id, page_number, state, attempts, artifact_key, artifact_sha256, artifact_size,
+         media_type, error_code, generation, updated_at, content)
+    SELECT m.id, p.page_number, 'done', p.attempts, p.artifact_key, p.artifact_sha256,
+           p.artifact_size, p.media_type, NULL, %(generation)s, now(), p.content
+    FROM moved m, unnest(%(p_number)s::int[], %(p_attempts)s::int[], %(p_key)s::text[],
+                         %(p_sha)s::text[], %(p_size)s::bigint[], %(p_media)s::text[],
+                         %(p_content)s::bytea[])
+         AS p(page_number, attempts, artifact_key, artifact_sha256, artifact_size, media_type,
+              content)
+    ON CONFLICT (job_id, page_number) DO UPDATE SET
+        state = EXCLUDED.state, attempts = EXCLUDED.attempts,
+        artifact_key = EXCLUDED.artifact_key, artifact_sha256 = EXCLUDED.artifact_sha256,
+        artifact_size = EXCLUDED.artifact_size, media_type = EXCLUDED.media_type,
+        error_code = NULL, generation = EXCLUDED.generation, updated_at = EXCLUDED.updated_at,
+        content = EXCLUDED.content
+)
+SELECT count(*) FROM moved
+"""
+
+
+def done_pages_record(*, lease: Lease, checkpoints: list[PageCheckpoint]) -> bool:
+    """A checkpoint batch of done pages on Postgres (``_DONE_PAGES_SQL``), fenced; not an edge:
+    the job's state is only its guard. False: the fence matched nothing (nothing written)."""
+    params: dict[str, Any] = {
+        "job": lease.job_id,
+        "generation": lease.generation,
+        "token": lease.token,
+        "n_done": len(checkpoints),
+        "p_number": [c.page_number for c in checkpoints],
+        "p_attempts": [c.attempts for c in checkpoints],
+        "p_key": [c.artifact_key for c in checkpoints],
+        "p_sha": [c.artifact_sha256 for c in checkpoints],
+        "p_size": [c.artifact_size for c in checkpoints],
+        "p_media": [c.media_type for c in checkpoints],
+        "p_content": [c.content for c in checkpoints],
+    }
+    with connection.cursor() as cursor:
+        cursor.execute(_DONE_PAGES_SQL, params)
+        (moved,) = cursor.fetchone()
+    return bool(moved)
+
+
 #: running -> succeeded | partial in one round trip, with the terminal hook in SQL: the job
 #: (fenced on generation, token and state, under its row lock), its last page checkpoints, the
 #: lease ended, the attempt closed, pending cancellation requests lost to completion, the audit
