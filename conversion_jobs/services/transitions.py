@@ -474,6 +474,9 @@ class Result:
     media_type: str
     pages_done: int
     pages_failed: int
+    #: the document's page count when the attempt has not recorded it yet (a one-page job
+    #: records it with its publish instead of one more fenced UPDATE); None: leave it
+    page_count: int | None = None
 
 
 @edge(State.RUNNING, State.SUCCEEDED)
@@ -507,6 +510,8 @@ def _publish(lease: Lease, state: State, result: Result, checkpoints: list[PageC
         "result_size": result.size,
         "result_media_type": result.media_type,
     }
+    if result.page_count is not None:
+        values["source_page_count"] = result.page_count
     if _postgres() and all(c.state == PageState.DONE for c in checkpoints):
         won = _publish_postgres(lease, state, values, details, checkpoints)
     else:
@@ -543,6 +548,7 @@ WITH locked AS (
         state = %(state)s, result_key = %(result_key)s, result_sha256 = %(result_sha256)s,
         result_size = %(result_size)s, result_media_type = %(result_media_type)s,
         finished_at = now(), pages_done = j.pages_done + %(n_done)s, lease_token = NULL,
+        source_page_count = COALESCE(%(source_page_count)s, j.source_page_count),
         state_version = j.state_version + 1, updated_at = now(),
         audit_seq = l.audit_seq + 1, audit_head = {hash}
     FROM locked l WHERE j.id = l.id
@@ -615,6 +621,7 @@ def _publish_postgres(
         "p_size": [c.artifact_size for c in checkpoints],
         "p_media": [c.media_type for c in checkpoints],
         "p_content": [c.content for c in checkpoints],
+        "source_page_count": None,
         **values,
     }
     sql = _PUBLISH_SQL.format(
