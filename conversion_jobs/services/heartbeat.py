@@ -87,6 +87,8 @@ class _Beater(threading.Thread):
         self.cond = threading.Condition()
         self.beats: set[Heartbeat] = set()
         self.busy: Heartbeat | None = None
+        #: whether this thread may hold a database connection (it beat since it last closed)
+        self.connected = False
 
     def add(self, heartbeat: Heartbeat) -> None:
         with self.cond:
@@ -96,12 +98,18 @@ class _Beater(threading.Thread):
     def remove(self, heartbeat: Heartbeat) -> None:
         with self.cond:
             self.beats.discard(heartbeat)
-            while self.busy is heartbeat:
+            self.cond.notify_all()
+            # No beat of it in flight, and the last one out waits for the connection to close.
+            while self.busy is heartbeat or (not self.beats and self.connected):
                 self.cond.wait()
 
     def _next_due(self) -> Heartbeat:
         """Wait (holding the condition) until a registered heartbeat is due; return it."""
         while True:
+            if not self.beats and self.connected:
+                connection.close()  # idle: hold no database connection
+                self.connected = False
+                self.cond.notify_all()
             now = time.monotonic()
             due = min(self.beats, key=lambda h: h.due, default=None)
             if due is not None and due.due <= now:
@@ -112,6 +120,7 @@ class _Beater(threading.Thread):
         while True:
             with self.cond:
                 heartbeat = self.busy = self._next_due()
+                self.connected = True
             done = True
             try:
                 done = heartbeat.beat()
@@ -124,8 +133,6 @@ class _Beater(threading.Thread):
                         self.beats.discard(heartbeat)
                     else:
                         heartbeat.due = time.monotonic() + heartbeat.interval
-                    if not self.beats:
-                        connection.close()  # idle: hold no database connection
                     self.busy = None
                     self.cond.notify_all()
 
