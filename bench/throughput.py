@@ -362,7 +362,7 @@ def phase_quire(
         if claimed:
             booted_cpu = sum(c.tree_cpu_s(w.pid) for w in workers)  # type: ignore[attr-defined]
             break
-        time.sleep(0.02)
+        time.sleep(0.05)
     terminal = 0
     while time.monotonic() < deadline:
         terminal = int(
