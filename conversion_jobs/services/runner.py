@@ -82,7 +82,7 @@ def _connections_refresh() -> None:
     for conn in connections.all(initialized_only=True):
         conn.close_if_unusable_or_obsolete()
         if conn.connection is not None and not conn.errors_occurred:
-            conn.health_check_done = True
+            conn.health_check_done = True  # type: ignore[attr-defined]
 
 
 def conversion_job_execute(*, job_id: uuid.UUID, generation: int) -> str:

@@ -410,11 +410,44 @@ def _claim_postgres(
         ),
         details=spliced_sql(details, exprs={"attempt_number": "attempts"}, params=params),
     )
-    rows = list(ConversionJob.objects.raw(sql, params))
-    if not rows:
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        row = cursor.fetchone()
+        names = tuple(column.name for column in cursor.description or ())
+    if row is None:
         return None
-    job = rows[0]
-    return job, int(job.attempt_id)  # type: ignore[attr-defined]
+    return _job_from_row(names, row)
+
+
+#: per column list: (attnames, their positions, converters, position of attempt_id)
+_ROW_PLANS: dict[tuple[str, ...], tuple[list[str], list[int], dict[int, Any], int]] = {}
+
+
+def _job_from_row(names: tuple[str, ...], row: tuple[Any, ...]) -> tuple[ConversionJob, int]:
+    """The claimed job as ``ConversionJob.objects.raw`` would build it (the fields' database
+    converters applied), without its per-query column mapping: the plan is computed once."""
+    plan = _ROW_PLANS.get(names)
+    if plan is None:
+        position = {name: i for i, name in enumerate(names)}
+        fields = [f for f in ConversionJob._meta.concrete_fields if (f.column or "") in position]
+        compiler = ConversionJob.objects.all().query.get_compiler(using=connection.alias)
+        cols = [f.get_col(ConversionJob._meta.db_table) for f in fields]
+        plan = (
+            [f.attname for f in fields],
+            [position[f.column or ""] for f in fields],
+            compiler.get_converters(cols),
+            position["attempt_id"],
+        )
+        _ROW_PLANS[names] = plan
+    attnames, positions, converters, attempt_at = plan
+    values = [row[i] for i in positions]
+    for index, (functions, expression) in converters.items():  # as SQLCompiler.apply_converters
+        value = values[index]
+        for function in functions:
+            value = function(value, expression, connection)
+        values[index] = value
+    job = ConversionJob.from_db(connection.alias, attnames, values)
+    return job, int(row[attempt_at])
 
 
 def _claim_orm(
