@@ -41,6 +41,7 @@ class Heartbeat:
         self.lease_s = float(settings.QUIRE["LEASE_S"])
         self._last_ok = time.monotonic()
         self.due = self._last_ok + self.interval
+        self._beater: _Beater | None = None
 
     def halt(self, reason: str) -> None:
         if self.reason is None:
@@ -50,11 +51,13 @@ class Heartbeat:
     def start(self) -> None:
         self._last_ok = time.monotonic()
         self.due = self._last_ok + self.interval
-        _beater().add(self)
+        self._beater = _beater()
+        self._beater.add(self)
 
     def finish(self) -> None:
         """Withdraw; returns once no beat of this attempt is in flight."""
-        _beater().remove(self)
+        if self._beater is not None:
+            self._beater.remove(self)
 
     def beat(self) -> bool:
         """Extend the lease once (on the heartbeat thread). True: stop beating (halted)."""
@@ -89,16 +92,20 @@ class _Beater(threading.Thread):
         self.busy: Heartbeat | None = None
         #: whether this thread may hold a database connection (it beat since it last closed)
         self.connected = False
+        #: when the thread wakes next at the latest (it is woken earlier only when needed)
+        self.wake_at = 0.0
 
     def add(self, heartbeat: Heartbeat) -> None:
         with self.cond:
             self.beats.add(heartbeat)
-            self.cond.notify_all()
+            if heartbeat.due < self.wake_at:  # usually not: a short attempt wakes no thread
+                self.cond.notify_all()
 
     def remove(self, heartbeat: Heartbeat) -> None:
         with self.cond:
             self.beats.discard(heartbeat)
-            self.cond.notify_all()
+            if not self.beats and self.connected:
+                self.cond.notify_all()
             # No beat of it in flight, and the last one out waits for the connection to close.
             while self.busy is heartbeat or (not self.beats and self.connected):
                 self.cond.wait()
@@ -114,7 +121,8 @@ class _Beater(threading.Thread):
             due = min(self.beats, key=lambda h: h.due, default=None)
             if due is not None and due.due <= now:
                 return due
-            self.cond.wait(None if due is None else due.due - now)
+            self.wake_at = min(now + IDLE_WAKE_S, due.due if due is not None else now + 3600)
+            self.cond.wait(self.wake_at - now)
 
     def run(self) -> None:
         while True:
@@ -136,6 +144,10 @@ class _Beater(threading.Thread):
                     self.busy = None
                     self.cond.notify_all()
 
+
+#: the idle thread looks for due beats at least this often (an attempt registered meanwhile
+#: with an earlier first beat wakes it at once)
+IDLE_WAKE_S = 1.0
 
 _lock = threading.Lock()
 _current: _Beater | None = None
