@@ -244,18 +244,13 @@ def _convert(
     metrics.CONVERSION_DURATION.labels(
         input=job.source_media_type, engine=engine_label(converter)
     ).observe(time.monotonic() - started)
-    pages = _selected_pages(job.options, prepared.page_count)
     if job.source_page_count != prepared.page_count:
-        if len(pages) == 1:
-            # One page to convert: the publish records the count (no UPDATE of its own); a
-            # terminal failure records it first. A progress bar has nothing to show meanwhile.
-            unrecorded["page_count"] = prepared.page_count
-        else:
-            db_retry(
-                execution.conversion_job_record_page_count,
-                lease=lease,
-                page_count=prepared.page_count,
-            )
+        unrecorded["page_count"] = prepared.page_count
+    pages = _selected_pages(job.options, prepared.page_count)  # terminal errors record it (_run)
+    if len(pages) != 1:
+        # Progress needs the count now. With one page to convert the publish records it (no
+        # UPDATE of its own), or a terminal failure first.
+        _record_page_count(lease, unrecorded)
     checkpoints = {} if lease.first_run else db_retry(page_checkpoints_by_page, job_id=lease.job_id)
     page_budget = settings.QUIRE["PAGE_MAX_ATTEMPTS"]
     with CheckpointBatch(lease, checkpoints) as batch:
