@@ -410,11 +410,44 @@ def _claim_postgres(
         ),
         details=spliced_sql(details, exprs={"attempt_number": "attempts"}, params=params),
     )
-    rows = list(ConversionJob.objects.raw(sql, params))
-    if not rows:
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        row = cursor.fetchone()
+        names = tuple(column.name for column in cursor.description or ())
+    if row is None:
         return None
-    job = rows[0]
-    return job, int(job.attempt_id)  # type: ignore[attr-defined]
+    return _job_from_row(names, row)
+
+
+#: per column list: (attnames, their positions, converters, position of attempt_id)
+_ROW_PLANS: dict[tuple[str, ...], tuple[list[str], list[int], dict[int, Any], int]] = {}
+
+
+def _job_from_row(names: tuple[str, ...], row: tuple[Any, ...]) -> tuple[ConversionJob, int]:
+    """The claimed job as ``ConversionJob.objects.raw`` would build it (the fields' database
+    converters applied), without its per-query column mapping: the plan is computed once."""
+    plan = _ROW_PLANS.get(names)
+    if plan is None:
+        position = {name: i for i, name in enumerate(names)}
+        fields = [f for f in ConversionJob._meta.concrete_fields if (f.column or "") in position]
+        compiler = ConversionJob.objects.all().query.get_compiler(using=connection.alias)
+        cols = [f.get_col(ConversionJob._meta.db_table) for f in fields]
+        plan = (
+            [f.attname for f in fields],
+            [position[f.column or ""] for f in fields],
+            compiler.get_converters(cols),
+            position["attempt_id"],
+        )
+        _ROW_PLANS[names] = plan
+    attnames, positions, converters, attempt_at = plan
+    values = [row[i] for i in positions]
+    for index, (functions, expression) in converters.items():  # as SQLCompiler.apply_converters
+        value = values[index]
+        for function in functions:
+            value = function(value, expression, connection)
+        values[index] = value
+    job = ConversionJob.from_db(connection.alias, attnames, values)
+    return job, int(row[attempt_at])
 
 
 def _claim_orm(
@@ -474,6 +507,9 @@ class Result:
     media_type: str
     pages_done: int
     pages_failed: int
+    #: the document's page count when the attempt has not recorded it yet (a one-page job
+    #: records it with its publish instead of one more fenced UPDATE); None: leave it
+    page_count: int | None = None
 
 
 @edge(State.RUNNING, State.SUCCEEDED)
@@ -507,6 +543,8 @@ def _publish(lease: Lease, state: State, result: Result, checkpoints: list[PageC
         "result_size": result.size,
         "result_media_type": result.media_type,
     }
+    if result.page_count is not None:
+        values["source_page_count"] = result.page_count
     if _postgres() and all(c.state == PageState.DONE for c in checkpoints):
         won = _publish_postgres(lease, state, values, details, checkpoints)
     else:
@@ -597,6 +635,7 @@ WITH locked AS (
         state = %(state)s, result_key = %(result_key)s, result_sha256 = %(result_sha256)s,
         result_size = %(result_size)s, result_media_type = %(result_media_type)s,
         finished_at = now(), pages_done = j.pages_done + %(n_done)s, lease_token = NULL,
+        source_page_count = COALESCE(%(source_page_count)s, j.source_page_count),
         state_version = j.state_version + 1, updated_at = now(),
         audit_seq = l.audit_seq + 1, audit_head = {hash}
     FROM locked l WHERE j.id = l.id
@@ -669,6 +708,7 @@ def _publish_postgres(
         "p_size": [c.artifact_size for c in checkpoints],
         "p_media": [c.media_type for c in checkpoints],
         "p_content": [c.content for c in checkpoints],
+        "source_page_count": None,
         **values,
     }
     sql = _PUBLISH_SQL.format(
