@@ -705,6 +705,10 @@ def sql_retry(url: str, query: str, *, for_s: float = 120.0) -> object:
             time.sleep(1.0)
 
 
+#: Pids of the S3 servers ``s3_server`` runs now (the benchmarks measure their CPU).
+S3_PIDS: list[int] = []
+
+
 @contextlib.contextmanager
 def s3_server(scratch: Path) -> Iterator[dict[str, str]]:
     """A real S3 server (SeaweedFS, as the tests use) for a ``--storage s3`` phase; yields the
@@ -714,9 +718,13 @@ def s3_server(scratch: Path) -> Iterator[dict[str, str]]:
     from tests import s3server
 
     server = s3server.start(scratch / "s3server")
+    if server.proc is not None:
+        S3_PIDS.append(server.proc.pid)
     try:
         yield {**server.env(), "QUIRE_S3_PREFIX": f"bench-{uuid.uuid4().hex[:8]}"}
     finally:
+        if server.proc is not None:
+            S3_PIDS.remove(server.proc.pid)
         server.stop()
 
 

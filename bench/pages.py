@@ -232,11 +232,14 @@ def throughput(
         size = pages // split
         ranges = [(i * size + 1, pages if i == split - 1 else (i + 1) * size) for i in range(split)]
         options = {"dpi": 150} if output == "png" else {}
+        cpu_before = _tree_cpu_s(worker.pid), _s3_cpu_s()
         jobs = [
             submit(source, output=output, options={**options, "pages": f"{a}-{b}"})
             for a, b in ranges
         ]
         done = wait_terminal([j.id for j in jobs])
+        worker_ms = (_tree_cpu_s(worker.pid) - cpu_before[0]) * 1000 / pages
+        s3_ms = (_s3_cpu_s() - cpu_before[1]) * 1000 / pages
         if any(j.state != "succeeded" for j in done):
             raise RuntimeError(f"{output}: {[(j.state, j.error_code) for j in done]}")
         first, last = min(j.created_at for j in done), max(j.finished_at for j in done)
@@ -251,18 +254,42 @@ def throughput(
                 "service_pages_s": service_pps,
                 "ratio": service_pps / direct["pages_s"],
                 "jobs": [f"{a}-{b}" for a, b in ranges],
+                "worker_cpu_ms_page": worker_ms,
+                "s3_cpu_ms_page": s3_ms,
             }
         )
         print(
             f"throughput {output}, sandbox {sandbox}, {storage}: direct "
             f"{direct['pages_s']:.1f} pages/s, service {service_pps:.1f} pages/s "
-            f"({split} jobs {rows[-1]['jobs']}), "
+            f"({split} jobs {rows[-1]['jobs']}), worker tree CPU {worker_ms:.2f} ms/page"
+            + (f", S3 server CPU {s3_ms:.2f} ms/page" if storage == "s3" else "")
+            + ", "
             f"ratio service / direct {rows[-1]['ratio']:.2f} (target >= {TARGET_DIRECT_RATIO}) "
             f"{verdict(rows[-1]['ratio'] >= TARGET_DIRECT_RATIO)}",
             flush=True,
         )
     svc.stop(worker)
     return rows
+
+
+def _tree_cpu_s(pid: int) -> float:
+    """CPU seconds of ``pid`` and its living descendants, each with the CPU of the children it
+    has reaped (so converter children that came and went are counted by their reaper)."""
+    total = 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    for each in [pid, *_descendants(pid)]:
+        try:
+            fields = Path(f"/proc/{each}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += sum(int(fields[i]) for i in (11, 12, 13, 14)) / tick
+    return total
+
+
+def _s3_cpu_s() -> float:
+    from _common import S3_PIDS
+
+    return sum(_tree_cpu_s(pid) for pid in S3_PIDS)
 
 
 #: 200-page PDF, service / a direct pypdfium2 loop with the same process count (DESIGN §14).

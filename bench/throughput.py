@@ -4,7 +4,7 @@ otherwise write, and vs a Celery no-op; same broker settings, same PDFs, same ru
     .venv/bin/python bench/throughput.py [--n 2000] [--layout 1x2|2x1] [--accept-threads 4]
                                          [--reuse attempt[,tenant]] [--history N]
                                          [--sandbox both|on|off] [--child-starts 300]
-                                         [--storage filesystem|s3]
+                                         [--storage filesystem|s3] [--profile DIR]
 
 What runs:
 
@@ -50,6 +50,11 @@ real S3 server (SeaweedFS, ``tests/s3server.py``, started on free loopback ports
 put there by this process's acceptance, pages and results by the workers; the ratio
 s3 / filesystem has a target of >= 0.8.
 
+``--profile DIR`` attaches ``py-spy record`` (non-blocking, 200 Hz, subprocesses followed) to
+every process of each Quire phase: ``DIR/<phase>/{worker0,sweeper,beat}.raw.txt`` (collapsed
+stacks; speedscope and flamegraph.pl read them) and ``….top.txt`` (busiest functions, inclusive
+and self). Sampling costs CPU itself: compare CPU per job only between runs without it.
+
 ``--history N`` runs last (its seed stays in the database): the first reuse mode's Quire phase
 again with N finished jobs in the tables (``bench/history.py``); ratio to the empty-table phase,
 target >= 0.9.
@@ -91,6 +96,8 @@ class Phase:
     last_finish: float = float("nan")
     boot_to_last_s: float = float("nan")
     worker_cpu_s: float = float("nan")
+    #: worker CPU from the first claim on (boot excluded; Quire phases only)
+    steady_cpu_s: float = float("nan")
     machine_cpu_s: float = float("nan")
     rabbitmq_cpu_s: float = float("nan")
     notes: list[str] = field(default_factory=list)
@@ -294,6 +301,7 @@ def phase_quire(
     sandbox: str = "on",
     name: str | None = None,
     env: dict[str, str] | None = None,
+    profile: Path | None = None,
 ) -> Phase:
     """Accept ``pdfs`` as ``tenant``'s jobs, then start beat, sweeper and workers (converter reuse
     mode ``reuse``) and time them to the last finish; everything counted is ``tenant``'s, so
@@ -313,8 +321,8 @@ def phase_quire(
         f"accepted {n} jobs through the service layer in {accept_s:.1f} s "
         f"({n / accept_s:.0f}/s, {accept_threads} threads); outbox rows unpublished: {unpublished}"
     )
-    stack.start("beat", **env)
-    stack.start("sweeper", **env)
+    beat = stack.start("beat", **env)
+    sweeper = stack.start("sweeper", **env)
     boot = time.time()
     cpu0 = _cpu()
     workers = [
@@ -328,7 +336,33 @@ def phase_quire(
         )
         for _ in range(procs)
     ]
+    profiler = None
+    if profile is not None:
+        from _profile import Profiler
+
+        slug = "".join(ch if ch.isalnum() else "_" for ch in phase.name).strip("_")
+        profiler = Profiler(profile / slug)
+        profiler.attach("beat", beat.pid)  # type: ignore[attr-defined]
+        profiler.attach("sweeper", sweeper.pid)  # type: ignore[attr-defined]
+        for i, w in enumerate(workers):
+            profiler.attach(f"worker{i}", w.pid)  # type: ignore[attr-defined]
     deadline = time.monotonic() + timeout
+    # Boot (imports, Django set-up, fork server) is a fixed cost that a small --n spreads over
+    # few jobs: the steady figure counts worker CPU from the first claim on.
+    booted_cpu = float("nan")
+    while time.monotonic() < deadline:
+        if any(w.popen.poll() is not None for w in workers):  # type: ignore[attr-defined]
+            break
+        claimed = _scalar(
+            stack.db_url,
+            "SELECT EXISTS (SELECT 1 FROM conversion_attempt WHERE job_id IN"
+            " (SELECT id FROM conversion_job WHERE tenant = %(tenant)s))",
+            tenant,
+        )
+        if claimed:
+            booted_cpu = sum(c.tree_cpu_s(w.pid) for w in workers)  # type: ignore[attr-defined]
+            break
+        time.sleep(0.05)
     terminal = 0
     while time.monotonic() < deadline:
         terminal = int(
@@ -345,8 +379,12 @@ def phase_quire(
         time.sleep(0.5)
     cpu1 = _cpu()
     phase.worker_cpu_s = sum(c.tree_cpu_s(w.pid) for w in workers)  # type: ignore[attr-defined]
+    phase.steady_cpu_s = phase.worker_cpu_s - booted_cpu
     phase.machine_cpu_s, phase.rabbitmq_cpu_s = cpu1[0] - cpu0[0], cpu1[1] - cpu0[1]
     phase.done = terminal
+    if profiler is not None:
+        for summary in profiler.stop():
+            phase.notes.append(f"profile: {summary}")
     stack.cluster.stop_all()  # type: ignore[attr-defined]
     import psycopg
 
@@ -444,7 +482,8 @@ def report(*, phases: list[Phase], load: str, layout: str, n: int) -> None:
     print()
     header = (
         f"{'phase':<28} {'done':>6} {'window s':>9} {'jobs/s':>8} {'boot->last s':>13} "
-        f"{'worker CPU ms/job':>18} {'machine ms/job':>15} {'rabbitmq ms/job':>16}"
+        f"{'worker CPU ms/job':>18} {'steady ms/job':>14} {'machine ms/job':>15} "
+        f"{'rabbitmq ms/job':>16}"
     )
     print(header)
     print("-" * len(header))
@@ -453,12 +492,13 @@ def report(*, phases: list[Phase], load: str, layout: str, n: int) -> None:
         print(
             f"{p.name:<28} {p.done:>6} {p.window_s:>9.2f} {p.per_s:>8.1f} "
             f"{p.boot_to_last_s:>13.2f} {p.worker_cpu_s * per:>18.2f} "
+            f"{p.steady_cpu_s * per:>14.2f} "
             f"{p.machine_cpu_s * per:>15.2f} {p.rabbitmq_cpu_s * per:>16.2f}"
         )
     print(
         "(CPU from worker spawn to the last completion. worker: the worker trees incl. reaped "
-        "converter children, boot included; machine: all busy CPU of the shared host, Postgres "
-        "included)"
+        "converter children, boot included; steady: the same from the first claim on, boot "
+        "excluded (Quire phases); machine: all busy CPU of the shared host, Postgres included)"
     )
     for p in phases:
         for note in p.notes:
@@ -533,6 +573,13 @@ def main() -> int:
         default="filesystem",
         help="s3: add the first reuse mode's Quire phase with the artifacts in S3 (SeaweedFS)",
     )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="py-spy every Quire process of each phase (worker trees, sweeper, beat) into "
+        "DIR/<phase>/: raw collapsed stacks (speedscope reads them) and a top-frames summary",
+    )
     args = parser.parse_args()
     procs, concurrency = (int(x) for x in args.layout.split("x"))
     modes = [m for m in args.reuse.split(",") if m]
@@ -547,6 +594,7 @@ def main() -> int:
     phases: list[Phase] = []
     pdf_dir = Path(tempfile.mkdtemp(prefix="quire-tp-pdfs-"))
     common = {"procs": procs, "concurrency": concurrency, "timeout": args.timeout}
+    qcommon = {**common, "profile": args.profile}
     try:
         # One database and vhost for every phase (this process's Django settings and Celery app
         # are bound to them); each Quire phase has its own tenant and its own processes.
@@ -577,7 +625,7 @@ def main() -> int:
                             tenant=f"bench-{mode}",
                             accept_threads=args.accept_threads,
                             sandbox=sandboxes[0],
-                            **common,
+                            **qcommon,
                         )
                     )
                 print(f"{phases[-1].name} phase done: {phases[-1].per_s:.1f}/s", flush=True)
@@ -590,7 +638,7 @@ def main() -> int:
                         tenant=f"bench-{modes[0]}-sandbox-off",
                         accept_threads=args.accept_threads,
                         sandbox="off",
-                        **common,
+                        **qcommon,
                     )
                 )
                 print(f"{phases[-1].name} phase done: {phases[-1].per_s:.1f}/s", flush=True)
@@ -606,7 +654,7 @@ def main() -> int:
                             sandbox=sandboxes[0],
                             name=f"quire[{modes[0]}] s3",
                             env=s3_env,
-                            **common,
+                            **qcommon,
                         )
                     )
                 print(f"{phases[-1].name} phase done: {phases[-1].per_s:.1f}/s", flush=True)
@@ -619,7 +667,7 @@ def main() -> int:
                     tenant="bench-history",
                     accept_threads=args.accept_threads,
                     sandbox=sandboxes[0],
-                    **common,
+                    **qcommon,
                 )
                 phase.name = f"quire[{modes[0]}]+{args.history // 1000}k"
                 phase.notes.append(f"{args.history} finished jobs seeded in {seed_s:.0f} s first")

@@ -395,5 +395,10 @@ LOGGING = {
         # the server's own access log writes query strings: project.web.AccessLog replaces it
         "uvicorn.access": {"level": "WARNING"},
         "quire.access": {"level": env_str("QUIRE_ACCESS_LOG_LEVEL", "INFO")},
+        # Celery's two INFO lines per task ("received", "succeeded in") cost the worker a log
+        # record, a format and a write each per job (ADR 0017, session 4); failures and retries
+        # are still logged at WARNING / ERROR. QUIRE_TASK_LOG_LEVEL=INFO brings them back.
+        "celery.app.trace": {"level": env_str("QUIRE_TASK_LOG_LEVEL", "WARNING")},
+        "celery.worker.strategy": {"level": env_str("QUIRE_TASK_LOG_LEVEL", "WARNING")},
     },
 }

@@ -71,8 +71,12 @@ class Prepared:
 
 @dataclass(frozen=True)
 class PageArtifact:
-    path: Path
+    """A converted page: a file at ``path``, or (a small text page asked for with
+    ``inline_max_bytes``) its bytes in ``content``, which the child sent with its answer."""
+
+    path: Path | None
     media_type: str  # text/plain; charset=utf-8 | image/png | application/pdf
+    content: bytes | None = None
 
 
 class Converter(Protocol):
@@ -107,9 +111,11 @@ class Converter(Protocol):
         limits: Limits,
         should_stop: Callable[[], bool],
         lookahead: Sequence[int] = (),
+        inline_max_bytes: int = 0,
     ) -> PageArtifact:
         """Convert one page into ``dest_dir``. ``lookahead``: the pages the caller will ask for
-        next, in order (a converter may start on them early)."""
+        next, in order (a converter may start on them early). ``inline_max_bytes``: a text page
+        up to this size may come back as ``content`` instead of a file (0: always a file)."""
         ...
 
 

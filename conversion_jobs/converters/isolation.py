@@ -137,13 +137,26 @@ class ChildSession:
         return folder
 
     def hand_in(self, source: Path) -> Path:
-        """A copy of ``source`` in the child's private directory, readable by the child: the
-        only way a document reaches a child (never by a path into the store)."""
+        """``source`` (the attempt's own copy in its work directory, never a path into the
+        store) in the child's private directory, readable by the child: the only way a document
+        reaches a child. A hard link where both are on one filesystem (the usual case: the
+        sandbox's directory is under the same work dir), so the bytes are not copied a second
+        time. A root worker's sandbox runs as another uid: the linked file is then made
+        read-only for everyone (0444, owner unchanged), so that uid can read it and cannot
+        change it (the attempt's work directory, 0700, keeps everyone else out); otherwise the
+        child runs as this process's user and reads it as it is. Where no link can be made, a
+        copy, 0600 and given to the sandbox's uid."""
         folder = self.folder("in")
         copy = folder / f"{uuid.uuid4().hex}{Path(source).suffix}"
-        shutil.copyfile(source, copy)
-        os.chmod(copy, 0o600)
-        self._give_to_sandbox(copy)
+        try:
+            os.link(source, copy)
+        except OSError:
+            shutil.copyfile(source, copy)
+            os.chmod(copy, 0o600)
+            self._give_to_sandbox(copy)
+            return copy
+        if self.proc.sandbox_root is not None and os.geteuid() == 0:
+            os.chmod(copy, 0o444)
         return copy
 
     def hand_out(self, produced: Path, dest: Path) -> Path:
@@ -218,9 +231,12 @@ class ChildSession:
     ) -> None:
         """Ask for several pages at once (``items``: (page, dest) in order); the child converts
         them one after the other and answers each as it is done, so it works on the next pages
-        while the worker checkpoints this one. Collect them in order with ``next_page``."""
-        if self.closed or self.ahead:
-            raise RuntimeError("read_ahead needs an open session with nothing pending")
+        while the worker checkpoints this one. Collect them in order with ``next_page``. Pages
+        already asked for and not yet collected stay due first: the child reads this request
+        once it has answered them (requests are served in order), so it never idles between
+        two read-aheads."""
+        if self.closed:
+            raise RuntimeError("read_ahead needs an open session")
         try:
             if should_stop():
                 raise ConversionStopped()
@@ -234,8 +250,9 @@ class ChildSession:
         except BaseException:
             self.close()
             raise
-        self.ahead = [page for page, _dest in items]
-        self._ahead_since = time.monotonic()
+        if not self.ahead:
+            self._ahead_since = time.monotonic()
+        self.ahead += [page for page, _dest in items]
 
     def next_page(self, page: int, *, timeout_s: float, should_stop: Callable[[], bool]) -> dict:
         """The answer for ``page``, which must be the next one due from ``read_ahead``. The
@@ -279,6 +296,24 @@ class ChildSession:
     ) -> dict:
         """The next answer line. ``timeout_s``: how long to wait from now; ``limit_s``: the limit
         to name in the timeout error (default ``timeout_s``)."""
+        newline = self._buffer.find(b"\n")
+        if newline < 0:  # else the answer came with an earlier read (read-ahead): no wait
+            newline = self._wait_for_line(
+                timeout_s=timeout_s, limit_s=limit_s, should_stop=should_stop
+            )
+        line, self._buffer = self._buffer[:newline], self._buffer[newline + 1 :]
+        try:
+            outcome = json.loads(line)
+        except ValueError:
+            raise ConverterCrashed("the converter sent an unreadable answer") from None
+        if not isinstance(outcome, dict) or "ok" not in outcome:
+            raise ConverterCrashed("the converter sent an unreadable answer")
+        return outcome
+
+    def _wait_for_line(
+        self, *, timeout_s: float, limit_s: float | None, should_stop: Callable[[], bool]
+    ) -> int:
+        """Read from the child until the buffer holds a whole line; its end's index."""
         deadline = time.monotonic() + timeout_s
         next_check = time.monotonic() + POLL_MAX_S
         fd = self._pipe(self.proc.stdout).fileno()
@@ -299,14 +334,7 @@ class ChildSession:
             elif time.monotonic() >= deadline:  # an answer already in the pipe still counts
                 limit = timeout_s if limit_s is None else limit_s
                 raise ConversionTimeout(f"the converter did not finish within {limit:g} s")
-        line, self._buffer = self._buffer[:newline], self._buffer[newline + 1 :]
-        try:
-            outcome = json.loads(line)
-        except ValueError:
-            raise ConverterCrashed("the converter sent an unreadable answer") from None
-        if not isinstance(outcome, dict) or "ok" not in outcome:
-            raise ConverterCrashed("the converter sent an unreadable answer")
-        return outcome
+        return newline
 
     def _crashed(self) -> None:
         """The child ended (or closed its pipe) without answering: kill, reap, raise."""

@@ -146,12 +146,13 @@ def pdf_page(
     dest: str,
     limits: Limits,
     password: str | None = None,
+    inline_max_bytes: int = 0,
 ) -> dict:
     doc = document(Path(path), password)
     if not 1 <= page <= len(doc):
         raise InvalidInput(f"page {page} does not exist (the document has {len(doc)})")
     if output == "text":
-        return _text(doc, page, Path(dest))
+        return _text(doc, page, Path(dest), inline_max_bytes)
     if output == "png":
         return _render(doc, page, dpi, Path(dest), limits)
     if output == "pdf":
@@ -159,7 +160,9 @@ def pdf_page(
     raise ValueError(output)
 
 
-def _text(doc: pdfium.PdfDocument, page: int, dest: Path) -> dict:
+def _text(doc: pdfium.PdfDocument, page: int, dest: Path, inline_max_bytes: int = 0) -> dict:
+    """The page's text, written to ``dest``; or, when its UTF-8 is at most ``inline_max_bytes``,
+    returned in the answer (``text``) with no file: the worker stores it in its checkpoint row."""
     pdf_page_obj = textpage = None
     try:
         pdf_page_obj = doc[page - 1]
@@ -173,7 +176,10 @@ def _text(doc: pdfium.PdfDocument, page: int, dest: Path) -> dict:
                 handle.close()
     # pdfium separates lines with CRLF; the result is plain UTF-8 text with LF.
     text = text.replace("\r\n", "\n").replace("\r", "\n").replace("\x00", "")
-    dest.write_text(text, encoding="utf-8")
+    encoded = text.encode("utf-8")
+    if 0 < inline_max_bytes and len(encoded) <= inline_max_bytes:
+        return {"media_type": TEXT_PLAIN, "text": text}
+    dest.write_bytes(encoded)
     return {"media_type": TEXT_PLAIN}
 
 

@@ -77,11 +77,15 @@ def _page_call(
     should_stop: Callable[[], bool],
     lookahead: Sequence[int] = (),
     password: str | None = None,
+    inline_max_bytes: int = 0,
 ) -> PageArtifact:
     """Convert ``page`` in the document's session. ``lookahead``: the pages the caller will ask
     for next, in order; they are requested with this one (up to READ_AHEAD_PAGES) and the child
-    converts them while the caller checkpoints. Asking for a page out of that order ends the
-    session (its child is killed and a fresh one serves the page)."""
+    converts them while the caller checkpoints; when half of them are collected, the next ones
+    are requested (queued behind the first request), so the child never waits for the caller.
+    Asking for a page out of that order ends the session (its child is killed and a fresh one
+    serves the page). ``inline_max_bytes`` (pdf text only): a page's text up to that many bytes
+    comes back in the answer (``PageArtifact.content``), with no file written or moved."""
     if not 1 <= page <= prepared.page_count:
         raise InvalidInput(f"page {page} does not exist (the document has {prepared.page_count})")
     dest_dir.mkdir(parents=True, exist_ok=True)
@@ -107,27 +111,41 @@ def _page_call(
                 limits=limits,
                 should_stop=should_stop,
             )
+        upcoming = [p for p in lookahead if p != page and 1 <= p <= prepared.page_count]
         if not session.ahead:
-            upcoming = [p for p in lookahead if p != page and 1 <= p <= prepared.page_count]
-            pages = [page, *upcoming[: READ_AHEAD_PAGES - 1]]
+            wanted = [page, *upcoming[: READ_AHEAD_PAGES - 1]]
+        elif len(session.ahead) <= READ_AHEAD_PAGES // 2 and session.ahead == [
+            page,
+            *upcoming[: len(session.ahead) - 1],
+        ]:
+            # Half collected, the plan unchanged: queue the next pages behind those in flight.
+            wanted = upcoming[len(session.ahead) - 1 : len(session.ahead) - 1 + READ_AHEAD_PAGES]
+        else:
+            wanted = []
+        if wanted:
             session.folder("out")
             if fault:
                 session.fault_records_to = dest_dir
+            extra = {"inline_max_bytes": inline_max_bytes} if inline_max_bytes > 0 else {}
             # The child writes in its private directory; each page is handed out when read.
             session.read_ahead(
                 op,
-                [(p, str(_page_dest(session.inside("out"), p, output))) for p in pages],
+                [(p, str(_page_dest(session.inside("out"), p, output))) for p in wanted],
                 {
                     "path": str(session.document),
                     "output": output,
                     "dpi": max(1, min(dpi, limits.max_dpi)),
                     **secret,
+                    **extra,
                 },
                 timeout_s=limits.page_timeout_s,
                 should_stop=should_stop,
                 fault=fault,
             )
         result = session.next_page(page, timeout_s=limits.page_timeout_s, should_stop=should_stop)
+        if "text" in result:  # inline: the page's text came with the answer, no file
+            content = result["text"].encode("utf-8")
+            return PageArtifact(path=None, media_type=result["media_type"], content=content)
         session.hand_out(_page_dest(session.inside("out"), page, output), dest)
     except BaseException:
         # A killed or failed child may have left half an artifact; it must never be promoted.
@@ -165,7 +183,17 @@ class PdfConverter:
         return Prepared(document=Path(source), media_type=PDF, page_count=result["page_count"])
 
     def convert_page(
-        self, *, prepared, page, output, options, dest_dir, limits, should_stop, lookahead=()
+        self,
+        *,
+        prepared,
+        page,
+        output,
+        options,
+        dest_dir,
+        limits,
+        should_stop,
+        lookahead=(),
+        inline_max_bytes=0,
     ) -> PageArtifact:
         if output not in self.outputs:
             raise UnsupportedConversion(f"{prepared.media_type} -> {output}")
@@ -180,6 +208,7 @@ class PdfConverter:
             should_stop=should_stop,
             lookahead=lookahead,
             password=(options or {}).get("password"),
+            inline_max_bytes=inline_max_bytes if output == "text" else 0,
         )
 
 
@@ -209,7 +238,17 @@ class ImageConverter:
         )
 
     def convert_page(
-        self, *, prepared, page, output, options, dest_dir, limits, should_stop, lookahead=()
+        self,
+        *,
+        prepared,
+        page,
+        output,
+        options,
+        dest_dir,
+        limits,
+        should_stop,
+        lookahead=(),
+        inline_max_bytes=0,
     ) -> PageArtifact:
         if output not in self.outputs:
             raise UnsupportedConversion(f"{prepared.media_type} -> {output}")
@@ -296,7 +335,17 @@ class OfficeConverter:
         return Prepared(document=document, media_type=PDF, page_count=result["page_count"])
 
     def convert_page(
-        self, *, prepared, page, output, options, dest_dir, limits, should_stop, lookahead=()
+        self,
+        *,
+        prepared,
+        page,
+        output,
+        options,
+        dest_dir,
+        limits,
+        should_stop,
+        lookahead=(),
+        inline_max_bytes=0,
     ) -> PageArtifact:
         if output not in self.outputs:
             raise UnsupportedConversion(f"{prepared.media_type} -> {output}")

@@ -9,6 +9,7 @@ a ``CheckpointBatch`` (``checkpoints.py``); database calls are retried across a 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from django.conf import settings
-from django.db import close_old_connections
+from django.db import connections
 
 from conversion_jobs import converters, storage
 from conversion_jobs.converters import ConversionError, ConversionStopped, Limits
@@ -73,10 +74,22 @@ def engine_settings_from_settings() -> EngineSettings:
     )
 
 
+def _connections_refresh() -> None:
+    """``close_old_connections()`` without its health-check ping: a connection past its
+    ``CONN_MAX_AGE``, in a failed state or with errors is closed as before, but a healthy-looking
+    one is not probed with a ``SELECT 1`` before the claim (one round trip per job). A connection
+    that died meanwhile fails the claim statement before it runs, and the claim is retried on a
+    new connection (``db_retry_until``), as every later call of the attempt is (``db_retry``)."""
+    for conn in connections.all(initialized_only=True):
+        conn.close_if_unusable_or_obsolete()
+        if conn.connection is not None and not conn.errors_occurred:
+            conn.health_check_done = True  # type: ignore[attr-defined]
+
+
 def conversion_job_execute(*, job_id: uuid.UUID, generation: int) -> str:
     """Claim and run one delivery. Returns what happened (for logs and tests): ``duplicate``,
     ``succeeded``, ``partial``, ``failed``, ``retry_wait``, ``cancelled`` or ``lost``."""
-    close_old_connections()
+    _connections_refresh()
     converters.sandbox.configure(work_dir=settings.QUIRE["WORK_DIR"])
     claim = db_retry_until(
         CLAIM_DEADLINE_S,
@@ -122,8 +135,12 @@ _TERMINAL_OUTCOMES = frozenset({"succeeded", "partial", "failed", "cancelled"})
 
 
 def _run(*, lease: Lease, job: ConversionJob, heartbeat: Heartbeat, workdir: Path) -> str:
+    #: the page count prepare found, while it is still to be recorded (see _convert)
+    unrecorded: dict[str, int] = {}
     try:
-        return _convert(lease=lease, job=job, heartbeat=heartbeat, workdir=workdir)
+        return _convert(
+            lease=lease, job=job, heartbeat=heartbeat, workdir=workdir, unrecorded=unrecorded
+        )
     except (LeaseLost, ConversionStopped):
         return _stopped(lease=lease)
     except ConversionError as exc:
@@ -131,6 +148,10 @@ def _run(*, lease: Lease, job: ConversionJob, heartbeat: Heartbeat, workdir: Pat
         if exc.retryable:
             state = db_retry(execution.conversion_job_retry_later, lease=lease, code=code)
             return str(state) if state else _stopped(lease=lease)
+        try:
+            _record_page_count(lease, unrecorded)
+        except LeaseLost:
+            return _stopped(lease=lease)
         won = db_retry(execution.conversion_job_fail, lease=lease, code=code, detail=code)
         return "failed" if won else _stopped(lease=lease)
     except DB_ERRORS:
@@ -140,6 +161,16 @@ def _run(*, lease: Lease, job: ConversionJob, heartbeat: Heartbeat, workdir: Pat
         log.warning("storage error during conversion", exc_info=False)
         state = db_retry(execution.conversion_job_retry_later, lease=lease, code="storage_error")
         return str(state) if state else _stopped(lease=lease)
+
+
+def _record_page_count(lease: Lease, unrecorded: dict[str, int]) -> None:
+    """Record a deferred page count before a terminal failure (fenced; LeaseLost if lost)."""
+    if "page_count" in unrecorded:
+        db_retry(
+            execution.conversion_job_record_page_count,
+            lease=lease,
+            page_count=unrecorded.pop("page_count"),
+        )
 
 
 def _stopped(*, lease: Lease) -> str:
@@ -178,8 +209,16 @@ def _options_for_attempt(options: dict[str, Any], lease: Lease) -> dict[str, Any
     return options
 
 
-def _convert(*, lease: Lease, job: ConversionJob, heartbeat: Heartbeat, workdir: Path) -> str:
-    """``job``: the row as the claim read it back (options, source, output never change)."""
+def _convert(
+    *,
+    lease: Lease,
+    job: ConversionJob,
+    heartbeat: Heartbeat,
+    workdir: Path,
+    unrecorded: dict[str, int],
+) -> str:
+    """``job``: the row as the claim read it back (options, source, output never change).
+    ``unrecorded`` gets the page count when its recording is deferred to the publish."""
     options = _options_for_attempt(job.options, lease)
     if job.password_sealed is not None:
         password = unseal(job.password_sealed)
@@ -207,10 +246,12 @@ def _convert(*, lease: Lease, job: ConversionJob, heartbeat: Heartbeat, workdir:
         input=job.source_media_type, engine=engine_label(converter)
     ).observe(time.monotonic() - started)
     if job.source_page_count != prepared.page_count:
-        db_retry(
-            execution.conversion_job_record_page_count, lease=lease, page_count=prepared.page_count
-        )
-    pages = _selected_pages(job.options, prepared.page_count)
+        unrecorded["page_count"] = prepared.page_count
+    pages = _selected_pages(job.options, prepared.page_count)  # terminal errors record it (_run)
+    if len(pages) != 1:
+        # Progress needs the count now. With one page to convert the publish records it (no
+        # UPDATE of its own), or a terminal failure first.
+        _record_page_count(lease, unrecorded)
     checkpoints = {} if lease.first_run else db_retry(page_checkpoints_by_page, job_id=lease.job_id)
     page_budget = settings.QUIRE["PAGE_MAX_ATTEMPTS"]
     with CheckpointBatch(lease, checkpoints) as batch:
@@ -227,6 +268,7 @@ def _convert(*, lease: Lease, job: ConversionJob, heartbeat: Heartbeat, workdir:
             checkpoints=checkpoints,
             page_budget=page_budget,
             batch=batch,
+            unrecorded=unrecorded,
         )
 
 
@@ -244,6 +286,7 @@ def _convert_pages(
     checkpoints: dict[int, Any],
     page_budget: int,
     batch: CheckpointBatch,
+    unrecorded: dict[str, int],
 ) -> str:
     stop = heartbeat.stop.is_set
     local: dict[int, Path] = {}  # pages of this attempt: where their bytes are on this host
@@ -254,6 +297,8 @@ def _convert_pages(
         if checkpoints.get(page) is None
         or checkpoints[page].state not in (PageState.DONE, PageState.FAILED)
     ]
+    # A small text page comes back from the child as bytes and rides in its checkpoint row.
+    inline_max = settings.QUIRE["INLINE_PAGE_MAX_BYTES"] if job.output == "text" else 0
     for index, page in enumerate(todo):
         done = checkpoints.get(page)
         if heartbeat.stop.is_set():
@@ -273,7 +318,8 @@ def _convert_pages(
                         dest_dir=workdir,
                         limits=limits,
                         should_stop=stop,
-                        lookahead=todo[index + 1 : index + converters.READ_AHEAD_PAGES],
+                        lookahead=todo[index + 1 : index + 2 * converters.READ_AHEAD_PAGES],
+                        inline_max_bytes=inline_max,
                     )
             except ConversionStopped:
                 raise
@@ -303,7 +349,10 @@ def _convert_pages(
             key = storage.page_key(
                 job_id=lease.job_id, page=page, generation=lease.generation, ext=ext
             )
-            sha, size = storage.sha256_file(artifact.path)
+            if artifact.content is not None:
+                sha, size = hashlib.sha256(artifact.content).hexdigest(), len(artifact.content)
+            else:
+                sha, size = storage.sha256_file(_path(artifact))
             checkpoint = PageCheckpoint(
                 job_id=lease.job_id,
                 page_number=page,
@@ -315,13 +364,17 @@ def _convert_pages(
                 media_type=artifact.media_type,
                 generation=lease.generation,
             )
-            if job.output == "text" and size <= settings.QUIRE["INLINE_PAGE_MAX_BYTES"]:
+            if job.output == "text" and size <= inline_max:
                 # A small text page rides in its checkpoint row: durable when the batch commits.
                 checkpoint.artifact_key = INLINE_PREFIX + key
-                checkpoint.content = artifact.path.read_bytes()
+                checkpoint.content = (
+                    artifact.content
+                    if artifact.content is not None
+                    else _path(artifact).read_bytes()
+                )
                 batch.add(checkpoint, None)
             else:
-                put = storage.put_file(key, artifact.path, wait=False)
+                put = storage.put_file(key, _path(artifact), wait=False, sha256=sha)
                 local[page] = put.local
                 batch.add(checkpoint, put)
             break
@@ -334,7 +387,15 @@ def _convert_pages(
         prepared=prepared,
         workdir=workdir,
         local=local,
+        unrecorded=unrecorded,
     )
+
+
+def _path(artifact: Any) -> Path:
+    """The file of a page artifact that is not inline (a converter bug otherwise)."""
+    if artifact.path is None:
+        raise RuntimeError("an inline page artifact where a file was expected")
+    return Path(artifact.path)
 
 
 def _page_source(checkpoint: Any, local: dict[int, Any], workdir: Path) -> Path | bytes:
@@ -368,6 +429,7 @@ def _finalize(
     prepared: Any,
     workdir: Path,
     local: dict[int, Path],
+    unrecorded: dict[str, int],
 ) -> str:
     """Assemble the result from page artifacts and publish it with one fenced CAS; the pages
     still waiting in ``batch`` are checkpointed in that same transaction. Pages an earlier
@@ -382,6 +444,7 @@ def _finalize(
     failed = [p for p in pages if outcome[p].state == PageState.FAILED]
     if failed and (not done or not job.options.get("allow_partial", True)):
         batch.flush()
+        _record_page_count(lease, unrecorded)
         code = checkpoints[failed[0]].error_code or "page_failed"
         won = db_retry(
             execution.conversion_job_fail,
@@ -398,7 +461,7 @@ def _finalize(
     ext = {"text": "txt", "png": "zip", "pdf": "pdf"}[job.output]
     key = storage.result_key(job_id=lease.job_id, generation=lease.generation, ext=ext)
     sha, size = storage.sha256_file(assembled)
-    storage.put_file(key, assembled)
+    storage.put_file(key, assembled, sha256=sha)
     batch.durable()  # the last pages are checkpointed by the publishing transaction
     state = State.PARTIAL if failed else State.SUCCEEDED
     won = db_retry(
@@ -412,6 +475,7 @@ def _finalize(
             media_type=media_type,
             pages_done=len(done),
             pages_failed=len(failed),
+            page_count=unrecorded.get("page_count"),
         ),
         checkpoints=list(pending.values()),
     )

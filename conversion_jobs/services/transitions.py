@@ -410,11 +410,44 @@ def _claim_postgres(
         ),
         details=spliced_sql(details, exprs={"attempt_number": "attempts"}, params=params),
     )
-    rows = list(ConversionJob.objects.raw(sql, params))
-    if not rows:
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        row = cursor.fetchone()
+        names = tuple(column.name for column in cursor.description or ())
+    if row is None:
         return None
-    job = rows[0]
-    return job, int(job.attempt_id)  # type: ignore[attr-defined]
+    return _job_from_row(names, row)
+
+
+#: per column list: (attnames, their positions, converters, position of attempt_id)
+_ROW_PLANS: dict[tuple[str, ...], tuple[list[str], list[int], dict[int, Any], int]] = {}
+
+
+def _job_from_row(names: tuple[str, ...], row: tuple[Any, ...]) -> tuple[ConversionJob, int]:
+    """The claimed job as ``ConversionJob.objects.raw`` would build it (the fields' database
+    converters applied), without its per-query column mapping: the plan is computed once."""
+    plan = _ROW_PLANS.get(names)
+    if plan is None:
+        position = {name: i for i, name in enumerate(names)}
+        fields = [f for f in ConversionJob._meta.concrete_fields if (f.column or "") in position]
+        compiler = ConversionJob.objects.all().query.get_compiler(using=connection.alias)
+        cols = [f.get_col(ConversionJob._meta.db_table) for f in fields]
+        plan = (
+            [f.attname for f in fields],
+            [position[f.column or ""] for f in fields],
+            compiler.get_converters(cols),
+            position["attempt_id"],
+        )
+        _ROW_PLANS[names] = plan
+    attnames, positions, converters, attempt_at = plan
+    values = [row[i] for i in positions]
+    for index, (functions, expression) in converters.items():  # as SQLCompiler.apply_converters
+        value = values[index]
+        for function in functions:
+            value = function(value, expression, connection)
+        values[index] = value
+    job = ConversionJob.from_db(connection.alias, attnames, values)
+    return job, int(row[attempt_at])
 
 
 def _claim_orm(
@@ -474,6 +507,9 @@ class Result:
     media_type: str
     pages_done: int
     pages_failed: int
+    #: the document's page count when the attempt has not recorded it yet (a one-page job
+    #: records it with its publish instead of one more fenced UPDATE); None: leave it
+    page_count: int | None = None
 
 
 @edge(State.RUNNING, State.SUCCEEDED)
@@ -507,6 +543,8 @@ def _publish(lease: Lease, state: State, result: Result, checkpoints: list[PageC
         "result_size": result.size,
         "result_media_type": result.media_type,
     }
+    if result.page_count is not None:
+        values["source_page_count"] = result.page_count
     if _postgres() and all(c.state == PageState.DONE for c in checkpoints):
         won = _publish_postgres(lease, state, values, details, checkpoints)
     else:
@@ -528,6 +566,60 @@ def _publish(lease: Lease, state: State, result: Result, checkpoints: list[PageC
     return won
 
 
+#: A batch of done pages on Postgres, one statement (its own transaction): the fenced UPDATE
+#: of the job row takes the row lock first (a recovery or a cancel that committed before us
+#: makes it match zero rows after the lock wait), and the upsert inserts only from its
+#: returned row, so a lost fence writes nothing. Counted like ``_PUBLISH_SQL``'s pages.
+_DONE_PAGES_SQL = """
+WITH moved AS (
+    UPDATE conversion_job SET pages_done = pages_done + %(n_done)s, updated_at = now()
+    WHERE id = %(job)s AND generation = %(generation)s AND lease_token = %(token)s
+      AND state = 'running'
+    RETURNING id
+), pages AS (
+    INSERT INTO page_checkpoint
+        (job_id, page_number, state, attempts, artifact_key, artifact_sha256, artifact_size,
+         media_type, error_code, generation, updated_at, content)
+    SELECT m.id, p.page_number, 'done', p.attempts, p.artifact_key, p.artifact_sha256,
+           p.artifact_size, p.media_type, NULL, %(generation)s, now(), p.content
+    FROM moved m, unnest(%(p_number)s::int[], %(p_attempts)s::int[], %(p_key)s::text[],
+                         %(p_sha)s::text[], %(p_size)s::bigint[], %(p_media)s::text[],
+                         %(p_content)s::bytea[])
+         AS p(page_number, attempts, artifact_key, artifact_sha256, artifact_size, media_type,
+              content)
+    ON CONFLICT (job_id, page_number) DO UPDATE SET
+        state = EXCLUDED.state, attempts = EXCLUDED.attempts,
+        artifact_key = EXCLUDED.artifact_key, artifact_sha256 = EXCLUDED.artifact_sha256,
+        artifact_size = EXCLUDED.artifact_size, media_type = EXCLUDED.media_type,
+        error_code = NULL, generation = EXCLUDED.generation, updated_at = EXCLUDED.updated_at,
+        content = EXCLUDED.content
+)
+SELECT count(*) FROM moved
+"""
+
+
+def done_pages_record(*, lease: Lease, checkpoints: list[PageCheckpoint]) -> bool:
+    """A checkpoint batch of done pages on Postgres (``_DONE_PAGES_SQL``), fenced; not an edge:
+    the job's state is only its guard. False: the fence matched nothing (nothing written)."""
+    params: dict[str, Any] = {
+        "job": lease.job_id,
+        "generation": lease.generation,
+        "token": lease.token,
+        "n_done": len(checkpoints),
+        "p_number": [c.page_number for c in checkpoints],
+        "p_attempts": [c.attempts for c in checkpoints],
+        "p_key": [c.artifact_key for c in checkpoints],
+        "p_sha": [c.artifact_sha256 for c in checkpoints],
+        "p_size": [c.artifact_size for c in checkpoints],
+        "p_media": [c.media_type for c in checkpoints],
+        "p_content": [c.content for c in checkpoints],
+    }
+    with connection.cursor() as cursor:
+        cursor.execute(_DONE_PAGES_SQL, params)
+        (moved,) = cursor.fetchone()
+    return bool(moved)
+
+
 #: running -> succeeded | partial in one round trip, with the terminal hook in SQL: the job
 #: (fenced on generation, token and state, under its row lock), its last page checkpoints, the
 #: lease ended, the attempt closed, pending cancellation requests lost to completion, the audit
@@ -543,6 +635,7 @@ WITH locked AS (
         state = %(state)s, result_key = %(result_key)s, result_sha256 = %(result_sha256)s,
         result_size = %(result_size)s, result_media_type = %(result_media_type)s,
         finished_at = now(), pages_done = j.pages_done + %(n_done)s, lease_token = NULL,
+        source_page_count = COALESCE(%(source_page_count)s, j.source_page_count),
         state_version = j.state_version + 1, updated_at = now(),
         audit_seq = l.audit_seq + 1, audit_head = {hash}
     FROM locked l WHERE j.id = l.id
@@ -615,6 +708,7 @@ def _publish_postgres(
         "p_size": [c.artifact_size for c in checkpoints],
         "p_media": [c.media_type for c in checkpoints],
         "p_content": [c.content for c in checkpoints],
+        "source_page_count": None,
         **values,
     }
     sql = _PUBLISH_SQL.format(

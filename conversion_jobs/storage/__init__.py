@@ -101,8 +101,8 @@ def stage() -> tuple[BinaryIO, Path]:
     return store().stage()
 
 
-def put_file(key: str, path: Path, *, wait: bool = True) -> Put:
-    return store().put_file(key, path, wait=wait)
+def put_file(key: str, path: Path, *, wait: bool = True, sha256: str | None = None) -> Put:
+    return store().put_file(key, path, wait=wait, sha256=sha256)
 
 
 def put(key: str, stream: BinaryIO) -> None:
@@ -124,7 +124,7 @@ def put_source(staged: Path, sha256: str) -> tuple[str, bool]:
     target = store()
     if target.exists(key):
         return key, False
-    target.put_file(key, staged)
+    target.put_file(key, staged, sha256=sha256)
     return key, True
 
 

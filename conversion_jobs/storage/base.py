@@ -123,11 +123,14 @@ class ArtifactStore(ABC):
         """An open local file (0600) to stream an upload into before it is stored."""
 
     @abstractmethod
-    def put_file(self, key: str, path: Path, *, wait: bool = True) -> Put:
+    def put_file(
+        self, key: str, path: Path, *, wait: bool = True, sha256: str | None = None
+    ) -> Put:
         """Store the bytes of local file ``path`` under ``key``. With ``wait`` the object is
         complete and durable on return; otherwise ``settle`` must be called before the key is
         recorded anywhere. ``path`` may be consumed (the returned ``local`` is where the bytes
-        are afterwards)."""
+        are afterwards). ``sha256``: the file's SHA-256 (hex) when the caller knows it; a
+        backend may send it along for the server to verify (S3: ``x-amz-checksum-sha256``)."""
 
     @abstractmethod
     def put(self, key: str, stream: BinaryIO) -> None:

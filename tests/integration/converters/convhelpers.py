@@ -88,9 +88,18 @@ class Stopwatch:
         self.elapsed = time.monotonic() - self.start
 
 
-def convert_page(doc, dest_dir: Path, page: int, *, limits: Limits, fault=None, lookahead=()):
+def convert_page(
+    doc,
+    dest_dir: Path,
+    page: int,
+    *,
+    limits: Limits,
+    fault=None,
+    lookahead=(),
+    inline_max_bytes: int = 0,
+):
     """``doc`` = (converter, prepared): one page to text at 72 dpi, optionally with a test
-    fault and the pages the caller will ask for next."""
+    fault, the pages the caller will ask for next and the inline limit of its text."""
     converter, prepared = doc
     options = {"dpi": 72, **({"_test_fault": fault} if fault else {})}
     return converter.convert_page(
@@ -102,6 +111,7 @@ def convert_page(doc, dest_dir: Path, page: int, *, limits: Limits, fault=None, 
         limits=limits,
         should_stop=never,
         lookahead=lookahead,
+        inline_max_bytes=inline_max_bytes,
     )
 
 

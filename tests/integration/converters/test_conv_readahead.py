@@ -60,6 +60,48 @@ def test_read_ahead__asks_for_at_most_the_configured_number_of_pages(doc, tmp_pa
     assert _session(doc, tmp_path).ahead == list(range(2, READ_AHEAD_PAGES + 1))
 
 
+def test_read_ahead__the_next_pages_are_queued_when_half_are_collected(doc, tmp_path):
+    plan = list(range(1, 41))
+    _page(doc, tmp_path, 1, plan[1:])
+    session = _session(doc, tmp_path)
+    half = READ_AHEAD_PAGES // 2
+    collected = 1
+    while len(session.ahead) > half:
+        collected += 1
+        _page(doc, tmp_path, collected, plan[collected:])
+    # The next call finds half the window collected: it queues the next window behind it.
+    collected += 1
+    _page(doc, tmp_path, collected, plan[collected:])
+    assert session.ahead == plan[collected : collected + half - 1 + READ_AHEAD_PAGES]
+    for page in plan[collected:]:
+        artifact = _page(doc, tmp_path, page, plan[page:])
+        assert artifact.path.read_text() == f"Page {page} of the Quire test document"
+    assert session.ahead == []
+    assert _session(doc, tmp_path) is session  # one child, no request ever mixed up
+
+
+def test_read_ahead__small_text_pages_come_back_inline_without_a_file(doc, tmp_path):
+    plan = list(range(1, 6))
+    for page in plan:
+        artifact = convert_page(
+            doc,
+            tmp_path / "attempt",
+            page,
+            limits=LIMITS,
+            lookahead=plan[page:],
+            inline_max_bytes=1024,
+        )
+        assert artifact.path is None
+        assert artifact.content == f"Page {page} of the Quire test document".encode()
+    session = _session(doc, tmp_path)
+    assert not any(session.inside("out").iterdir())  # the child wrote no page file
+    assert not list((tmp_path / "attempt").glob("page-*"))
+    # Above the limit a page is a file, as without it.
+    big = convert_page(doc, tmp_path / "attempt", 6, limits=LIMITS, inline_max_bytes=10)
+    assert big.content is None
+    assert big.path.read_text() == "Page 6 of the Quire test document"
+
+
 def test_read_ahead__out_of_order_request_gets_a_fresh_child_and_the_right_page(doc, tmp_path):
     _page(doc, tmp_path, 1, [2, 3, 4])
     first = _session(doc, tmp_path)

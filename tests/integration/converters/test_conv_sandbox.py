@@ -3,6 +3,7 @@ sandbox that cannot be set up. The attacks through real jobs are in
 tests/integration/execution/test_execution_sandbox.py."""
 
 import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -64,17 +65,31 @@ def test_libreoffice_killed_at_the_memory_limit__leaves_no_osl_pipe_on_the_host(
     assert list(root.tmp.glob("OSL_PIPE_*")) == []
 
 
-def test_document__reaches_the_child_as_a_copy_in_its_private_directory(tmp_path):
+def test_document__reaches_the_child_in_its_private_directory_read_only(tmp_path):
+    """Handed in as a hard link to the attempt's copy (no second copy of the bytes), which the
+    sandbox's uid can read and not change."""
     source = testdocs.make_pdf(tmp_path / "doc.pdf", pages=2)
+    os.chmod(source, 0o600)  # as the worker downloads it
     session = sessions.open_session(
         document=source, scratch_dir=tmp_path, limits=Limits(), should_stop=never
     )
     assert session.document is not None and session.private is not None
     assert session.document.parent.parent == session.private
     assert session.document.read_bytes() == source.read_bytes()
-    assert session.document.stat().st_ino != source.stat().st_ino
     root = session.proc.sandbox_root
     assert root is not None and session.private.parent == root.work
+    handed = session.document.stat()
+    assert handed.st_ino == source.stat().st_ino  # a link: the bytes were not copied again
+    assert handed.st_uid == os.geteuid() != root.uid
+    expected = 0o444 if os.geteuid() == 0 else 0o600  # a non-root sandbox runs as our uid
+    assert stat.S_IMODE(handed.st_mode) == expected
+    # The child reads it (it prepares the document from it).
+    assert session.call(
+        "pdf_prepare",
+        {"path": str(session.document)},
+        timeout_s=20,
+        should_stop=never,
+    ) == {"page_count": 2}
 
 
 def test_off_switch__children_share_the_worker_namespaces(tmp_path, fresh_probe, monkeypatch):

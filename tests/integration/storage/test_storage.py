@@ -85,6 +85,33 @@ def test_store__multipart_upload_round_trips(backend, tmp_path):
     assert (tmp_path / "back").read_bytes() == data
 
 
+def test_store__a_put_with_its_sha256_round_trips_unwaited_or_not(backend, tmp_path):
+    job = uuid.uuid4()
+    data = [os.urandom(200_000) for _ in range(4)]
+    puts = []
+    for n, body in enumerate(data, 1):
+        path = _file(tmp_path, body)
+        sha, _size = storage.sha256_file(path)
+        key = storage.page_key(job_id=job, page=n, generation=1, ext="png")
+        puts.append(storage.put_file(key, path, wait=n % 2 == 0, sha256=sha))
+    storage.settle(puts)
+    assert [storage.open_object(p.key).read() for p in puts] == data
+
+
+def test_s3__a_put_whose_bytes_do_not_match_its_sha256_is_refused(s3_store, tmp_path):
+    """The SHA-256 a page's row records travels with its PUT; the server checks it, so an
+    object never holds other bytes than its row names."""
+    key = storage.page_key(job_id=uuid.uuid4(), page=1, generation=1, ext="png")
+    path = _file(tmp_path, b"the page")
+    wrong = "0" * 64
+    with pytest.raises(storage.StorageError):
+        storage.put_file(key, path, sha256=wrong)
+    put = storage.put_file(key, path, wait=False, sha256=wrong)
+    with pytest.raises(storage.StorageError):
+        storage.settle([put])
+    assert not storage.exists(key)
+
+
 @pytest.mark.parametrize("key", ["../etc/passwd", "/abs", "pages/../x", "a//b", "", "a b"])
 def test_store__refuses_keys_outside_the_scheme(backend, key, tmp_path):
     with pytest.raises(ValueError):

@@ -22,7 +22,13 @@ from django.utils import timezone
 
 from bench.history import seed_history
 from conversion_jobs import storage
-from conversion_jobs.models import ConversionJob, ConversionOutbox, WorkerLease
+from conversion_jobs.models import (
+    ConversionJob,
+    ConversionOutbox,
+    PageCheckpoint,
+    PageState,
+    WorkerLease,
+)
 from conversion_jobs.services import dispatch, recovery, retention, transitions
 from conversion_jobs.services.acceptance import StagedUpload, conversion_job_accept
 from conversion_jobs.services.cancellation import conversion_job_cancel
@@ -110,6 +116,21 @@ def test_plans__claim_checkpoint_publish(history, no_broker_publish):
     job = history()
     claim = transitions.claim(job_id=job.id, generation=1, worker="w")
     assert claim is not None
+    page = PageCheckpoint(
+        job_id=job.id,
+        page_number=1,
+        state=PageState.DONE,
+        attempts=1,
+        artifact_key=f"inline:pages/{job.id}/00001.g1.txt",
+        artifact_sha256="a" * 64,
+        artifact_size=1,
+        media_type="text/plain",
+        generation=1,
+        content=b"x",
+    )
+    _assert_indexed(
+        _plans(lambda: transitions.done_pages_record(lease=claim.lease, checkpoints=[page]))
+    )
     result = transitions.Result(
         key="results/x",
         sha256="a" * 64,

@@ -1,0 +1,94 @@
+"""A checkpoint batch of done pages (one statement on Postgres, ``_DONE_PAGES_SQL``; the ORM
+transaction elsewhere): fenced like every write of an attempt, and all or nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+
+import pytest
+
+from conversion_jobs.models import ConversionJob, PageCheckpoint, PageState
+from conversion_jobs.services import transitions
+from conversion_jobs.services.checkpoints import INLINE_PREFIX, page_checkpoints_record
+from conversion_jobs.services.leases import LeaseLost
+from tests import testdocs
+from tests.integration.execution.jobkit import submit
+
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.usefixtures("fast_quire", "no_broker_publish"),
+]
+
+
+def _claimed(tmp_path):
+    source = testdocs.make_pdf(tmp_path / f"{uuid.uuid4().hex}.pdf", pages=3)
+    job = submit(source, output="text")
+    claim = transitions.claim(job_id=job.id, generation=job.generation, worker="w")
+    assert claim is not None
+    return job, claim.lease
+
+
+def _done(lease, page: int, text: bytes) -> PageCheckpoint:
+    key = f"pages/{lease.job_id}/{page:05d}.g{lease.generation}.txt"
+    return PageCheckpoint(
+        job_id=lease.job_id,
+        page_number=page,
+        state=PageState.DONE,
+        attempts=1,
+        artifact_key=INLINE_PREFIX + key,
+        artifact_sha256="0" * 64,
+        artifact_size=len(text),
+        media_type="text/plain; charset=utf-8",
+        generation=lease.generation,
+        content=text,
+    )
+
+
+def test_batch__records_every_page_with_its_bytes_and_moves_the_counter(tmp_path):
+    job, lease = _claimed(tmp_path)
+    # A page recorded pending earlier (its try spent) is overwritten by its done row.
+    page_checkpoints_record(
+        lease=lease,
+        checkpoints=[
+            PageCheckpoint(
+                job_id=job.id,
+                page_number=2,
+                state=PageState.PENDING,
+                attempts=1,
+                error_code="converter_crashed",
+                generation=lease.generation,
+            )
+        ],
+    )
+    page_checkpoints_record(
+        lease=lease, checkpoints=[_done(lease, n, f"page {n}".encode()) for n in (1, 2, 3)]
+    )
+    rows = {p.page_number: p for p in PageCheckpoint.objects.filter(job_id=job.id)}
+    assert {n: (r.state, bytes(r.content), r.error_code) for n, r in rows.items()} == {
+        n: ("done", f"page {n}".encode(), None) for n in (1, 2, 3)
+    }
+    job.refresh_from_db()
+    assert job.pages_done == 3
+
+
+@pytest.mark.parametrize("stale", ["token", "generation"])
+def test_batch__a_stale_lease_writes_nothing(tmp_path, stale):
+    job, lease = _claimed(tmp_path)
+    if stale == "token":
+        stale_lease = dataclasses.replace(lease, token=uuid.uuid4())
+    else:
+        stale_lease = dataclasses.replace(lease, generation=lease.generation + 1)
+    with pytest.raises(LeaseLost):
+        page_checkpoints_record(lease=stale_lease, checkpoints=[_done(lease, 1, b"x")])
+    assert not PageCheckpoint.objects.filter(job_id=job.id).exists()
+    job.refresh_from_db()
+    assert job.pages_done == 0
+
+
+def test_batch__after_a_cancel_writes_nothing(tmp_path):
+    job, lease = _claimed(tmp_path)
+    ConversionJob.objects.filter(id=job.id).update(state="cancelling")
+    with pytest.raises(LeaseLost):
+        page_checkpoints_record(lease=lease, checkpoints=[_done(lease, 1, b"x")])
+    assert not PageCheckpoint.objects.filter(job_id=job.id).exists()
