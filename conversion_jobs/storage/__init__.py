@@ -121,11 +121,7 @@ def put_source(staged: Path, sha256: str) -> tuple[str, bool]:
     """Content-addressed: an object with the same bytes is reused, never uploaded twice.
     Returns the key and whether this call uploaded it. The caller removes ``staged``."""
     key = source_key(sha256)
-    target = store()
-    if target.exists(key):
-        return key, False
-    target.put_file(key, staged, sha256=sha256)
-    return key, True
+    return key, store().put_file_if_absent(key, staged, sha256=sha256)
 
 
 def open_object(key: str) -> BinaryIO:

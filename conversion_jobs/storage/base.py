@@ -132,6 +132,16 @@ class ArtifactStore(ABC):
         are afterwards). ``sha256``: the file's SHA-256 (hex) when the caller knows it; a
         backend may send it along for the server to verify (S3: ``x-amz-checksum-sha256``)."""
 
+    def put_file_if_absent(self, key: str, path: Path, *, sha256: str) -> bool:
+        """Store ``path`` under ``key`` unless an object is there already (content-addressed
+        keys: the same key holds the same bytes). Returns whether this call stored it; either
+        way the object is complete and durable on return. A backend that can ask its server
+        for a conditional create does it in one request."""
+        if self.exists(key):
+            return False
+        self.put_file(key, path, sha256=sha256)
+        return True
+
     @abstractmethod
     def put(self, key: str, stream: BinaryIO) -> None:
         """Store everything ``stream`` yields under ``key``, complete and durable on return."""

@@ -182,6 +182,34 @@ class S3Store(ArtifactStore):
         pending = self._uploads().submit(self._upload, key, path, sha256)
         return Put(key=key, local=Path(path), pending=pending)
 
+    def put_file_if_absent(self, key: str, path: Path, *, sha256: str) -> bool:
+        """A small file: one conditional PUT (``If-None-Match: *``) that the server refuses
+        with 412 when the key exists, so no HEAD goes first. (A server that ignored the
+        condition would store the same bytes again under their content address and report
+        it stored: still correct, as a fresh object is one no deleter touches.) A large file:
+        HEAD, then the multipart upload, whose conditional form the transfer manager does
+        not send."""
+        if os.stat(path).st_size >= PART:
+            return super().put_file_if_absent(key, path, sha256=sha256)
+        name = self._name(key)
+        params = self.backend._get_write_parameters(name)
+        params["ChecksumSHA256"] = base64.b64encode(bytes.fromhex(sha256)).decode()
+        try:
+            with _errors(), open(path, "rb") as body:
+                self._client.put_object(
+                    Bucket=self._bucket, Key=name, Body=body, IfNoneMatch="*", **params
+                )
+        except StorageError as exc:
+            if (
+                getattr(exc.__cause__, "response", {})
+                .get("ResponseMetadata", {})
+                .get("HTTPStatusCode")
+                == 412
+            ):
+                return False
+            raise
+        return True
+
     def put(self, key: str, stream: BinaryIO) -> None:
         with _errors():
             self.backend.save(check_key(key), File(stream, name=key))

@@ -44,6 +44,19 @@ def test_store__put_open_exists_delete(backend, tmp_path):
         storage.download(key, tmp_path / "gone")
 
 
+def test_store__source_is_stored_once_by_content(backend, tmp_path):
+    """A source is created only where its content address is free (S3: one conditional PUT,
+    refused with 412 when the object exists); a second upload of the same bytes reuses it."""
+    data = uuid.uuid4().bytes * 64
+    sha, _size = storage.sha256_file(_file(tmp_path, data))
+    first = storage.put_source(_file(tmp_path, data), sha)
+    again = storage.put_source(_file(tmp_path, data), sha)
+    assert first == (storage.source_key(sha), True)
+    assert again == (storage.source_key(sha), False)
+    with storage.open_object(first[0]) as body:
+        assert body.read() == data
+
+
 def test_store__unwaited_puts_are_complete_once_settled(backend, tmp_path):
     job = uuid.uuid4()
     puts = [
