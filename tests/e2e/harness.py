@@ -114,9 +114,10 @@ def amqp_connection(role: str) -> amqp.Connection:
 def rabbitmqctl(*args: str, timeout: float = 120) -> str:
     """Broker administration goes through the CLI (Erlang cookie, we run on the broker host):
     no Quire user may purge or inspect the dead-letter queue, and guest has no access to the
-    ``quire`` vhost."""
+    ``quire`` vhost. ``RABBITMQCTL`` names another CLI (as for deploy/rabbitmq/apply.sh), e.g.
+    the ``docker exec`` wrapper of tests/containers_plugin.py."""
     proc = subprocess.run(
-        ["rabbitmqctl", "--quiet", *args],
+        [os.environ.get("RABBITMQCTL", "rabbitmqctl"), "--quiet", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -437,6 +438,13 @@ class Cluster:
         self._counter += 1
         name = f"{kind}{self._counter}"
         full_env = {**self.env, "PORT": str(self._counter), **env}
+        if full_env.get("DATABASE_URL", "").startswith("postgres") and not full_env.get(
+            "CELERY_BROKER_URL"
+        ):
+            # Without a broker URL the process would fall back to the standalone profile's
+            # filesystem broker, which nothing reads here: its publishes would vanish and only
+            # the dispatch-timeout sweep would ever deliver the job (pass ``role_env(kind)``).
+            raise ValueError(f"{kind}: a production-profile process needs CELERY_BROKER_URL")
         argv = procfile_command(kind, full_env)
         if argv[0] == "celery":
             argv[0] = str(VENV_BIN / "celery")
