@@ -217,54 +217,12 @@ def publish_task(
     publish_raw(body, headers=headers, copies=copies)
 
 
-def rabbitmq_restart() -> None:
-    subprocess.run(["rabbitmqctl", "stop_app"], check=True, capture_output=True, timeout=120)
-    subprocess.run(["rabbitmqctl", "start_app"], check=True, capture_output=True, timeout=120)
-    subprocess.run(["rabbitmqctl", "await_startup"], check=True, capture_output=True, timeout=120)
-
-
-def rabbitmq_ensure_running() -> None:
-    """Whatever a test did, leave the broker running."""
-    subprocess.run(["rabbitmqctl", "start_app"], capture_output=True, timeout=120, check=False)
-    subprocess.run(["rabbitmqctl", "await_startup"], capture_output=True, timeout=120, check=False)
-
-
 # --- PostgreSQL ---------------------------------------------------------------------------------
 
 
 def postgres_version() -> str:
     versions = sorted(p.name for p in Path("/etc/postgresql").iterdir() if p.name.isdigit())
     return versions[-1]
-
-
-def postgres_restart() -> None:
-    subprocess.run(
-        ["pg_ctlcluster", "--skip-systemctl-redirect", postgres_version(), "main", "restart"],
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
-
-
-def postgres_ensure_running(url: str) -> None:
-    import psycopg
-
-    try:
-        psycopg.connect(url, connect_timeout=3).close()
-        return
-    except Exception:  # noqa: S110
-        pass
-    subprocess.run(
-        ["pg_ctlcluster", "--skip-systemctl-redirect", postgres_version(), "main", "start"],
-        capture_output=True,
-        timeout=120,
-        check=False,
-    )
-    wait_until(
-        lambda: psycopg.connect(url, connect_timeout=3).close() or True,
-        timeout=60,
-        what="postgres up",
-    )
 
 
 def database_url_for(name: str, base: str) -> str:
