@@ -89,14 +89,17 @@ def office_prepare(*, path: str, media_type: str, base: str, limits: Limits) -> 
     done = subprocess.run(  # noqa: S603
         argv, env=env, cwd=root, stdin=subprocess.DEVNULL, capture_output=True, check=False
     )
-    # soffice is a shell script: soffice.bin dying by a signal (SIGABRT when an allocation fails
-    # under the child's RLIMIT_AS, SIGKILL, SIGSEGV) comes back as 128 + the signal's number.
-    # Like pdfium past the memory limit, that is a crash, never a fault of the input.
-    signum = -done.returncode if done.returncode < 0 else done.returncode - 128
-    if done.returncode < 0 or 128 < done.returncode < 128 + 65:
-        raise ConverterCrashed(f"LibreOffice killed by signal {signum}")
+    if done.returncode < 0:
+        raise ConverterCrashed(f"LibreOffice killed by signal {-done.returncode}")
     result = outdir / "document.pdf"
     if not result.is_file() or result.stat().st_size == 0:
+        # soffice is a shell script: soffice.bin dying by a signal (SIGABRT when an allocation
+        # fails under the child's RLIMIT_AS, SIGKILL, SIGSEGV) comes back as 128 + the signal.
+        # Like pdfium past the memory limit, that is a crash, not a fault of the input. (A
+        # soffice.bin that dies after storing the PDF, as some linked RTF inputs make it do,
+        # still converted the document.)
+        if 128 < done.returncode < 128 + 65:
+            raise ConverterCrashed(f"LibreOffice killed by signal {done.returncode - 128}")
         tail = done.stderr.decode("utf-8", "replace").strip().splitlines()[-1:]
         raise InvalidInput(
             f"LibreOffice could not convert the document (status {done.returncode}) "
