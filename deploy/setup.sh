@@ -8,6 +8,8 @@ cd "$(dirname "$0")/.."
 need_apt=()
 command -v soffice >/dev/null 2>&1 || need_apt+=(libreoffice-writer-nogui libreoffice-calc-nogui libreoffice-impress-nogui)
 command -v tesseract >/dev/null 2>&1 || need_apt+=(tesseract-ocr tesseract-ocr-eng)
+# the warm LibreOffice engine's UNO client runs under the system Python (ADR 0019)
+/usr/bin/python3 -c "import uno" >/dev/null 2>&1 || need_apt+=(python3-uno)
 command -v bwrap >/dev/null 2>&1 || need_apt+=(bubblewrap)
 { command -v unshare && command -v setpriv; } >/dev/null 2>&1 || need_apt+=(util-linux)
 # the separate-hosts e2e test builds its hosts with `ip netns` / veth pairs

@@ -93,6 +93,12 @@ def office_prepare(*, path: str, media_type: str, base: str, limits: Limits) -> 
         raise ConverterCrashed(f"LibreOffice killed by signal {-done.returncode}")
     result = outdir / "document.pdf"
     if not result.is_file() or result.stat().st_size == 0:
+        # soffice is a shell script: soffice.bin dying by a signal (SIGABRT when an allocation
+        # fails under the child's RLIMIT_AS, SIGKILL, SIGSEGV) comes back as 128 + the signal.
+        # Like pdfium past the memory limit, that is a crash, not a fault of the input. (Checked
+        # only when no PDF was stored: a soffice.bin that died after storing it converted.)
+        if 128 < done.returncode < 128 + 65:
+            raise ConverterCrashed(f"LibreOffice killed by signal {done.returncode - 128}")
         tail = done.stderr.decode("utf-8", "replace").strip().splitlines()[-1:]
         raise InvalidInput(
             f"LibreOffice could not convert the document (status {done.returncode}) "

@@ -10,7 +10,10 @@ process's arguments to every local user) and closes what Flower leaves open:
   ``FLOWER_BROKER_API`` or ``FLOWER_BROKER_API_FILE``; required;
 * the broker connection from ``QUIRE_BROKER_MONITOR_URL`` (or ``…_FILE``) when set, so the
   monitor user's password never passes through an ``env VAR=…`` argument either;
-* ``/metrics``, which Flower serves without authentication, behind the same basic auth.
+* ``/metrics``, which Flower serves without authentication, behind the same basic auth;
+* the event capture's reconnect delay, which Flower doubles without bound (2, 4, 8 … s: after a
+  long broker outage it would show no events for many minutes), capped at
+  ``QUIRE_FLOWER_RECONNECT_MAX_S`` (default 5 s).
 """
 
 import os as _os
@@ -53,4 +56,50 @@ def _configure() -> tuple[list[str], str]:
     return credentials.split(","), management_api
 
 
+def _reconnect_delays(cap: float):  # type: ignore[no-untyped-def]
+    """Flower's delays before reconnecting the event capture (2, 4, 8 …), capped at ``cap``."""
+    delay = 1.0
+    while True:
+        delay = min(delay * 2, cap)
+        yield delay
+
+
+def _cap_event_capture_backoff(cap: float) -> None:
+    """``flower.events.Events.run`` as in Flower 2, with the delay from ``_reconnect_delays``."""
+    import _thread
+    import logging
+    import time
+
+    from celery.events import EventReceiver
+    from flower import events
+
+    if getattr(events.Events.run, "__quire_cap__", None) == cap:
+        return
+    logger = logging.getLogger("flower.events")
+
+    def run(self):  # type: ignore[no-untyped-def]
+        delays = _reconnect_delays(cap)
+        while True:
+            try:
+                with self.capp.connection() as conn:
+                    recv = EventReceiver(conn, handlers={"*": self.on_event}, app=self.capp)
+                    delays = _reconnect_delays(cap)
+                    logger.debug("Capturing events...")
+                    recv.capture(limit=None, timeout=None, wakeup=True)
+            except (KeyboardInterrupt, SystemExit):
+                _thread.interrupt_main()
+            except Exception as exc:
+                delay = next(delays)
+                logger.error(
+                    "Failed to capture events: %s, trying again in %s seconds.",
+                    type(exc).__name__,
+                    delay,
+                )
+                time.sleep(delay)
+
+    run.__quire_cap__ = cap  # type: ignore[attr-defined]
+    events.Events.run = run
+
+
 basic_auth, broker_api = _configure()
+_cap_event_capture_backoff(float(_os.environ.get("QUIRE_FLOWER_RECONNECT_MAX_S", "5")))

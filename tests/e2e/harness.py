@@ -114,9 +114,10 @@ def amqp_connection(role: str) -> amqp.Connection:
 def rabbitmqctl(*args: str, timeout: float = 120) -> str:
     """Broker administration goes through the CLI (Erlang cookie, we run on the broker host):
     no Quire user may purge or inspect the dead-letter queue, and guest has no access to the
-    ``quire`` vhost."""
+    ``quire`` vhost. ``RABBITMQCTL`` names another CLI (as for deploy/rabbitmq/apply.sh), e.g.
+    the ``docker exec`` wrapper of tests/containers_plugin.py."""
     proc = subprocess.run(
-        ["rabbitmqctl", "--quiet", *args],
+        [os.environ.get("RABBITMQCTL", "rabbitmqctl"), "--quiet", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -216,54 +217,12 @@ def publish_task(
     publish_raw(body, headers=headers, copies=copies)
 
 
-def rabbitmq_restart() -> None:
-    subprocess.run(["rabbitmqctl", "stop_app"], check=True, capture_output=True, timeout=120)
-    subprocess.run(["rabbitmqctl", "start_app"], check=True, capture_output=True, timeout=120)
-    subprocess.run(["rabbitmqctl", "await_startup"], check=True, capture_output=True, timeout=120)
-
-
-def rabbitmq_ensure_running() -> None:
-    """Whatever a test did, leave the broker running."""
-    subprocess.run(["rabbitmqctl", "start_app"], capture_output=True, timeout=120, check=False)
-    subprocess.run(["rabbitmqctl", "await_startup"], capture_output=True, timeout=120, check=False)
-
-
 # --- PostgreSQL ---------------------------------------------------------------------------------
 
 
 def postgres_version() -> str:
     versions = sorted(p.name for p in Path("/etc/postgresql").iterdir() if p.name.isdigit())
     return versions[-1]
-
-
-def postgres_restart() -> None:
-    subprocess.run(
-        ["pg_ctlcluster", "--skip-systemctl-redirect", postgres_version(), "main", "restart"],
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
-
-
-def postgres_ensure_running(url: str) -> None:
-    import psycopg
-
-    try:
-        psycopg.connect(url, connect_timeout=3).close()
-        return
-    except Exception:  # noqa: S110
-        pass
-    subprocess.run(
-        ["pg_ctlcluster", "--skip-systemctl-redirect", postgres_version(), "main", "start"],
-        capture_output=True,
-        timeout=120,
-        check=False,
-    )
-    wait_until(
-        lambda: psycopg.connect(url, connect_timeout=3).close() or True,
-        timeout=60,
-        what="postgres up",
-    )
 
 
 def database_url_for(name: str, base: str) -> str:
@@ -440,6 +399,13 @@ class Cluster:
         self._counter += 1
         name = f"{kind}{self._counter}"
         full_env = {**self.env, "PORT": str(self._counter), **env}
+        if full_env.get("DATABASE_URL", "").startswith("postgres") and not full_env.get(
+            "CELERY_BROKER_URL"
+        ):
+            # Without a broker URL the process would fall back to the standalone profile's
+            # filesystem broker, which nothing reads here: its publishes would vanish and only
+            # the dispatch-timeout sweep would ever deliver the job (pass ``role_env(kind)``).
+            raise ValueError(f"{kind}: a production-profile process needs CELERY_BROKER_URL")
         argv = procfile_command(kind, full_env)
         if argv[0] == "celery":
             argv[0] = str(VENV_BIN / "celery")

@@ -21,7 +21,7 @@ from tests.conftest import token
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
 #: The whole run's budget (schemathesis stops generating when it is spent).
-MAX_TIME_S = int(os.environ.get("QUIRE_FUZZ_MAX_TIME_S", "120"))
+MAX_TIME_S = int(os.environ.get("QUIRE_FUZZ_MAX_TIME_S", "45"))
 CHECKS = ",".join(
     [
         "not_a_server_error",

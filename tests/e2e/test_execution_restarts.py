@@ -1,14 +1,22 @@
-"""e2e: the broker and the database restart under load; every accepted job ends exactly once."""
+"""e2e: the broker and the database restart under load; every accepted job ends exactly once.
+
+The Procfile's web, workers, sweeper and beat run against a private RabbitMQ node and a private
+Postgres cluster (tests/e2e/private_services.py), which this test restarts: the shared services
+on 5672 / 5432, which every other suite (and, on a development machine, other checkouts) uses,
+are never stopped.
+"""
 
 from __future__ import annotations
 
-import os
+import subprocess
+from collections.abc import Iterator
 
+import psycopg
 import pytest
-from django.db import connection
 
-from conversion_jobs.models import ConversionAttempt, ConversionJob, ExecutionAuditEvent
 from tests.e2e import harness
+from tests.e2e.private_services import PrivatePostgres, PrivateRabbitMQ
+from tests.e2e.webproc import Web, start_web
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
@@ -16,49 +24,105 @@ TERMINAL = {"succeeded", "partial", "failed", "cancelled"}
 SLOW = {"kind": "slow", "seconds": 0.4}
 
 
-def _states(ids) -> dict:
-    connection.close_if_unusable_or_obsolete()
-    return dict(ConversionJob.objects.filter(id__in=ids).values_list("id", "state"))
-
-
 @pytest.fixture
-def services_restored(cluster):
-    yield
-    harness.rabbitmq_ensure_running()
-    harness.postgres_ensure_running(os.environ["DATABASE_URL"].rsplit("/", 1)[0] + "/postgres")
-    connection.close()
+def private_services() -> Iterator[tuple[PrivateRabbitMQ, PrivatePostgres]]:
+    node, pg = PrivateRabbitMQ(), PrivatePostgres()
+    try:
+        node.start()
+        pg.start()
+        pg.create_database("quire")
+    except Exception as exc:
+        node.destroy()
+        pg.destroy()
+        pytest.fail(f"the private RabbitMQ node / Postgres cluster could not start: {exc}")
+    print(f"\nprivate RabbitMQ boot {node.boot_s:.1f}s; private Postgres {pg.boot_s:.1f}s")
+    yield node, pg
+    node.destroy()
+    pg.destroy()
+
+
+def roles(node: PrivateRabbitMQ, pg: PrivatePostgres, kind: str) -> dict[str, str]:
+    """Role credentials for ``kind`` on the private node (see conftest.role_env), and the
+    private database."""
+    return {
+        "CELERY_BROKER_URL": node.url("worker" if kind in ("worker", "sweeper") else "publisher"),
+        "QUIRE_BROKER_PUBLISHER_URL": node.url("publisher"),
+        "QUIRE_BROKER_WORKER_URL": node.url("worker"),
+        "DATABASE_URL": pg.url("quire"),
+    }
+
+
+def sql(pg: PrivatePostgres, query: str, *args: object) -> list[tuple]:
+    with psycopg.connect(pg.url("quire"), connect_timeout=3, autocommit=True) as conn:
+        return conn.execute(query, args).fetchall()
+
+
+def states(pg: PrivatePostgres, ids: list[str]) -> dict[str, str]:
+    rows = sql(pg, "SELECT id::text, state FROM conversion_job WHERE id::text = ANY(%s)", ids)
+    return dict(rows)
+
+
+def accepted(web: Web) -> str:
+    response = web.submit(pages=4, options={"_test_fault": SLOW})
+    assert response.status_code == 202, response.text
+    return str(response.json()["id"])
 
 
 def test_restarts__rabbitmq_and_postgres_restarted_under_load_lose_and_duplicate_nothing(
-    start, submit, services_restored
+    cluster, private_services
 ):
-    start("worker")
-    start("worker")
-    start("sweeper")
-    start("beat")
-    jobs = [submit(pages=4, options={"_test_fault": SLOW}) for _ in range(6)]
-    ids = [j.id for j in jobs]
-    harness.wait_until(lambda: "running" in _states(ids).values(), timeout=30, what="a running job")
-    harness.rabbitmq_restart()
+    node, pg = private_services
+    for command in (["migrate", "--noinput", "-v0"], ["install_beat_schedule"]):
+        subprocess.run(
+            [str(harness.VENV_BIN / "python"), "manage.py", *command],
+            cwd=harness.REPO,
+            env={**cluster.env, "DATABASE_URL": pg.url("quire")},
+            check=True,
+            capture_output=True,
+            timeout=300,
+        )
+    web = start_web(cluster, **roles(node, pg, "web"))
+    for _ in range(2):
+        cluster.ready(cluster.worker(**roles(node, pg, "worker")))
+    cluster.sweeper(**roles(node, pg, "sweeper"))
+    cluster.beat(**roles(node, pg, "beat"))
 
-    more = [submit(pages=4, options={"_test_fault": SLOW}) for _ in range(3)]
-    ids += [j.id for j in more]
+    ids = [accepted(web) for _ in range(6)]
     harness.wait_until(
-        lambda: "running" in _states(ids).values(), timeout=60, what="running after broker restart"
+        lambda: "running" in states(pg, ids).values(), timeout=30, what="a running job"
     )
-    harness.postgres_restart()
-    connection.close()
+    node.stop_app()
+    node.start_app()
+
+    ids += [accepted(web) for _ in range(3)]
+    harness.wait_until(
+        lambda: "running" in states(pg, ids).values(),
+        timeout=60,
+        what="running after broker restart",
+    )
+    pg.stop_server()
+    pg.start_server()
 
     harness.wait_until(
-        lambda: set(_states(ids).values()) <= TERMINAL,
+        lambda: set(states(pg, ids).values()) <= TERMINAL,
         timeout=150,
         interval=0.5,
         what="every job terminal",
     )
-    states = _states(ids)
-    assert set(states.values()) == {"succeeded"}, states
+    final = states(pg, ids)
+    assert set(final.values()) == {"succeeded"}, final
+    assert len(final) == len(ids)
     for job_id in ids:
-        assert (
-            ExecutionAuditEvent.objects.filter(job_id=job_id, event_type="published").count() == 1
+        published = sql(
+            pg,
+            "SELECT count(*) FROM execution_audit_event "
+            "WHERE job_id = %s AND event_type = 'published'",
+            job_id,
         )
-        assert ConversionAttempt.objects.filter(job_id=job_id, outcome="succeeded").count() == 1
+        assert published == [(1,)], job_id
+        succeeded = sql(
+            pg,
+            "SELECT count(*) FROM conversion_attempt WHERE job_id = %s AND outcome = 'succeeded'",
+            job_id,
+        )
+        assert succeeded == [(1,)], job_id

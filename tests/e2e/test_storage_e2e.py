@@ -18,6 +18,7 @@ from conversion_jobs import storage
 from tests import testdocs
 from tests.conftest import token
 from tests.e2e import harness
+from tests.e2e.conftest import role_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres]
 
@@ -55,7 +56,12 @@ def _multipart(path: Path, source: Path, *, size: int) -> str:
 def _web(cluster: harness.Cluster) -> tuple[harness.Proc, str]:
     port = harness_free_port()
     proc = cluster.start(
-        "web", QUIRE_BIND=f"127.0.0.1:{port}", WEB_CONCURRENCY="1", WEB_THREADS="2"
+        "web",
+        QUIRE_BIND=f"127.0.0.1:{port}",
+        WEB_CONCURRENCY="1",
+        WEB_THREADS="2",
+        # the web publishes as the publisher user, as the Procfile's web does in production
+        **role_env("web"),
     )
     base = f"http://127.0.0.1:{port}"
     harness.wait_until(

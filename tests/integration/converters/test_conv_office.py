@@ -1,9 +1,17 @@
 """LibreOffice headless conversions (real soffice; the first start may take ~10 s)."""
 
 import pypdfium2 as pdfium
-from convhelpers import convert_all, private_dirs
+import pytest
+from convhelpers import convert_all, never, private_dirs
 
-from conversion_jobs.converters import Limits, assemble_result, release
+from conversion_jobs.converters import (
+    ConversionError,
+    Limits,
+    assemble_result,
+    converter_for,
+    release,
+)
+from conversion_jobs.converters.base import DOCX
 from tests import testdocs
 
 SLOW_START = Limits(page_timeout_s=30, prepare_timeout_s=120)
@@ -79,3 +87,25 @@ def test_docx_to_png(tmp_path):
         source, tmp_path, output="png", options={"dpi": 50}, limits=SLOW_START
     )
     assert artifacts[0].media_type == "image/png"
+
+
+@pytest.mark.parametrize("engine", ["warm", "fresh"])
+def test_libreoffice_killed_at_the_memory_limit__is_a_crash_not_invalid_input(
+    tmp_path, settings, engine
+):
+    """soffice.bin aborts when an allocation fails under the child's RLIMIT_AS; the soffice
+    script reports that as status 128 + SIGABRT. Like pdfium past the memory limit, it ends
+    ``converter_crashed`` (retryable), never ``invalid_input`` (a fault of the document)."""
+    settings.QUIRE = {**settings.QUIRE, "OFFICE_ENGINE": engine}
+    source = testdocs.make_docx(tmp_path / "in.docx", paragraphs=["memory"] * 50)
+    with pytest.raises(ConversionError) as failed:
+        converter_for(DOCX, "text").prepare(
+            source=source,
+            media_type=DOCX,
+            workdir=tmp_path,
+            limits=Limits(memory_bytes=300_000_000, prepare_timeout_s=60),
+            should_stop=never,
+        )
+    release()
+    assert failed.value.code == "converter_crashed", str(failed.value)
+    assert failed.value.retryable
