@@ -75,7 +75,13 @@ def lease_heartbeat(*, lease: Lease) -> str:
             .values_list("state", flat=True)
             .first()
         )
-        ConversionAttempt.objects.filter(id=lease.attempt_id).update(heartbeat_at=now)
+    # The attempt's heartbeat_at (informational) in its own statement: a transaction that held
+    # the lease row and then wanted the attempt row deadlocked with a publish that held the job
+    # and the attempt and wanted the lease (seen in CI). Holding one row lock at a time, the
+    # heartbeat can be in no lock cycle.
+    ConversionAttempt.objects.filter(id=lease.attempt_id, finished_at__isnull=True).update(
+        heartbeat_at=now
+    )
     if state == State.RUNNING:
         return HeartbeatResult.OK
     if state == State.CANCELLING:

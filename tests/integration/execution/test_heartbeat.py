@@ -95,3 +95,46 @@ def test_short_attempts_share_the_process_thread(tmp_path: Path, settings: Any) 
         job.refresh_from_db()
         assert job.source_page_count == 1  # recorded by the publish (no UPDATE of its own)
     assert len(idents) == 1
+
+
+@pytest.mark.postgres
+def test_heartbeat_holds_one_row_lock_at_a_time__no_cycle_with_a_publish(tmp_path: Path) -> None:
+    """A publish locks the job, closes the attempt and deletes the lease in one statement; a
+    heartbeat that held the lease row while it waited for the attempt row deadlocked with it
+    (seen in CI). Here a second connection holds the attempt row as a publish would: the beat
+    extends the lease and commits, and waits only for the attempt row, so the other side can
+    take the lease row at once."""
+    from django.db import connection
+
+    from conversion_jobs.services.leases import lease_heartbeat
+    from tests.integration.transitions.test_edges import second_connection
+
+    lease = _claimed(tmp_path, "lock-order")
+    before = _expires(lease)
+    other = second_connection()
+    try:
+        other.execute(
+            "UPDATE conversion_attempt SET pages_converted = 0 WHERE id = %s", (lease.attempt_id,)
+        )
+        done: dict[str, Any] = {}
+
+        def beat_once() -> None:
+            try:
+                done["result"] = lease_heartbeat(lease=lease)
+            finally:
+                connection.close()
+
+        beat = threading.Thread(target=beat_once)
+        beat.start()
+        wait_for(lambda: _expires(lease) > before, timeout=10)  # committed while we hold A
+        assert beat.is_alive()  # now waiting for the attempt row only
+        other.execute("SET LOCAL lock_timeout = '2s'")
+        deleted = other.execute(
+            "DELETE FROM worker_lease WHERE job_id = %s", (lease.job_id,)
+        ).rowcount
+        assert deleted == 1
+        other.rollback()
+        beat.join(10)
+        assert done["result"] == "ok"
+    finally:
+        other.close()
