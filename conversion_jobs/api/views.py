@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import re
 import time
 import uuid
@@ -283,10 +284,12 @@ def _artifact_response(
     response: HttpResponseBase
     if request.headers.get("If-None-Match") == etag:
         response = HttpResponse(status=304)
+    elif callable(content):
+        # Streamed like a stored object (same headers): an inline text result.
+        response = FileResponse(io.BytesIO(content()), content_type=media_type)
+        response["Content-Disposition"] = f'attachment; filename="{filename}"'
     elif content is not None:
-        response = HttpResponse(
-            content() if callable(content) else content, content_type=media_type
-        )
+        response = HttpResponse(content, content_type=media_type)
         response["Content-Disposition"] = f'attachment; filename="{filename}"'
     else:
         try:

@@ -32,7 +32,7 @@ def test_result__headers_match_the_artifact(tmp_path, api, no_broker_publish):
         (png_job, "application/zip", "zip"),
     ):
         response = client.get(f"/api/v1/jobs/{job.id}/result")
-        body = _content(response)  # an inline text result is answered whole, not streamed
+        body = _body(response)
         job.refresh_from_db()
         assert response.status_code == 200
         assert response["Content-Type"] == media_type
@@ -115,7 +115,7 @@ def test_text_pages__live_in_their_checkpoint_rows_and_are_served_as_before(
         assert len(row.content) == row.artifact_size
 
     client = api()
-    result = _content(client.get(f"/api/v1/jobs/{job.id}/result")).decode()
+    result = _body(client.get(f"/api/v1/jobs/{job.id}/result")).decode()
     assert result.split("\f") == [bytes(r.content).decode() for r in rows]
     assert all(text_of(n) in result for n in (1, 2, 3))
     page = client.get(f"/api/v1/jobs/{job.id}/pages/2")
