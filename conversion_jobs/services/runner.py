@@ -455,13 +455,14 @@ def _finalize(
         return "failed" if won else _stopped(lease=lease)
     ext = {"text": "txt", "png": "zip", "pdf": "pdf"}[job.output]
     key = storage.result_key(job_id=lease.job_id, generation=lease.generation, ext=ext)
-    inline = job.output == "text" and all(isinstance(source, bytes) for _p, source in done)
+    inline_pages = [(page, source) for page, source in done if isinstance(source, bytes)]
+    inline = job.output == "text" and len(inline_pages) == len(done)
     with tracing.tracer.start_as_current_span("conversion.finalize"):
         if inline:
             # Every page is in its checkpoint row: the result is those rows, joined when read
             # (ADR 0017, "inline text results"). No file, no fsync; durable with the publish.
             key = INLINE_PREFIX + key
-            media_type, sha, size = converters.inline_text_result(pages=done)  # type: ignore[arg-type]
+            media_type, sha, size = converters.inline_text_result(pages=inline_pages)
         else:
             assembled = workdir / "result.out"
             media_type = converters.assemble_result(
