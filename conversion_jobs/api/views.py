@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import re
 import time
 import uuid
@@ -56,6 +57,7 @@ from conversion_jobs.models import ConversionJob, Output, PageState
 from conversion_jobs.observability import metrics, tracing
 from conversion_jobs.services.acceptance import conversion_job_accept
 from conversion_jobs.services.cancellation import conversion_job_cancel
+from conversion_jobs.services.checkpoints import inline_result_read, is_inline_result
 from conversion_jobs.services.recovery import conversion_job_retry_failed
 from conversion_jobs.states import TERMINAL_STATES, State
 
@@ -272,15 +274,20 @@ def _artifact_response(
     media_type: str,
     filename: str,
     request: Request,
-    content: bytes | None = None,
+    content: bytes | Callable[[], bytes] | None = None,
 ) -> HttpResponseBase:
     """Stream the object from the artifact store, or (S3 with QUIRE_S3_PRESIGN_TTL_S) send the
     client to a short-lived presigned URL; the web never holds the whole object. ``content``:
-    the artifact is stored inline in its row (a small text page) and is answered from it."""
+    the artifact is stored inline in its row (a small text page) and is answered from it, or
+    (a callable) is read only when the answer is not a 304 (an inline text result)."""
     etag = f'"{sha256}"'
     response: HttpResponseBase
     if request.headers.get("If-None-Match") == etag:
         response = HttpResponse(status=304)
+    elif callable(content):
+        # Streamed like a stored object (same headers): an inline text result.
+        response = FileResponse(io.BytesIO(content()), content_type=media_type)
+        response["Content-Disposition"] = f'attachment; filename="{filename}"'
     elif content is not None:
         response = HttpResponse(content, content_type=media_type)
         response["Content-Disposition"] = f'attachment; filename="{filename}"'
@@ -320,6 +327,7 @@ class JobResultView(QuireView):
         if not job.result_key or job.expired_at is not None:
             raise NoResult(job_state=job.state)
         return _artifact_response(
+            content=_inline_result(job) if is_inline_result(job.result_key) else None,
             key=job.result_key,
             sha256=job.result_sha256 or "",
             size=job.result_size,
@@ -327,6 +335,22 @@ class JobResultView(QuireView):
             filename=f"{job.id}.{RESULT_EXT[job.output]}",
             request=request,
         )
+
+
+def _inline_result(job: ConversionJob) -> Callable[[], bytes]:
+    """An inline text result has no object: it is the done pages' inline bytes joined in page
+    order, checked against the recorded digest (rows expired meanwhile read as no result). No
+    presigned redirect is offered for it."""
+
+    def read() -> bytes:
+        body = inline_result_read(
+            job_id=job.id, result_key=job.result_key or "", sha256=job.result_sha256 or ""
+        )
+        if body is None:
+            raise NoResult(job_state=job.state)
+        return body
+
+    return read
 
 
 class NoResult(QuireError):

@@ -10,7 +10,7 @@ LibreOffice are only ever used inside the child process.
 """
 
 from . import sandbox
-from .assemble import assemble_result
+from .assemble import assemble_result, inline_text_result, join_text_pages
 from .base import (
     OFFICE_TYPES,
     OUTPUTS,
@@ -65,6 +65,8 @@ __all__ = [
     "capabilities",
     "configure_reuse",
     "converter_for",
+    "inline_text_result",
+    "join_text_pages",
     "kill_process_group",
     "limits_description",
     "process_group_members",

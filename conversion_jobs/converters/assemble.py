@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from .base import PDF, TEXT_PLAIN, ZIP
@@ -49,6 +51,26 @@ def assemble_result(
         _assemble_pdf(files, dest, prepared_document)
         return PDF
     raise ValueError(f"unknown output {output!r}")
+
+
+def inline_text_result(*, pages: list[tuple[int, bytes]]) -> tuple[str, str, int]:
+    """Media type, sha256 and size of the text result ``assemble_result`` would write from
+    these inline pages, without writing it (the bytes are :func:`join_text_pages`'s)."""
+    digest, size = hashlib.sha256(), 0
+    for chunk in join_text_pages(pages):
+        digest.update(chunk)
+        size += len(chunk)
+    return TEXT_PLAIN, digest.hexdigest(), size
+
+
+def join_text_pages(pages: list[tuple[int, bytes]]) -> Iterator[bytes]:
+    """The text result of these pages, chunk by chunk: each page's UTF-8 (checked, as
+    ``assemble_result`` decodes it) in page order, a form feed between two pages."""
+    for index, (_page, content) in enumerate(sorted(pages, key=lambda item: item[0])):
+        if index:
+            yield b"\f"
+        content.decode("utf-8")  # a page that is not UTF-8 fails here as in assemble_result
+        yield content
 
 
 def _assemble_pdf(

@@ -279,6 +279,8 @@ def _run_op(op: str, args: dict, *, fault: dict | None, limits: Limits) -> dict:
 def _answer(request: dict, limits: Limits | None) -> tuple[dict, Limits | None]:
     op, args = request["op"], request.get("args") or {}
     if op == "setup":
+        if args.pop("reset", False):  # a kept child: forget the last attempt first
+            _reset()
         return {"ok": True, "result": {"pid": os.getpid()}}, _setup(**args)
     if op == "reset":
         _reset()

@@ -81,6 +81,10 @@ class ChildSession:
         self.tenant: str | None = None
         self.attempts = 0
         self.errored = False
+        #: kept for the tenant's next attempt: the child resets (closes the last attempt's
+        #: document, forgets its directory) as the first step of its next ``setup``, in the
+        #: same round trip, before it takes that attempt's directory and limits
+        self.reset_due = False
         self._buffer = b""
         #: pages asked for by read_ahead whose answers are still to be read, in order
         self.ahead: list[int] = []
@@ -115,12 +119,11 @@ class ChildSession:
         if root is not None and os.geteuid() == 0:
             os.chown(private, root.uid, root.gid)
         self.private, self.limits = private, limits
-        self.call(
-            "setup",
-            {"directory": str(private), "limits": asdict(limits)},
-            timeout_s=limits.page_timeout_s,
-            should_stop=should_stop,
-        )
+        args: dict = {"directory": str(private), "limits": asdict(limits)}
+        if self.reset_due:
+            args["reset"] = True
+        self.call("setup", args, timeout_s=limits.page_timeout_s, should_stop=should_stop)
+        self.reset_due = False
 
     def inside(self, *parts: str) -> Path:
         """A path in the child's private directory (the same path inside and outside)."""

@@ -17,8 +17,10 @@ a fresh child per attempt). The worker names the attempt's tenant with ``begin_a
 opaque pseudonym, never the tenant id). ``release`` then keeps the attempt's child, *reset*
 (document closed, private directory removed), for the next attempt of the same tenant on this
 process, unless it failed in any way (a structured error, a timeout, a crash), served
-``max_attempts`` attempts, or is above ``max_rss_bytes``. The next attempt of another tenant, or
-one with other limits, ends it and gets a fresh child.
+``max_attempts`` attempts, or is above ``max_rss_bytes``. The child's own reset (document
+closed) is the first step of the next attempt's ``setup`` request (one round trip, before that
+attempt's directory and limits); its private directory is removed at ``release``. The next
+attempt of another tenant, or one with other limits, ends it and gets a fresh child.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .base import CHILD_IDLE_EXIT_S, Limits
-from .errors import ConversionError
+from .errors import ConversionError, ConversionStopped
 from .isolation import ChildSession
 from .zygote import current_zygote, stop_zygote
 
@@ -55,7 +57,8 @@ class ReuseSettings:
 
 
 _reuse = ReuseSettings()
-#: the kept child (reuse within a tenant), reset, with ``tenant`` and ``attempts`` set
+#: the kept child (reuse within a tenant), its reset due with its next setup, with ``tenant``
+#: and ``attempts`` set
 _kept: ChildSession | None = None
 _attempt = threading.local()
 
@@ -109,11 +112,10 @@ def _keep(session: ChildSession) -> bool:
         or session.rss_bytes() > _reuse.max_rss_bytes
     ):
         return False
-    try:
-        session.call("reset", {}, timeout_s=10.0, should_stop=lambda: False)
-    except BaseException:
-        session.close()
-        return False
+    # The child's reset (close the document, forget the directory) rides on its next setup:
+    # one round trip less per attempt, and nothing of this attempt is visible to the next,
+    # whose first request is that setup. The directory goes now.
+    session.reset_due = True
     if session.private is not None:
         shutil.rmtree(session.private, ignore_errors=True)
         session.private, session.document = None, None
@@ -199,9 +201,22 @@ def open_session(
         old = _take_thread_sessions()
     for session in old:
         session.close()
-    session = _take_kept(tenant=_attempt_tenant(), limits=limits) or fresh_child()
+    kept = _take_kept(tenant=_attempt_tenant(), limits=limits)
+    if kept is not None:
+        try:
+            kept.setup(limits=limits, scratch_dir=scratch_dir, should_stop=should_stop)
+        except ConversionError as exc:
+            kept.close()
+            if isinstance(exc, ConversionStopped):
+                raise
+            kept = None  # its reset or setup failed: a fresh child serves the attempt
+        except BaseException:
+            kept.close()
+            raise
+    session = kept or fresh_child()
     try:
-        session.setup(limits=limits, scratch_dir=scratch_dir, should_stop=should_stop)
+        if kept is None:
+            session.setup(limits=limits, scratch_dir=scratch_dir, should_stop=should_stop)
         session.document = session.hand_in(document)
     except BaseException:
         session.close()

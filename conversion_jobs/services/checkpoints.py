@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
 from typing import Any
@@ -27,6 +28,42 @@ def inline_content(checkpoint: PageCheckpoint) -> bytes | None:
     if (checkpoint.artifact_key or "").startswith(INLINE_PREFIX):
         return bytes(checkpoint.content or b"")
     return None
+
+
+def is_inline_result(result_key: str | None) -> bool:
+    """Whether a job's ``result_key`` names an inline text result: no stored object, the
+    result is its done pages' inline bytes joined in page order (ADR 0017, inline results)."""
+    return (result_key or "").startswith(INLINE_PREFIX)
+
+
+def inline_result_read(*, job_id: uuid.UUID, result_key: str, sha256: str) -> bytes | None:
+    """The bytes of an inline text result, or None when its rows no longer make up the result
+    recorded with ``sha256`` (they were expired meanwhile)."""
+    body = inline_result_bytes(job_id=job_id, result_key=result_key)
+    if body is None or hashlib.sha256(body).hexdigest() != sha256:
+        return None
+    return body
+
+
+def inline_result_bytes(*, job_id: uuid.UUID, result_key: str) -> bytes | None:
+    """An inline text result's bytes, read in one statement (one snapshot) from the done
+    checkpoints at or below the result's generation (a resumed attempt's result includes pages
+    an earlier generation converted; no later generation writes a published job's pages):
+    ``assemble_result``'s text, UTF-8 pages joined by form feed in page order. None if the key
+    is not this job's inline result or a done page is not inline."""
+    from conversion_jobs.converters.assemble import join_text_pages
+
+    parsed = storage.parse_key(result_key.removeprefix(INLINE_PREFIX))
+    if not is_inline_result(result_key) or parsed is None or parsed.job_id != job_id:
+        return None
+    rows = list(
+        PageCheckpoint.objects.filter(
+            job_id=job_id, state=PageState.DONE, generation__lte=parsed.generation
+        ).values_list("page_number", "artifact_key", "content")
+    )
+    if any(not (key or "").startswith(INLINE_PREFIX) for _page, key, _content in rows):
+        return None
+    return b"".join(join_text_pages([(page, bytes(content or b"")) for page, _k, content in rows]))
 
 
 def page_checkpoints_by_page(*, job_id: uuid.UUID) -> dict[int, PageCheckpoint]:

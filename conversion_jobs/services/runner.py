@@ -453,15 +453,23 @@ def _finalize(
             detail=f"{len(failed)} page(s) failed",
         )
         return "failed" if won else _stopped(lease=lease)
-    assembled = workdir / "result.out"
-    with tracing.tracer.start_as_current_span("conversion.finalize"):
-        media_type = converters.assemble_result(
-            output=job.output, pages=done, dest=assembled, prepared_document=prepared.document
-        )
     ext = {"text": "txt", "png": "zip", "pdf": "pdf"}[job.output]
     key = storage.result_key(job_id=lease.job_id, generation=lease.generation, ext=ext)
-    sha, size = storage.sha256_file(assembled)
-    storage.put_file(key, assembled, sha256=sha)
+    inline_pages = [(page, source) for page, source in done if isinstance(source, bytes)]
+    inline = job.output == "text" and len(inline_pages) == len(done)
+    with tracing.tracer.start_as_current_span("conversion.finalize"):
+        if inline:
+            # Every page is in its checkpoint row: the result is those rows, joined when read
+            # (ADR 0017, "inline text results"). No file, no fsync; durable with the publish.
+            key = INLINE_PREFIX + key
+            media_type, sha, size = converters.inline_text_result(pages=inline_pages)
+        else:
+            assembled = workdir / "result.out"
+            media_type = converters.assemble_result(
+                output=job.output, pages=done, dest=assembled, prepared_document=prepared.document
+            )
+            sha, size = storage.sha256_file(assembled)
+            storage.put_file(key, assembled, sha256=sha)
     batch.durable()  # the last pages are checkpointed by the publishing transaction
     state = State.PARTIAL if failed else State.SUCCEEDED
     won = db_retry(
@@ -484,7 +492,8 @@ def _finalize(
     else:
         # A cancelled or recovered job never shows this attempt's result; a finalizer that ran
         # twice finds its own result already published under the same key and keeps it.
-        if not ConversionJob.objects.filter(id=lease.job_id, result_key=key).exists():
+        mine = ConversionJob.objects.filter(id=lease.job_id, result_key=key)
+        if not inline and not mine.exists():
             storage.delete(key)
         return _stopped(lease=lease)
     return state.value

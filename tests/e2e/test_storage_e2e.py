@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conversion_jobs import storage
+from conversion_jobs.models import ConversionJob
 from tests import testdocs
 from tests.conftest import token
 from tests.e2e import harness
@@ -154,4 +155,13 @@ def test_result__streams_back_through_the_web(cluster, start, tmp_path):
     with urllib.request.urlopen(request, timeout=30) as response:  # noqa: S310
         data = response.read()
         assert response.headers["ETag"] == f'"{hashlib.sha256(data).hexdigest()}"'
+        assert response.headers["Content-Length"] == str(len(data))
     assert [t.strip() for t in data.decode().split("\f")] == texts
+    # Small text pages: the result is their checkpoint rows (no object), served the same way.
+    published = ConversionJob.objects.get(id=job["id"])
+    assert published.result_key == f"inline:results/{job['id']}/result.g1.txt"
+    assert (published.result_sha256, published.result_size) == (
+        hashlib.sha256(data).hexdigest(),
+        len(data),
+    )
+    assert list(storage.list_objects(f"results/{job['id']}")) == []

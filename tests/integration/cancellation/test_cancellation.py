@@ -41,6 +41,7 @@ from tests.integration.execution.jobkit import (
     converter_children,
     execute,
     result_files,
+    stored_result,
     submit,
     unique_text,
     wait_for,
@@ -402,7 +403,7 @@ def test_cancel__racing_completion_ends_in_one_consistent_terminal_state(
             assert (job.state, outcome, canceller.status) == ("succeeded", "succeeded", 409), run
             assert request.outcome in ("too_late", "lost_to_completion"), run
             assert published == 1, run
-            assert result_files(job.id) == [job.result_key], run
+            assert result_files(job.id) == stored_result(job), run
         assert not WorkerLease.objects.filter(job=job).exists(), run
         assert work_dir_entries() == [], run
     print(dict(tally))

@@ -124,3 +124,28 @@ def test_attempt_mode_never_reuses(tmp_path, reuse):
     assert one != two
     assert not _alive(one)
     assert os.getpid() not in (one, two)
+
+
+def test_kept_child__forgets_the_previous_attempt_in_its_next_setup(tmp_path, reuse):
+    """The kept child's reset rides on the next attempt's setup (ADR 0017, session 4): by the
+    time that setup has answered, before any document of the new attempt is opened, the
+    earlier document is closed and the child works in a new directory."""
+    first = _attempt(tmp_path, "k1", tenant="tenant-pseudonym-a")
+    assert first["probe"]["open_document"] is not None
+    sessions.begin_attempt(tenant="tenant-pseudonym-a")
+    workdir = tmp_path / "k2"
+    workdir.mkdir()
+    source = testdocs.make_pdf(workdir / "in.pdf", pages=1, text_of=lambda n: "k2")
+    session = sessions.open_session(
+        document=source, scratch_dir=workdir, limits=FAST, should_stop=never
+    )
+    try:
+        probe = session.call("probe", {}, timeout_s=10, should_stop=never)
+        assert session.pgid == first["pid"]  # the same child, reused
+        assert probe["open_document"] is None
+        assert probe["cwd"] != first["probe"]["cwd"]
+        assert str(tmp_path / "k1") not in str(probe)
+        assert not first["private"].exists()
+    finally:
+        sessions.release()
+        sessions.begin_attempt(tenant=None)

@@ -20,6 +20,11 @@ from conversion_jobs import storage
 from conversion_jobs.converters import TEST_FAULTS_ENV, engines, sandbox, zygote
 from conversion_jobs.models import ConversionJob
 from conversion_jobs.services.acceptance import StagedUpload, conversion_job_accept
+from conversion_jobs.services.checkpoints import (
+    INLINE_PREFIX,
+    inline_result_bytes,
+    is_inline_result,
+)
 from conversion_jobs.services.runner import conversion_job_execute
 from tests.polling import wait_for  # noqa: F401  (re-exported for the tests here)
 
@@ -126,7 +131,21 @@ def result_files(job_id: uuid.UUID) -> list[str]:
     return sorted(o.key for o in storage.list_objects(f"results/{job_id}"))
 
 
+def stored_result(job: ConversionJob) -> list[str]:
+    """What ``result_files`` holds for a published job: its result object, or none for an
+    inline text result (its bytes are its checkpoint rows)."""
+    return [] if is_inline_result(job.result_key) else [job.result_key or ""]
+
+
 def object_bytes(key: str) -> bytes:
+    """A stored object's bytes; for an inline text result's key (no object), the result's bytes
+    read from its checkpoint rows."""
+    if is_inline_result(key):
+        parsed = storage.parse_key(key.removeprefix(INLINE_PREFIX))
+        assert parsed is not None and parsed.job_id is not None
+        joined = inline_result_bytes(job_id=parsed.job_id, result_key=key)
+        assert joined is not None
+        return joined
     with storage.open_object(key) as body:
         return body.read()
 

@@ -24,6 +24,7 @@ from tests.integration.execution.jobkit import (
     object_bytes,
     object_sha256,
     result_files,
+    stored_result,
     submit,
     unique_text,
     wait_for,
@@ -188,7 +189,7 @@ def test_finalize__run_twice_publishes_once(tmp_path, monkeypatch, no_broker_pub
     assert outcomes == ["succeeded", "lost"]
     job.refresh_from_db()
     assert job.state == "succeeded"
-    assert result_files(job.id) == [job.result_key]
+    assert result_files(job.id) == stored_result(job)
     assert object_sha256(job.result_key) == job.result_sha256
     published = ExecutionAuditEvent.objects.filter(job_id=job.id, event_type="published")
     assert published.count() == 1
