@@ -57,6 +57,7 @@ from conversion_jobs.observability import metrics, tracing
 from conversion_jobs.services.acceptance import conversion_job_accept
 from conversion_jobs.services.cancellation import conversion_job_cancel
 from conversion_jobs.services.recovery import conversion_job_retry_failed
+from conversion_jobs.services.zipresult import is_zip_result, zip_result_stream
 from conversion_jobs.states import TERMINAL_STATES, State
 
 IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,255}$")
@@ -319,6 +320,8 @@ class JobResultView(QuireView):
             raise NotReady(job_state=job.state)
         if not job.result_key or job.expired_at is not None:
             raise NoResult(job_state=job.state)
+        if is_zip_result(job.result_key):
+            return _zip_result_response(job, request=request)
         return _artifact_response(
             key=job.result_key,
             sha256=job.result_sha256 or "",
@@ -327,6 +330,25 @@ class JobResultView(QuireView):
             filename=f"{job.id}.{RESULT_EXT[job.output]}",
             request=request,
         )
+
+
+def _zip_result_response(job: ConversionJob, *, request: Request) -> HttpResponseBase:
+    """A PNG result: the ZIP of the job's done pages, streamed from the page objects (never
+    presigned: it is no object of its own). Same headers as a stored result."""
+    etag = f'"{job.result_sha256}"'
+    response: HttpResponseBase
+    if request.headers.get("If-None-Match") == etag:
+        response = HttpResponse(status=304)
+    else:
+        response = StreamingHttpResponse(
+            zip_result_stream(job), content_type=job.result_media_type or "application/zip"
+        )
+        response["Content-Length"] = str(job.result_size)
+        response["Content-Disposition"] = (
+            f'attachment; filename="{job.id}.{RESULT_EXT[job.output]}"'
+        )
+    response["ETag"] = etag
+    return response
 
 
 class NoResult(QuireError):

@@ -24,6 +24,7 @@ from django.db import connections
 
 from conversion_jobs import converters, storage
 from conversion_jobs.converters import ConversionError, ConversionStopped, Limits
+from conversion_jobs.converters.base import ZIP
 from conversion_jobs.converters.engines import EngineSettings, configure
 from conversion_jobs.converters.registry import engine_label
 from conversion_jobs.models import ConversionJob, PageCheckpoint, PageState
@@ -41,6 +42,7 @@ from conversion_jobs.services.checkpoints import (
 from conversion_jobs.services.db_retry import DB_ERRORS, db_retry, db_retry_until
 from conversion_jobs.services.heartbeat import Heartbeat
 from conversion_jobs.services.leases import Lease, LeaseLost, job_state_under_lease
+from conversion_jobs.services.zipresult import is_zip_result, zip_result_digest, zip_result_key
 from conversion_jobs.states import State
 
 log = logging.getLogger(__name__)
@@ -436,13 +438,9 @@ def _finalize(
     attempt converted are fetched from the store into the work directory first."""
     pending = {c.page_number: c for c in batch.pending}
     outcome = {**checkpoints, **pending}
-    done = [
-        (p, _page_source(outcome[p], local, workdir))
-        for p in pages
-        if outcome[p].state == PageState.DONE
-    ]
+    done_pages = [p for p in pages if outcome[p].state == PageState.DONE]
     failed = [p for p in pages if outcome[p].state == PageState.FAILED]
-    if failed and (not done or not job.options.get("allow_partial", True)):
+    if failed and (not done_pages or not job.options.get("allow_partial", True)):
         batch.flush()
         _record_page_count(lease, unrecorded)
         code = checkpoints[failed[0]].error_code or "page_failed"
@@ -453,15 +451,23 @@ def _finalize(
             detail=f"{len(failed)} page(s) failed",
         )
         return "failed" if won else _stopped(lease=lease)
-    assembled = workdir / "result.out"
-    with tracing.tracer.start_as_current_span("conversion.finalize"):
-        media_type = converters.assemble_result(
-            output=job.output, pages=done, dest=assembled, prepared_document=prepared.document
-        )
-    ext = {"text": "txt", "png": "zip", "pdf": "pdf"}[job.output]
-    key = storage.result_key(job_id=lease.job_id, generation=lease.generation, ext=ext)
-    sha, size = storage.sha256_file(assembled)
-    storage.put_file(key, assembled, sha256=sha)
+    if job.output == "png":
+        # The ZIP of the done pages: hashed here, streamed by the web, never stored (zipresult).
+        key = zip_result_key(job_id=lease.job_id, generation=lease.generation)
+        with tracing.tracer.start_as_current_span("conversion.finalize"):
+            sha, size = zip_result_digest(done=[(p, outcome[p]) for p in done_pages], local=local)
+        media_type = ZIP
+    else:
+        done = [(p, _page_source(outcome[p], local, workdir)) for p in done_pages]
+        assembled = workdir / "result.out"
+        with tracing.tracer.start_as_current_span("conversion.finalize"):
+            media_type = converters.assemble_result(
+                output=job.output, pages=done, dest=assembled, prepared_document=prepared.document
+            )
+        ext = {"text": "txt", "png": "zip", "pdf": "pdf"}[job.output]
+        key = storage.result_key(job_id=lease.job_id, generation=lease.generation, ext=ext)
+        sha, size = storage.sha256_file(assembled)
+        storage.put_file(key, assembled, sha256=sha)
     batch.durable()  # the last pages are checkpointed by the publishing transaction
     state = State.PARTIAL if failed else State.SUCCEEDED
     won = db_retry(
@@ -473,7 +479,7 @@ def _finalize(
             sha256=sha,
             size=size,
             media_type=media_type,
-            pages_done=len(done),
+            pages_done=len(done_pages),
             pages_failed=len(failed),
             page_count=unrecorded.get("page_count"),
         ),
@@ -484,7 +490,8 @@ def _finalize(
     else:
         # A cancelled or recovered job never shows this attempt's result; a finalizer that ran
         # twice finds its own result already published under the same key and keeps it.
-        if not ConversionJob.objects.filter(id=lease.job_id, result_key=key).exists():
+        published = ConversionJob.objects.filter(id=lease.job_id, result_key=key).exists()
+        if not published and not is_zip_result(key):
             storage.delete(key)
         return _stopped(lease=lease)
     return state.value
