@@ -17,7 +17,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import Protocol
 
 CHUNK = 1024 * 1024
 _U32 = 0xFFFFFFFF
@@ -29,6 +29,10 @@ _MADE_BY = (3 << 8) | 45  # Unix, spec 4.5
 _EXTERNAL = (0o100644 << 16) & _U32  # a regular file, rw-r--r--
 
 
+class Readable(Protocol):
+    def read(self, size: int, /) -> bytes: ...
+
+
 class PageChanged(OSError):
     """A page's bytes are not the size the archive announced (it changed or vanished)."""
 
@@ -37,7 +41,7 @@ class PageChanged(OSError):
 class Entry:
     page: int
     size: int
-    open: Callable[[], AbstractContextManager[BinaryIO]]
+    open: Callable[[], AbstractContextManager[Readable]]
 
 
 def arcname(page: int) -> bytes:

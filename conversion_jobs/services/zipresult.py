@@ -40,8 +40,26 @@ class ResultIncomplete(QuireError):
     status = 500
 
 
+class _StoredPage:
+    """A page object opened for reading; a backend's read failure is a StorageError."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def __enter__(self) -> _StoredPage:
+        self.body = storage.open_object(self.key)
+        return self
+
+    def read(self, size: int) -> bytes:
+        with storage.read_errors():
+            return self.body.read(size)
+
+    def __exit__(self, *exc: object) -> None:
+        self.body.close()
+
+
 def _stored_opener(key: str) -> Any:
-    return lambda: storage.open_object(key)
+    return lambda: _StoredPage(key)
 
 
 def _local_opener(path: Path) -> Any:
