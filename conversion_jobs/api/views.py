@@ -310,7 +310,7 @@ class JobResultView(QuireView):
     required_scopes = {"GET": "jobs:read"}
 
     @extend_schema(
-        responses={**ARTIFACT, 304: None, **problems(*AUTHENTICATED, 404, 409)},
+        responses={**ARTIFACT, 304: None, **problems(*AUTHENTICATED, 404, 409, 500)},
         summary="Download the result",
         operation_id="jobs_result",
     )
