@@ -59,6 +59,7 @@ from conversion_jobs.services.acceptance import conversion_job_accept
 from conversion_jobs.services.cancellation import conversion_job_cancel
 from conversion_jobs.services.checkpoints import inline_result_read, is_inline_result
 from conversion_jobs.services.recovery import conversion_job_retry_failed
+from conversion_jobs.services.zipresult import is_zip_result, zip_result_stream
 from conversion_jobs.states import TERMINAL_STATES, State
 
 IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,255}$")
@@ -316,7 +317,7 @@ class JobResultView(QuireView):
     required_scopes = {"GET": "jobs:read"}
 
     @extend_schema(
-        responses={**ARTIFACT, 304: None, **problems(*AUTHENTICATED, 404, 409)},
+        responses={**ARTIFACT, 304: None, **problems(*AUTHENTICATED, 404, 409, 500)},
         summary="Download the result",
         operation_id="jobs_result",
     )
@@ -326,6 +327,8 @@ class JobResultView(QuireView):
             raise NotReady(job_state=job.state)
         if not job.result_key or job.expired_at is not None:
             raise NoResult(job_state=job.state)
+        if is_zip_result(job.result_key):
+            return _zip_result_response(job, request=request)
         return _artifact_response(
             content=_inline_result(job) if is_inline_result(job.result_key) else None,
             key=job.result_key,
@@ -351,6 +354,25 @@ def _inline_result(job: ConversionJob) -> Callable[[], bytes]:
         return body
 
     return read
+
+
+def _zip_result_response(job: ConversionJob, *, request: Request) -> HttpResponseBase:
+    """A PNG result: the ZIP of the job's done pages, streamed from the page objects (never
+    presigned: it is no object of its own). Same headers as a stored result."""
+    etag = f'"{job.result_sha256}"'
+    response: HttpResponseBase
+    if request.headers.get("If-None-Match") == etag:
+        response = HttpResponse(status=304)
+    else:
+        response = StreamingHttpResponse(
+            zip_result_stream(job), content_type=job.result_media_type or "application/zip"
+        )
+        response["Content-Length"] = str(job.result_size)
+        response["Content-Disposition"] = (
+            f'attachment; filename="{job.id}.{RESULT_EXT[job.output]}"'
+        )
+    response["ETag"] = etag
+    return response
 
 
 class NoResult(QuireError):

@@ -24,6 +24,7 @@ from django.db import connections
 
 from conversion_jobs import converters, storage
 from conversion_jobs.converters import ConversionError, ConversionStopped, Limits
+from conversion_jobs.converters.base import ZIP
 from conversion_jobs.converters.engines import EngineSettings, configure
 from conversion_jobs.converters.registry import engine_label
 from conversion_jobs.models import ConversionJob, PageCheckpoint, PageState
@@ -41,6 +42,7 @@ from conversion_jobs.services.checkpoints import (
 from conversion_jobs.services.db_retry import DB_ERRORS, db_retry, db_retry_until
 from conversion_jobs.services.heartbeat import Heartbeat
 from conversion_jobs.services.leases import Lease, LeaseLost, job_state_under_lease
+from conversion_jobs.services.zipresult import zip_result_digest, zip_result_key
 from conversion_jobs.states import State
 
 log = logging.getLogger(__name__)
@@ -436,13 +438,9 @@ def _finalize(
     attempt converted are fetched from the store into the work directory first."""
     pending = {c.page_number: c for c in batch.pending}
     outcome = {**checkpoints, **pending}
-    done = [
-        (p, _page_source(outcome[p], local, workdir))
-        for p in pages
-        if outcome[p].state == PageState.DONE
-    ]
+    done_pages = [p for p in pages if outcome[p].state == PageState.DONE]
     failed = [p for p in pages if outcome[p].state == PageState.FAILED]
-    if failed and (not done or not job.options.get("allow_partial", True)):
+    if failed and (not done_pages or not job.options.get("allow_partial", True)):
         batch.flush()
         _record_page_count(lease, unrecorded)
         code = checkpoints[failed[0]].error_code or "page_failed"
@@ -453,23 +451,37 @@ def _finalize(
             detail=f"{len(failed)} page(s) failed",
         )
         return "failed" if won else _stopped(lease=lease)
-    ext = {"text": "txt", "png": "zip", "pdf": "pdf"}[job.output]
-    key = storage.result_key(job_id=lease.job_id, generation=lease.generation, ext=ext)
-    inline_pages = [(page, source) for page, source in done if isinstance(source, bytes)]
-    inline = job.output == "text" and len(inline_pages) == len(done)
-    with tracing.tracer.start_as_current_span("conversion.finalize"):
-        if inline:
-            # Every page is in its checkpoint row: the result is those rows, joined when read
-            # (ADR 0017, "inline text results"). No file, no fsync; durable with the publish.
-            key = INLINE_PREFIX + key
-            media_type, sha, size = converters.inline_text_result(pages=inline_pages)
-        else:
-            assembled = workdir / "result.out"
-            media_type = converters.assemble_result(
-                output=job.output, pages=done, dest=assembled, prepared_document=prepared.document
-            )
-            sha, size = storage.sha256_file(assembled)
-            storage.put_file(key, assembled, sha256=sha)
+    stored = True  # the result is an object of its own (else it is made of page artifacts)
+    if job.output == "png":
+        # The ZIP of the done pages: hashed here, streamed by the web, never stored (zipresult).
+        key = zip_result_key(job_id=lease.job_id, generation=lease.generation)
+        stored = False
+        with tracing.tracer.start_as_current_span("conversion.finalize"):
+            sha, size = zip_result_digest(done=[(p, outcome[p]) for p in done_pages], local=local)
+        media_type = ZIP
+    else:
+        done = [(p, _page_source(outcome[p], local, workdir)) for p in done_pages]
+        ext = {"text": "txt", "pdf": "pdf"}[job.output]
+        key = storage.result_key(job_id=lease.job_id, generation=lease.generation, ext=ext)
+        inline_pages = [(page, source) for page, source in done if isinstance(source, bytes)]
+        with tracing.tracer.start_as_current_span("conversion.finalize"):
+            if job.output == "text" and len(inline_pages) == len(done):
+                # Every page is in its checkpoint row: the result is those rows, joined when
+                # read (ADR 0017, "inline text results"). No file, no fsync; durable with the
+                # publish.
+                key = INLINE_PREFIX + key
+                stored = False
+                media_type, sha, size = converters.inline_text_result(pages=inline_pages)
+            else:
+                assembled = workdir / "result.out"
+                media_type = converters.assemble_result(
+                    output=job.output,
+                    pages=done,
+                    dest=assembled,
+                    prepared_document=prepared.document,
+                )
+                sha, size = storage.sha256_file(assembled)
+                storage.put_file(key, assembled, sha256=sha)
     batch.durable()  # the last pages are checkpointed by the publishing transaction
     state = State.PARTIAL if failed else State.SUCCEEDED
     won = db_retry(
@@ -481,7 +493,7 @@ def _finalize(
             sha256=sha,
             size=size,
             media_type=media_type,
-            pages_done=len(done),
+            pages_done=len(done_pages),
             pages_failed=len(failed),
             page_count=unrecorded.get("page_count"),
         ),
@@ -492,8 +504,8 @@ def _finalize(
     else:
         # A cancelled or recovered job never shows this attempt's result; a finalizer that ran
         # twice finds its own result already published under the same key and keeps it.
-        mine = ConversionJob.objects.filter(id=lease.job_id, result_key=key)
-        if not inline and not mine.exists():
+        published = ConversionJob.objects.filter(id=lease.job_id, result_key=key).exists()
+        if stored and not published:
             storage.delete(key)
         return _stopped(lease=lease)
     return state.value

@@ -8,6 +8,7 @@ calls the functions below; a host's local disk is used only for work directories
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -126,6 +127,16 @@ def put_source(staged: Path, sha256: str) -> tuple[str, bool]:
 
 def open_object(key: str) -> BinaryIO:
     return store().open(key)
+
+
+def read_errors() -> contextlib.AbstractContextManager[None]:
+    """Around reads of an ``open_object`` body: the backend's read failures as StorageError."""
+    found = store()
+    if found.kind == "s3":
+        from .s3 import _errors
+
+        return _errors()
+    return contextlib.nullcontext()
 
 
 def download(key: str, dest: Path) -> None:

@@ -5,11 +5,13 @@ the S3 profile runs it against a real S3 server)."""
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import threading
 import time
 import urllib.request
 import uuid
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -34,13 +36,13 @@ def _rss_kib(pid: int, field: str = "VmRSS") -> int:
     raise AssertionError(f"{field} missing for {pid}")
 
 
-def _multipart(path: Path, source: Path, *, size: int) -> str:
+def _multipart(path: Path, source: Path, *, size: int, output: str = "text") -> str:
     """A multipart body on disk (so the client streams it too): ``source`` padded to ``size``."""
     boundary = uuid.uuid4().hex
     head = source.read_bytes()
     with open(path, "wb") as out:
         out.write(
-            f'--{boundary}\r\nContent-Disposition: form-data; name="output"\r\n\r\ntext\r\n'
+            f'--{boundary}\r\nContent-Disposition: form-data; name="output"\r\n\r\n{output}\r\n'
             f'--{boundary}\r\nContent-Disposition: form-data; name="file"; '
             f'filename="big.pdf"\r\nContent-Type: application/pdf\r\n\r\n'.encode()
         )
@@ -165,3 +167,38 @@ def test_result__streams_back_through_the_web(cluster, start, tmp_path):
         len(data),
     )
     assert list(storage.list_objects(f"results/{job['id']}")) == []
+
+
+def test_png_result__the_zip_of_the_pages_streams_through_the_web(cluster, start, tmp_path):
+    """A PNG result has no object of its own: the web streams the ZIP of the page objects."""
+    _web_proc, base = _web(cluster)
+    start("worker")
+    start("sweeper")
+    start("beat")
+    pdf = testdocs.make_pdf(tmp_path / "doc.pdf", pages=3, text_of=lambda n: f"page {n}")
+    body = tmp_path / "doc.body"
+    job = _post(base, body, _multipart(body, pdf, size=pdf.stat().st_size, output="png"))
+    auth = {"Authorization": f"Bearer {token()}"}
+
+    def done() -> dict | None:
+        request = urllib.request.Request(f"{base}/api/v1/jobs/{job['id']}", headers=auth)  # noqa: S310
+        with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310
+            state = json.loads(response.read())
+        return state if state["state"] == "succeeded" else None
+
+    harness.wait_until(done, timeout=60, what="job succeeded")
+    request = urllib.request.Request(f"{base}/api/v1/jobs/{job['id']}/result", headers=auth)  # noqa: S310
+    with urllib.request.urlopen(request, timeout=30) as response:  # noqa: S310
+        data = response.read()
+        assert response.headers["ETag"] == f'"{hashlib.sha256(data).hexdigest()}"'
+        assert response.headers["Content-Length"] == str(len(data))
+        assert response.headers["Content-Type"] == "application/zip"
+    archive = zipfile.ZipFile(io.BytesIO(data))
+    assert archive.namelist() == ["page-0001.png", "page-0002.png", "page-0003.png"]
+    for n, name in enumerate(archive.namelist(), start=1):
+        page = urllib.request.Request(  # noqa: S310
+            f"{base}/api/v1/jobs/{job['id']}/pages/{n}", headers=auth
+        )
+        with urllib.request.urlopen(page, timeout=30) as response:  # noqa: S310
+            assert archive.read(name) == response.read()
+    assert not list(storage.list_objects(f"results/{job['id']}"))

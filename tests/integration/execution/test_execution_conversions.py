@@ -124,8 +124,8 @@ def test_execute__page_range_converts_only_selected_pages(tmp_path, api, no_brok
 
 
 def test_execute__result_is_stored_once_under_a_job_derived_key(tmp_path, no_broker_publish):
-    source = testdocs.make_pdf(tmp_path / "doc.pdf", pages=2, text_of=unique_text())
-    job = submit(source, output="png", options={"dpi": 36})
+    source = testdocs.make_docx(tmp_path / "doc.docx", paragraphs=["one", "two"])
+    job = submit(source, output="pdf")
 
     assert execute(job) == "succeeded"
 

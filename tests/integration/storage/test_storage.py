@@ -244,12 +244,19 @@ def test_results__redirect_to_a_short_lived_presigned_url_when_configured(
             "PRESIGN_TTL_S": 30.0,
         },
     }
-    job = submit(
-        testdocs.make_pdf(tmp_path / "d.pdf", pages=2, text_of=unique_text()), output="png"
-    )
-    assert execute(job) == "succeeded"
+    source = testdocs.make_pdf(tmp_path / "d.pdf", pages=2, text_of=unique_text())
+    office = testdocs.make_docx(tmp_path / "d.docx", paragraphs=["Quire presigned"])
+    job, png_job = submit(office, output="pdf"), submit(source, output="png")
+    assert execute(job) == execute(png_job) == "succeeded"
     job.refresh_from_db()
+    png_job.refresh_from_db()
     client = api()
+
+    # A PNG result is the ZIP of its page objects, no object of its own: it is streamed.
+    streamed = client.get(f"/api/v1/jobs/{png_job.id}/result")
+    assert streamed.status_code == 200
+    body = b"".join(streamed.streaming_content)
+    assert hashlib.sha256(body).hexdigest() == png_job.result_sha256
 
     response = client.get(f"/api/v1/jobs/{job.id}/result")
     assert response.status_code == 302
@@ -260,10 +267,10 @@ def test_results__redirect_to_a_short_lived_presigned_url_when_configured(
     assert "X-Amz-Expires=30" in location
     with urllib.request.urlopen(location, timeout=10) as fetched:  # noqa: S310
         body = fetched.read()
-        assert fetched.headers["Content-Type"] == "application/zip"
+        assert fetched.headers["Content-Type"] == "application/pdf"
     assert hashlib.sha256(body).hexdigest() == job.result_sha256
 
-    page = client.get(f"/api/v1/jobs/{job.id}/pages/1")
+    page = client.get(f"/api/v1/jobs/{png_job.id}/pages/1")
     assert page.status_code == 302
     with urllib.request.urlopen(page["Location"], timeout=10) as fetched:  # noqa: S310
         assert fetched.read().startswith(b"\x89PNG")
