@@ -225,6 +225,9 @@ QUIRE: dict[str, Any] = {
     # Text pages up to this size live in their checkpoint row (written with the batch, no file,
     # no fsync of their own); 0 turns it off.
     "INLINE_PAGE_MAX_BYTES": env_int("QUIRE_INLINE_PAGE_MAX_BYTES", 65536),
+    # A text result made of inline pages is joined in the web's memory when downloaded: above
+    # this many bytes it is assembled into a stored file instead (streamed, never held whole).
+    "INLINE_RESULT_MAX_BYTES": env_int("QUIRE_INLINE_RESULT_MAX_BYTES", 4 * 1024 * 1024),
     "BACKOFF_BASE_S": env_float("QUIRE_BACKOFF_BASE_S", 2.0),
     "BACKOFF_CAP_S": env_float("QUIRE_BACKOFF_CAP_S", 300.0),
     # dispatch

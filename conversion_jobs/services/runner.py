@@ -465,7 +465,12 @@ def _finalize(
         key = storage.result_key(job_id=lease.job_id, generation=lease.generation, ext=ext)
         inline_pages = [(page, source) for page, source in done if isinstance(source, bytes)]
         with tracing.tracer.start_as_current_span("conversion.finalize"):
-            if job.output == "text" and len(inline_pages) == len(done):
+            inline_size = sum(len(body) for _page, body in inline_pages) + len(done)
+            if (
+                job.output == "text"
+                and len(inline_pages) == len(done)
+                and inline_size <= settings.QUIRE["INLINE_RESULT_MAX_BYTES"]
+            ):
                 # Every page is in its checkpoint row: the result is those rows, joined when
                 # read (ADR 0017, "inline text results"). No file, no fsync; durable with the
                 # publish.

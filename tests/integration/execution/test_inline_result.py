@@ -134,3 +134,22 @@ def test_inline_result__rows_gone_under_a_live_job_read_as_no_result(
 
     status, _body, response = _download(api(), job.id)
     assert (status, response.json()["code"]) == (409, "no_result")
+
+
+def test_text_job__inline_pages_above_the_result_limit_are_stored_as_a_file(
+    tmp_path, api, no_broker_publish, settings
+):
+    """Every page is inline, but together they exceed QUIRE_INLINE_RESULT_MAX_BYTES: the result
+    is a stored file (a download never holds more than the limit in the web's memory)."""
+    settings.QUIRE = {**settings.QUIRE, "INLINE_RESULT_MAX_BYTES": 16}
+    job = _text_job(tmp_path, 3, unique_text())
+    assert execute(job) == "succeeded"
+
+    job.refresh_from_db()
+    rows = PageCheckpoint.objects.filter(job_id=job.id)
+    assert all(r.content is not None for r in rows)  # the pages themselves stay inline
+    assert job.result_key == f"results/{job.id}/result.g1.txt"
+    assert result_files(job.id) == [job.result_key]
+    stored = storage.open_object(job.result_key).read()
+    assert hashlib.sha256(stored).hexdigest() == job.result_sha256
+    assert len(stored) == job.result_size > 16
