@@ -566,17 +566,9 @@ def _publish(lease: Lease, state: State, result: Result, checkpoints: list[PageC
     return won
 
 
-#: A batch of done pages on Postgres, one statement (its own transaction): the fenced UPDATE
-#: of the job row takes the row lock first (a recovery or a cancel that committed before us
-#: makes it match zero rows after the lock wait), and the upsert inserts only from its
-#: returned row, so a lost fence writes nothing. Counted like ``_PUBLISH_SQL``'s pages.
-_DONE_PAGES_SQL = """
-WITH moved AS (
-    UPDATE conversion_job SET pages_done = pages_done + %(n_done)s, updated_at = now()
-    WHERE id = %(job)s AND generation = %(generation)s AND lease_token = %(token)s
-      AND state = 'running'
-    RETURNING id
-), pages AS (
+#: The done pages of a batch (the ``p_*`` arrays), upserted from the row that ``moved``
+#: returned: part of ``_DONE_PAGES_SQL`` and of ``_PUBLISH_SQL``.
+_UPSERT_DONE_PAGES = """
     INSERT INTO page_checkpoint
         (job_id, page_number, state, attempts, artifact_key, artifact_sha256, artifact_size,
          media_type, error_code, generation, updated_at, content)
@@ -593,9 +585,21 @@ WITH moved AS (
         artifact_size = EXCLUDED.artifact_size, media_type = EXCLUDED.media_type,
         error_code = NULL, generation = EXCLUDED.generation, updated_at = EXCLUDED.updated_at,
         content = EXCLUDED.content
-)
-SELECT count(*) FROM moved
 """
+
+#: A batch of done pages on Postgres, one statement (its own transaction): the fenced UPDATE
+#: of the job row takes the row lock first (a recovery or a cancel that committed before us
+#: makes it match zero rows after the lock wait), and the upsert inserts only from its
+#: returned row, so a lost fence writes nothing. Counted like ``_PUBLISH_SQL``'s pages.
+_DONE_PAGES_SQL = """
+WITH moved AS (
+    UPDATE conversion_job SET pages_done = pages_done + %(n_done)s, updated_at = now()
+    WHERE id = %(job)s AND generation = %(generation)s AND lease_token = %(token)s
+      AND state = 'running'
+    RETURNING id
+), pages AS ({upsert_done_pages})
+SELECT count(*) FROM moved
+""".replace("{upsert_done_pages}", _UPSERT_DONE_PAGES)
 
 
 def done_pages_record(*, lease: Lease, checkpoints: list[PageCheckpoint]) -> bool:
@@ -640,24 +644,7 @@ WITH locked AS (
         audit_seq = l.audit_seq + 1, audit_head = {hash}
     FROM locked l WHERE j.id = l.id
     RETURNING j.id, j.audit_seq, j.audit_head, l.audit_head AS audit_prev
-), pages AS (
-    INSERT INTO page_checkpoint
-        (job_id, page_number, state, attempts, artifact_key, artifact_sha256, artifact_size,
-         media_type, error_code, generation, updated_at, content)
-    SELECT m.id, p.page_number, 'done', p.attempts, p.artifact_key, p.artifact_sha256,
-           p.artifact_size, p.media_type, NULL, %(generation)s, now(), p.content
-    FROM moved m, unnest(%(p_number)s::int[], %(p_attempts)s::int[], %(p_key)s::text[],
-                         %(p_sha)s::text[], %(p_size)s::bigint[], %(p_media)s::text[],
-                         %(p_content)s::bytea[])
-         AS p(page_number, attempts, artifact_key, artifact_sha256, artifact_size, media_type,
-              content)
-    ON CONFLICT (job_id, page_number) DO UPDATE SET
-        state = EXCLUDED.state, attempts = EXCLUDED.attempts,
-        artifact_key = EXCLUDED.artifact_key, artifact_sha256 = EXCLUDED.artifact_sha256,
-        artifact_size = EXCLUDED.artifact_size, media_type = EXCLUDED.media_type,
-        error_code = NULL, generation = EXCLUDED.generation, updated_at = EXCLUDED.updated_at,
-        content = EXCLUDED.content
-), lease_end AS (
+), pages AS ({upsert_done_pages}), lease_end AS (
     DELETE FROM worker_lease
     WHERE job_id = %(job)s AND token = %(token)s AND EXISTS (SELECT 1 FROM moved)
 ), attempt AS (
@@ -681,7 +668,7 @@ WITH locked AS (
     FROM moved
 )
 SELECT (SELECT count(*) FROM moved), (SELECT count(*) FROM attempt)
-"""
+""".replace("{upsert_done_pages}", _UPSERT_DONE_PAGES)
 
 
 def _publish_postgres(
