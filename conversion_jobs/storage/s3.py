@@ -19,6 +19,7 @@ import os
 import shutil
 import tempfile
 import time
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -51,6 +52,13 @@ def _errors(*, missing_is_not_found: bool = False) -> Iterator[None]:
         raise StorageError(f"object store: {code or status}") from exc
     except (BotoCoreError, Boto3Error) as exc:
         raise StorageError(f"object store: {type(exc).__name__}") from exc
+
+
+def _status(exc: StorageError) -> int | None:
+    """The HTTP status of the botocore error behind ``exc``, if any."""
+    response = getattr(exc.__cause__, "response", None) or {}
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return int(status) if status is not None else None
 
 
 class S3Store(ArtifactStore):
@@ -121,6 +129,7 @@ class S3Store(ArtifactStore):
         # cost). Everything below goes through it.
         self._client = self.backend.connection.meta.client
         self._bucket = bucket
+        self._conditional: bool | None = None  # conditional writes honoured (probed once)
 
     # --- names ------------------------------------------------------------------------------
 
@@ -184,31 +193,53 @@ class S3Store(ArtifactStore):
 
     def put_file_if_absent(self, key: str, path: Path, *, sha256: str) -> bool:
         """A small file: one conditional PUT (``If-None-Match: *``) that the server refuses
-        with 412 when the key exists, so no HEAD goes first. (A server that ignored the
-        condition would store the same bytes again under their content address and report
-        it stored: still correct, as a fresh object is one no deleter touches.) A large file:
-        HEAD, then the multipart upload, whose conditional form the transfer manager does
-        not send."""
-        if os.stat(path).st_size >= PART:
+        with 412 when the key exists, so no HEAD goes first; the reuse path (the source's lock
+        and a presence check, ``acceptance``) then runs as after a HEAD that found it. Only on
+        a server that honours the condition (probed once per process: a server that ignored it
+        would overwrite an object a deleter is about to remove, outside the lock). A large
+        file, or a server without conditional writes: HEAD, then the upload."""
+        if os.stat(path).st_size >= PART or not self._conditional_writes():
             return super().put_file_if_absent(key, path, sha256=sha256)
-        name = self._name(key)
-        params = self.backend._get_write_parameters(name)
-        params["ChecksumSHA256"] = base64.b64encode(bytes.fromhex(sha256)).decode()
         try:
-            with _errors(), open(path, "rb") as body:
-                self._client.put_object(
-                    Bucket=self._bucket, Key=name, Body=body, IfNoneMatch="*", **params
-                )
+            self._put_if_none_match(self._name(key), path, sha256)
         except StorageError as exc:
-            if (
-                getattr(exc.__cause__, "response", {})
-                .get("ResponseMetadata", {})
-                .get("HTTPStatusCode")
-                == 412
-            ):
+            if _status(exc) == 412:
                 return False
             raise
         return True
+
+    def _put_if_none_match(self, name: str, path: Path, sha256: str | None) -> None:
+        params = self.backend._get_write_parameters(name)
+        if sha256 is not None:
+            params["ChecksumSHA256"] = base64.b64encode(bytes.fromhex(sha256)).decode()
+        with _errors(), open(path, "rb") as body:
+            self._client.put_object(
+                Bucket=self._bucket, Key=name, Body=body, IfNoneMatch="*", **params
+            )
+
+    def _conditional_writes(self) -> bool:
+        """Whether the server refuses ``If-None-Match: *`` on an existing key (AWS S3, MinIO
+        and SeaweedFS do; some S3-compatible servers ignore it). Probed once, with a probe
+        object written twice and removed."""
+        if self._conditional is None:
+            name = self._name(f"_probe/{uuid.uuid4().hex}")
+            self.staging_dir.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
+            with tempfile.NamedTemporaryFile(dir=self.staging_dir) as probe:
+                probe.write(b"quire conditional-write probe")
+                probe.flush()
+                try:
+                    self._put_if_none_match(name, Path(probe.name), None)
+                    try:
+                        self._put_if_none_match(name, Path(probe.name), None)
+                        self._conditional = False
+                    except StorageError as exc:
+                        if _status(exc) != 412:
+                            raise
+                        self._conditional = True
+                finally:
+                    with _errors():
+                        self._client.delete_object(Bucket=self._bucket, Key=name)
+        return self._conditional
 
     def put(self, key: str, stream: BinaryIO) -> None:
         with _errors():

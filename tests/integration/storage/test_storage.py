@@ -57,6 +57,22 @@ def test_store__source_is_stored_once_by_content(backend, tmp_path):
         assert body.read() == data
 
 
+def test_s3__conditional_writes_probed__a_server_without_them_gets_head_then_put(
+    s3_store, tmp_path
+):
+    """SeaweedFS refuses If-None-Match: * on an existing key (412), so sources are created
+    with one conditional PUT; where a server ignores the condition the store falls back to
+    HEAD + PUT (an ignored condition would overwrite outside the source's lock)."""
+    target = storage.store()
+    assert target._conditional_writes() is True
+    assert not list(storage.list_objects("_probe"))  # the probe object is gone
+    target._conditional = False
+    data = uuid.uuid4().bytes * 32
+    sha, _size = storage.sha256_file(_file(tmp_path, data))
+    assert storage.put_source(_file(tmp_path, data), sha) == (storage.source_key(sha), True)
+    assert storage.put_source(_file(tmp_path, data), sha) == (storage.source_key(sha), False)
+
+
 def test_store__unwaited_puts_are_complete_once_settled(backend, tmp_path):
     job = uuid.uuid4()
     puts = [
