@@ -113,25 +113,28 @@ def conversion_job_retry_failed(
     cancellation requests stay resolved against the old generation. ``tenant`` None means any
     tenant (Django admin)."""
     try:
-        for move in _RETRY_EDGES:
-            if move(job_id=job_id, tenant=tenant, actor=actor) is not None:
-                break
-        else:
-            jobs = ConversionJob.objects.filter(id=job_id)
-            if tenant is not None:
-                jobs = jobs.filter(tenant=tenant)
-            row = jobs.values_list("state", "expired_at").first()
-            if row is None:
-                raise NotFound()
-            if row[0] in (State.FAILED, State.CANCELLED):
-                # its source is gone: only a new submission can help
-                raise NotRetryable("the job expired under retention; submit it again")
-            raise NotRetryable(job_state=row[0])
+        # The answer is the job as this retry left it: read before the commit, so the new
+        # outbox row's publish (on commit) cannot let a worker's claim show through.
+        with transaction.atomic():
+            for move in _RETRY_EDGES:
+                if move(job_id=job_id, tenant=tenant, actor=actor) is not None:
+                    break
+            else:
+                jobs = ConversionJob.objects.filter(id=job_id)
+                if tenant is not None:
+                    jobs = jobs.filter(tenant=tenant)
+                row = jobs.values_list("state", "expired_at").first()
+                if row is None:
+                    raise NotFound()
+                if row[0] in (State.FAILED, State.CANCELLED):
+                    # its source is gone: only a new submission can help
+                    raise NotRetryable("the job expired under retention; submit it again")
+                raise NotRetryable(job_state=row[0])
+            return ConversionJob.objects.get(id=job_id)
     except IntegrityError as exc:
         if violated_constraint(exc) == "job_content_identity_live_or_succeeded":
             raise ConflictingJob() from exc
         raise
-    return ConversionJob.objects.get(id=job_id)
 
 
 def _is_uuid(name: str) -> bool:

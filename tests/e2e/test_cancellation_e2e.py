@@ -400,7 +400,15 @@ def test_cancel__operator_retry_after_cancel_starts_clean(start, submit, cluster
     assert second.outcome == "succeeded"
     # Only the new attempt's directory ever existed during generation 2.
     assert seen and all(d.startswith(f"{second.id}-") for d in seen), (seen, first.id)
-    assert work_dirs(job.id) == []
+    # The worker removes its directory after the publish commits (the job reads succeeded
+    # first): gone within moments, and no other directory ever appeared.
+    harness.wait_until(
+        lambda: not seen.update(work_dirs(job.id)) and work_dirs(job.id) == [],
+        timeout=10,
+        interval=0.05,
+        what="attempt directory removed",
+    )
+    assert all(d.startswith(f"{second.id}-") for d in seen), (seen, first.id)
     gens = dict(
         PageCheckpoint.objects.filter(job_id=job.id).values_list("page_number", "generation")
     )
