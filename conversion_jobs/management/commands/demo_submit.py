@@ -42,9 +42,15 @@ class Api:
             req.add_header(name, value)
         try:
             with urllib.request.urlopen(req, timeout=40) as resp:  # noqa: S310  (checked above)
-                return resp.status, dict(resp.headers), resp.read()
+                return resp.status, _lowered(resp.headers.items()), resp.read()
         except urllib.error.HTTPError as exc:
-            return exc.code, dict(exc.headers), exc.read()
+            return exc.code, _lowered(exc.headers.items()), exc.read()
+
+
+def _lowered(items: Any) -> dict[str, str]:
+    """Response headers by lower-case name (HTTP names are case-insensitive; the server may
+    send them in lower case)."""
+    return {name.lower(): value for name, value in items}
 
 
 def multipart(path: Path, output: str) -> tuple[bytes, str]:
@@ -121,7 +127,7 @@ class Command(BaseCommand):
         dest.write_bytes(raw)
         self.stdout.write(
             f"{source.name}: {job['state']} -> {dest} ({len(raw)} bytes, "
-            f"{headers.get('Content-Type')}, ETag {headers.get('ETag', '')[:14]}…)"
+            f"{headers.get('content-type')}, ETag {headers.get('etag', '')[:14]}…)"
         )
         if dest.suffix == ".txt":
             preview = raw.decode("utf-8", errors="replace").replace("\f", " | ")[:200]
