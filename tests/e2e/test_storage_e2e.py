@@ -13,6 +13,7 @@ import urllib.request
 import uuid
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -144,20 +145,7 @@ def test_result__streams_back_through_the_web(cluster, start, tmp_path):
     pdf = testdocs.make_pdf(tmp_path / "doc.pdf", pages=3, text_of=lambda n: texts[n - 1])
     body = tmp_path / "doc.body"
     job = _post(base, body, _multipart(body, pdf, size=pdf.stat().st_size))
-    auth = {"Authorization": f"Bearer {token()}"}
-
-    def done() -> dict | None:
-        request = urllib.request.Request(f"{base}/api/v1/jobs/{job['id']}", headers=auth)  # noqa: S310
-        with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310
-            state = json.loads(response.read())
-        return state if state["state"] == "succeeded" else None
-
-    harness.wait_until(done, timeout=60, what="job succeeded")
-    request = urllib.request.Request(f"{base}/api/v1/jobs/{job['id']}/result", headers=auth)  # noqa: S310
-    with urllib.request.urlopen(request, timeout=30) as response:  # noqa: S310
-        data = response.read()
-        assert response.headers["ETag"] == f'"{hashlib.sha256(data).hexdigest()}"'
-        assert response.headers["Content-Length"] == str(len(data))
+    data, _headers = _result_when_succeeded(base, job["id"])
     assert [t.strip() for t in data.decode().split("\f")] == texts
     # Small text pages: the result is their checkpoint rows (no object), served the same way.
     published = ConversionJob.objects.get(id=job["id"])
@@ -169,6 +157,26 @@ def test_result__streams_back_through_the_web(cluster, start, tmp_path):
     assert list(storage.list_objects(f"results/{job['id']}")) == []
 
 
+def _result_when_succeeded(base: str, job_id: str) -> tuple[bytes, Any]:
+    """Wait (polling the API) until the job succeeded, then download its result through the
+    web; the ETag is the body's sha256 and Content-Length its size."""
+    auth = {"Authorization": f"Bearer {token()}"}
+
+    def done() -> dict | None:
+        request = urllib.request.Request(f"{base}/api/v1/jobs/{job_id}", headers=auth)  # noqa: S310
+        with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310
+            state = json.loads(response.read())
+        return state if state["state"] == "succeeded" else None
+
+    harness.wait_until(done, timeout=60, what="job succeeded")
+    request = urllib.request.Request(f"{base}/api/v1/jobs/{job_id}/result", headers=auth)  # noqa: S310
+    with urllib.request.urlopen(request, timeout=30) as response:  # noqa: S310
+        data = response.read()
+        assert response.headers["ETag"] == f'"{hashlib.sha256(data).hexdigest()}"'
+        assert response.headers["Content-Length"] == str(len(data))
+        return data, response.headers
+
+
 def test_png_result__the_zip_of_the_pages_streams_through_the_web(cluster, start, tmp_path):
     """A PNG result has no object of its own: the web streams the ZIP of the page objects."""
     _web_proc, base = _web(cluster)
@@ -178,26 +186,14 @@ def test_png_result__the_zip_of_the_pages_streams_through_the_web(cluster, start
     pdf = testdocs.make_pdf(tmp_path / "doc.pdf", pages=3, text_of=lambda n: f"page {n}")
     body = tmp_path / "doc.body"
     job = _post(base, body, _multipart(body, pdf, size=pdf.stat().st_size, output="png"))
-    auth = {"Authorization": f"Bearer {token()}"}
-
-    def done() -> dict | None:
-        request = urllib.request.Request(f"{base}/api/v1/jobs/{job['id']}", headers=auth)  # noqa: S310
-        with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310
-            state = json.loads(response.read())
-        return state if state["state"] == "succeeded" else None
-
-    harness.wait_until(done, timeout=60, what="job succeeded")
-    request = urllib.request.Request(f"{base}/api/v1/jobs/{job['id']}/result", headers=auth)  # noqa: S310
-    with urllib.request.urlopen(request, timeout=30) as response:  # noqa: S310
-        data = response.read()
-        assert response.headers["ETag"] == f'"{hashlib.sha256(data).hexdigest()}"'
-        assert response.headers["Content-Length"] == str(len(data))
-        assert response.headers["Content-Type"] == "application/zip"
+    data, headers = _result_when_succeeded(base, job["id"])
+    assert headers["Content-Type"] == "application/zip"
     archive = zipfile.ZipFile(io.BytesIO(data))
     assert archive.namelist() == ["page-0001.png", "page-0002.png", "page-0003.png"]
     for n, name in enumerate(archive.namelist(), start=1):
         page = urllib.request.Request(  # noqa: S310
-            f"{base}/api/v1/jobs/{job['id']}/pages/{n}", headers=auth
+            f"{base}/api/v1/jobs/{job['id']}/pages/{n}",
+            headers={"Authorization": f"Bearer {token()}"},
         )
         with urllib.request.urlopen(page, timeout=30) as response:  # noqa: S310
             assert archive.read(name) == response.read()
