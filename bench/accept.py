@@ -29,6 +29,10 @@ What runs:
   then VACUUM ANALYZE), phase 3 again on a fresh server: ratio to the empty tables, target >= 0.9.
   It runs last (the seed stays).
 
+Every Quire phase starts from an empty job table (``TRUNCATE conversion_job CASCADE``; the
+history phase truncates before it seeds): no worker runs, so a phase leaves thousands of live
+jobs, and the acceptance pre-check counts the live jobs per request.
+
 Each phase: ``--clients`` threads on keep-alive connections, ``--warm`` seconds discarded, then
 ``--measure`` seconds measured. Prints accepted/s, p50/p99 latency, the ratio to the baseline,
 and the CPU used by the client, gunicorn, Postgres, RabbitMQ and the whole machine.
@@ -395,7 +399,21 @@ def main() -> int:
             ]
             quire_env = {**env, "DJANGO_SETTINGS_MODULE": "project.settings"}
 
-            def quire_phase(name: str, server: c.Server, spy: Path | None = None) -> PhaseResult:
+            def no_live_jobs() -> None:
+                """Every Quire phase starts from an empty job table: no worker runs here, so
+                each phase leaves thousands of live jobs, and the acceptance pre-check's
+                admission count reads every live job per request; without this a later phase
+                (S3, +history) would pay for the earlier phases' backlog."""
+                import psycopg
+
+                with psycopg.connect(db_url, autocommit=True) as conn:
+                    conn.execute("TRUNCATE conversion_job CASCADE")
+
+            def quire_phase(
+                name: str, server: c.Server, spy: Path | None = None, fresh: bool = True
+            ) -> PhaseResult:
+                if fresh:
+                    no_live_jobs()
                 return drive(
                     name=name,
                     port=server.port,
@@ -426,12 +444,13 @@ def main() -> int:
                     factory = RequestFactory(
                         path="/api/v1/jobs", token=readers[0], port=server.port
                     )
+                    no_live_jobs()
                     job_ids = [submit_one(factory) for _ in range(20)]
                     with IdleLongPolls(
                         port=server.port, token=readers[0], job_ids=job_ids, count=args.idle_polls
                     ) as polls:
                         time.sleep(5)  # all parked
-                        idle = quire_phase("asgi+idle", server)
+                        idle = quire_phase("asgi+idle", server, fresh=False)
                     idle.errors.extend(f"long-poll: {e}" for e in polls.errors)
                     facts["idle_answers"] = dict(polls.answers)
             if args.storage == "s3":
@@ -444,10 +463,11 @@ def main() -> int:
                 ):
                     s3 = quire_phase("asgi-s3", server)
             if args.history:
+                no_live_jobs()
                 seed_s = c.seed_history_db(db_url, args.history)
                 print(f"seeded {args.history} finished jobs in {seed_s:.0f} s", flush=True)
                 with c.gunicorn(env=quire_env, log=storage / "gunicorn-history.log") as server:
-                    history = quire_phase(f"asgi+{args.history // 1000}k", server)
+                    history = quire_phase(f"asgi+{args.history // 1000}k", server, fresh=False)
             time.sleep(1.0)
             jobs = c.best_effort(c.sql_scalar, db_url, "SELECT count(*) FROM conversion_job")
             unpublished = c.best_effort(
