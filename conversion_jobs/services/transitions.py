@@ -587,6 +587,20 @@ _UPSERT_DONE_PAGES = """
         content = EXCLUDED.content
 """
 
+
+def _done_pages_params(checkpoints: list[PageCheckpoint]) -> dict[str, Any]:
+    """The ``p_*`` arrays ``_UPSERT_DONE_PAGES`` reads, one element per page."""
+    return {
+        "p_number": [c.page_number for c in checkpoints],
+        "p_attempts": [c.attempts for c in checkpoints],
+        "p_key": [c.artifact_key for c in checkpoints],
+        "p_sha": [c.artifact_sha256 for c in checkpoints],
+        "p_size": [c.artifact_size for c in checkpoints],
+        "p_media": [c.media_type for c in checkpoints],
+        "p_content": [c.content for c in checkpoints],
+    }
+
+
 #: A batch of done pages on Postgres, one statement (its own transaction): the fenced UPDATE
 #: of the job row takes the row lock first (a recovery or a cancel that committed before us
 #: makes it match zero rows after the lock wait), and the upsert inserts only from its
@@ -610,13 +624,7 @@ def done_pages_record(*, lease: Lease, checkpoints: list[PageCheckpoint]) -> boo
         "generation": lease.generation,
         "token": lease.token,
         "n_done": len(checkpoints),
-        "p_number": [c.page_number for c in checkpoints],
-        "p_attempts": [c.attempts for c in checkpoints],
-        "p_key": [c.artifact_key for c in checkpoints],
-        "p_sha": [c.artifact_sha256 for c in checkpoints],
-        "p_size": [c.artifact_size for c in checkpoints],
-        "p_media": [c.media_type for c in checkpoints],
-        "p_content": [c.content for c in checkpoints],
+        **_done_pages_params(checkpoints),
     }
     with connection.cursor() as cursor:
         cursor.execute(_DONE_PAGES_SQL, params)
@@ -688,13 +696,7 @@ def _publish_postgres(
         "n_done": len(checkpoints),
         "details": canonical_json(details),
         "at": at,
-        "p_number": [c.page_number for c in checkpoints],
-        "p_attempts": [c.attempts for c in checkpoints],
-        "p_key": [c.artifact_key for c in checkpoints],
-        "p_sha": [c.artifact_sha256 for c in checkpoints],
-        "p_size": [c.artifact_size for c in checkpoints],
-        "p_media": [c.media_type for c in checkpoints],
-        "p_content": [c.content for c in checkpoints],
+        **_done_pages_params(checkpoints),
         "source_page_count": None,
         **values,
     }
