@@ -189,24 +189,7 @@ def make_odt(path: Path, *, paragraphs: list[str]) -> Path:
         ' xmlns:text="urn:oasis:names:tc:opendocument:xmlns:text:1.0" office:version="1.2">'
         f"<office:body><office:text>{body}</office:text></office:body></office:document-content>"
     )
-    manifest = (
-        '<?xml version="1.0" encoding="UTF-8"?>'
-        '<manifest:manifest xmlns:manifest="urn:oasis:names:tc:opendocument:xmlns:manifest:1.0"'
-        ' manifest:version="1.2">'
-        '<manifest:file-entry manifest:full-path="/"'
-        ' manifest:media-type="application/vnd.oasis.opendocument.text"/>'
-        '<manifest:file-entry manifest:full-path="content.xml" manifest:media-type="text/xml"/>'
-        "</manifest:manifest>"
-    )
-    with zipfile.ZipFile(path, "w") as zf:
-        zf.writestr(
-            zipfile.ZipInfo("mimetype"),
-            "application/vnd.oasis.opendocument.text",
-            compress_type=zipfile.ZIP_STORED,
-        )
-        zf.writestr("content.xml", content, compress_type=zipfile.ZIP_DEFLATED)
-        zf.writestr("META-INF/manifest.xml", manifest, compress_type=zipfile.ZIP_DEFLATED)
-    return Path(path)
+    return _odt_package(path, content)
 
 
 def make_rtf(path: Path, *, paragraphs: list[str]) -> Path:
@@ -370,24 +353,7 @@ def make_odt_linked_image(path: Path, *, target: str, text: str = "linked pictur
         ' xlink:show="embed" xlink:actuate="onLoad"/></draw:frame></text:p>'
         "</office:text></office:body></office:document-content>"
     )
-    manifest = (
-        '<?xml version="1.0" encoding="UTF-8"?>'
-        '<manifest:manifest xmlns:manifest="urn:oasis:names:tc:opendocument:xmlns:manifest:1.0"'
-        ' manifest:version="1.2">'
-        '<manifest:file-entry manifest:full-path="/"'
-        ' manifest:media-type="application/vnd.oasis.opendocument.text"/>'
-        '<manifest:file-entry manifest:full-path="content.xml" manifest:media-type="text/xml"/>'
-        "</manifest:manifest>"
-    )
-    with zipfile.ZipFile(path, "w") as zf:
-        zf.writestr(
-            zipfile.ZipInfo("mimetype"),
-            "application/vnd.oasis.opendocument.text",
-            compress_type=zipfile.ZIP_STORED,
-        )
-        zf.writestr("content.xml", content, compress_type=zipfile.ZIP_DEFLATED)
-        zf.writestr("META-INF/manifest.xml", manifest, compress_type=zipfile.ZIP_DEFLATED)
-    return Path(path)
+    return _odt_package(path, content)
 
 
 def make_pdf_with_actions(path: Path, *, launch: str, uri: str) -> Path:
@@ -425,4 +391,27 @@ def make_pdf_with_actions(path: Path, *, launch: str, uri: str) -> Path:
     writer.pages[0][NameObject("/Annots")] = ArrayObject([writer._add_object(annotation)])
     with open(path, "wb") as fh:
         writer.write(fh)
+    return Path(path)
+
+
+def _odt_package(path: Path, content: str) -> Path:
+    """An ODT text document at ``path`` with ``content.xml`` = ``content``: the stored mimetype
+    first, then the content and a minimal manifest."""
+    manifest = (
+        '<?xml version="1.0" encoding="UTF-8"?>'
+        '<manifest:manifest xmlns:manifest="urn:oasis:names:tc:opendocument:xmlns:manifest:1.0"'
+        ' manifest:version="1.2">'
+        '<manifest:file-entry manifest:full-path="/"'
+        ' manifest:media-type="application/vnd.oasis.opendocument.text"/>'
+        '<manifest:file-entry manifest:full-path="content.xml" manifest:media-type="text/xml"/>'
+        "</manifest:manifest>"
+    )
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr(
+            zipfile.ZipInfo("mimetype"),
+            "application/vnd.oasis.opendocument.text",
+            compress_type=zipfile.ZIP_STORED,
+        )
+        zf.writestr("content.xml", content, compress_type=zipfile.ZIP_DEFLATED)
+        zf.writestr("META-INF/manifest.xml", manifest, compress_type=zipfile.ZIP_DEFLATED)
     return Path(path)
