@@ -6,19 +6,16 @@ tests/e2e/test_background_publisher.py.)"""
 
 from __future__ import annotations
 
-import hashlib
-import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from conversion_jobs import storage
 from conversion_jobs.models import ConversionOutbox
 from conversion_jobs.services import publisher
-from conversion_jobs.services.acceptance import StagedUpload, conversion_job_accept
 from tests import testdocs
+from tests.integration.execution.jobkit import submit
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -37,20 +34,7 @@ def _accept(tmp_path: Path) -> uuid.UUID:
     src = tmp_path / f"{uuid.uuid4().hex}.pdf"
     salt = uuid.uuid4().hex
     testdocs.make_pdf(src, pages=1, text_of=lambda n: f"Page {n} {salt}")
-    fh, staged = storage.stage()
-    with fh, open(src, "rb") as data:
-        shutil.copyfileobj(data, fh)
-    raw = src.read_bytes()
-    accepted = conversion_job_accept(
-        tenant="tenant-a",
-        actor="test",
-        upload=StagedUpload(path=staged, sha256=hashlib.sha256(raw).hexdigest(), size=len(raw)),
-        output="text",
-        raw_options={},
-        idempotency_key=None,
-    )
-    assert accepted.created
-    return accepted.job.id
+    return submit(src, output="text").id
 
 
 def test_background_publisher__committed_rows_are_published_and_marked_once(
