@@ -26,7 +26,7 @@ from conversion_jobs.services.checkpoints import (
     is_inline_result,
 )
 from conversion_jobs.services.runner import conversion_job_execute
-from tests.polling import wait_for  # noqa: F401  (re-exported for the tests here)
+from tests.polling import wait_for
 
 CHILD_NAME = zygote.CHILD_NAME  # forked by the zygote: its cmdline is the zygote's
 
@@ -100,6 +100,26 @@ class Worker(threading.Thread):
         if self.error is not None:
             raise self.error
         return self.outcome
+
+
+def run_until_pages_then_lose_lease(job: ConversionJob, pages_done: int) -> None:
+    """A worker converts ``job`` until ``pages_done`` pages are checkpointed; then its lease is
+    stolen (it expires, as if the worker stalled), the sweep recovers the job (generation + 1,
+    queued) and the worker stops with ``lost``. ``job`` is refreshed."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from conversion_jobs.models import PageCheckpoint, WorkerLease
+    from conversion_jobs.services.recovery import conversion_jobs_recover_if_lease_expired
+
+    first = Worker(job.id, job.generation)
+    first.start()
+    wait_for(lambda: PageCheckpoint.objects.filter(job=job, state="done").count() >= pages_done)
+    WorkerLease.objects.filter(job=job).update(expires_at=timezone.now() - timedelta(seconds=1))
+    assert conversion_jobs_recover_if_lease_expired() == 1
+    assert first.result() == "lost"
+    job.refresh_from_db()
 
 
 def work_dir_entries() -> list[Path]:

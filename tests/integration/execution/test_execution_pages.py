@@ -3,31 +3,25 @@ the idempotent finalizer, driven through ``conversion_job_execute`` in-process."
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import pytest
-from django.utils import timezone
 
 from conversion_jobs.models import (
     ConversionAttempt,
     ConversionJob,
     ExecutionAuditEvent,
     PageCheckpoint,
-    WorkerLease,
 )
 from conversion_jobs.services import runner
-from conversion_jobs.services.recovery import conversion_jobs_recover_if_lease_expired
 from tests import testdocs
 from tests.integration.execution.jobkit import (
-    Worker,
     execute,
     object_bytes,
     object_sha256,
     result_files,
+    run_until_pages_then_lose_lease,
     stored_result,
     submit,
     unique_text,
-    wait_for,
     work_dir_entries,
 )
 
@@ -101,15 +95,8 @@ def test_execute__resumed_attempt_converts_only_the_remaining_pages(tmp_path, no
     text_of = unique_text()
     source = testdocs.make_pdf(tmp_path / "twenty.pdf", pages=pages, text_of=text_of)
     job = submit(source, output="text", fault={"kind": "slow", "seconds": 0.15})
-    first = Worker(job.id, 1)
-    first.start()
-    wait_for(lambda: PageCheckpoint.objects.filter(job=job, state="done").count() >= stolen_after)
-
     # The lease is stolen: it expires (as if the worker stalled) and the sweep recovers the job.
-    WorkerLease.objects.filter(job=job).update(expires_at=timezone.now() - timedelta(seconds=1))
-    assert conversion_jobs_recover_if_lease_expired() == 1
-    assert first.result() == "lost"
-    job.refresh_from_db()
+    run_until_pages_then_lose_lease(job, stolen_after)
     assert (job.state, job.generation) == ("queued", 2)
     converted_first = PageCheckpoint.objects.filter(job=job, state="done").count()
     assert converted_first >= stolen_after

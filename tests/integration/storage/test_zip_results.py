@@ -12,17 +12,15 @@ import pytest
 from django.utils import timezone
 
 from conversion_jobs import storage
-from conversion_jobs.models import ConversionJob, PageCheckpoint, WorkerLease
+from conversion_jobs.models import ConversionJob, PageCheckpoint
 from conversion_jobs.services import retention
-from conversion_jobs.services.recovery import conversion_jobs_recover_if_lease_expired
 from tests import testdocs
 from tests.integration.execution.jobkit import (
-    Worker,
     execute,
     object_bytes,
+    run_until_pages_then_lose_lease,
     submit,
     unique_text,
-    wait_for,
     work_dir_entries,
 )
 
@@ -81,13 +79,7 @@ def test_png_result__of_a_resumed_job_mixes_both_attempts_pages(
     pages, stolen_after = 6, 2
     source = testdocs.make_pdf(tmp_path / "six.pdf", pages=pages, text_of=unique_text())
     job = submit(source, output="png", options={"dpi": 36}, fault={"kind": "slow", "seconds": 0.2})
-    first = Worker(job.id, 1)
-    first.start()
-    wait_for(lambda: PageCheckpoint.objects.filter(job=job, state="done").count() >= stolen_after)
-    WorkerLease.objects.filter(job=job).update(expires_at=timezone.now() - timedelta(seconds=1))
-    assert conversion_jobs_recover_if_lease_expired() == 1
-    assert first.result() == "lost"
-    job.refresh_from_db()
+    run_until_pages_then_lose_lease(job, stolen_after)
 
     assert execute(job) == "succeeded"
 
