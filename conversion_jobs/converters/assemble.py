@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import shutil
-import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from .base import PDF, TEXT_PLAIN, ZIP
+from .base import PDF, TEXT_PLAIN
 from .sniff import sniff_media_type
 
 
@@ -22,31 +21,23 @@ def assemble_result(
     """Write the result to ``dest`` and return its media type. A page is its artifact's path, or
     its bytes (a text page stored inline in its checkpoint row).
 
-    text -> UTF-8 pages joined by form feed in page order; png -> ZIP of page-0001.png ...;
-    pdf -> LibreOffice's PDF (only the selected pages if a subset) when ``prepared_document``
-    is a PDF, else the page PDFs merged in page order.
+    text -> UTF-8 pages joined by form feed in page order (:func:`join_text_pages`); pdf ->
+    LibreOffice's PDF (only the selected pages if a subset) when ``prepared_document`` is a PDF,
+    else the page PDFs merged in page order. (A png result is never assembled: it is the ZIP of
+    its page objects, ``zipstream``.)
     """
     ordered = sorted(pages, key=lambda item: item[0])
     dest = Path(dest)
     if output == "text":
-        with open(dest, "w", encoding="utf-8", newline="") as out:
-            for index, (_page, artifact) in enumerate(ordered):
-                if index:
-                    out.write("\f")
-                if isinstance(artifact, bytes):
-                    out.write(artifact.decode("utf-8"))
-                else:
-                    out.write(Path(artifact).read_text(encoding="utf-8"))
+        with open(dest, "wb") as out:
+            for chunk in join_text_pages(
+                [(page, a if isinstance(a, bytes) else Path(a).read_bytes()) for page, a in ordered]
+            ):
+                out.write(chunk)
         return TEXT_PLAIN
     files = [(page, artifact) for page, artifact in ordered if isinstance(artifact, Path)]
     if len(files) != len(ordered):
         raise ValueError(f"{output} pages are files")
-    if output == "png":
-        # PNG is already compressed; storing avoids burning CPU for nothing.
-        with zipfile.ZipFile(dest, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
-            for page, path in files:
-                zf.write(path, arcname=f"page-{page:04d}.png")
-        return ZIP
     if output == "pdf":
         _assemble_pdf(files, dest, prepared_document)
         return PDF
