@@ -3,6 +3,7 @@
     .venv/bin/python bench/pages.py [--pages 200] [--split 2] [--rss-pages 300] [--docx-runs 3]
                                     [--skip throughput,rss,docx,engine]
                                     [--sandbox both|on|off] [--storage filesystem|s3]
+                                    [--profile DIR]
 
 Everything runs through real processes: a fresh database ``quire_cx_pages``, a throwaway RabbitMQ
 vhost carrying the production topology (publisher and worker users with exactly their ``quire``
@@ -214,10 +215,12 @@ def throughput(
     outputs: list[str],
     sandbox: str = "on",
     storage: str = "filesystem",
+    profile: Path | None = None,
     **worker_env: str,
 ) -> list[dict]:
     """``worker_env``: extra settings of the worker (e.g. the S3 store's, with ``storage="s3"``
-    and this process's store pointed there too: ``storage_in_process``)."""
+    and this process's store pointed there too: ``storage_in_process``). ``profile``: py-spy the
+    worker tree while the service converts (``_profile.Profiler``, one file per output)."""
     import pages_converter
 
     worker = svc.worker(concurrency=2, QUIRE_SANDBOX=sandbox, **worker_env)
@@ -232,12 +235,22 @@ def throughput(
         size = pages // split
         ranges = [(i * size + 1, pages if i == split - 1 else (i + 1) * size) for i in range(split)]
         options = {"dpi": 150} if output == "png" else {}
+        profiler = None
+        if profile is not None:
+            from _profile import Profiler
+
+            profiler = Profiler(profile / f"{output}-{sandbox}-{storage}")
+            profiler.attach("worker", worker.pid)
+            time.sleep(1.0)  # py-spy attaches to the tree before the clock starts
         cpu_before = _tree_cpu_s(worker.pid), _s3_cpu_s()
         jobs = [
             submit(source, output=output, options={**options, "pages": f"{a}-{b}"})
             for a, b in ranges
         ]
         done = wait_terminal([j.id for j in jobs])
+        if profiler is not None:
+            for summary in profiler.stop():
+                print(f"profile: {summary}", flush=True)
         worker_ms = (_tree_cpu_s(worker.pid) - cpu_before[0]) * 1000 / pages
         s3_ms = (_s3_cpu_s() - cpu_before[1]) * 1000 / pages
         if any(j.state != "succeeded" for j in done):
@@ -268,8 +281,30 @@ def throughput(
             f"{verdict(rows[-1]['ratio'] >= TARGET_DIRECT_RATIO)}",
             flush=True,
         )
+        print(f"  timeline {output}: {_timeline(done)}", flush=True)
     svc.stop(worker)
     return rows
+
+
+def _timeline(jobs: list) -> str:
+    """Per job, in ms from the first job's ``created_at``: accepted, claimed (its attempt's
+    ``started_at``), finished; where a run's wall clock goes besides the pages."""
+    from conversion_jobs.models import ConversionAttempt
+
+    t0 = min(j.created_at for j in jobs)
+    claimed = {
+        a.job_id: a.started_at
+        for a in ConversionAttempt.objects.filter(job_id__in=[j.id for j in jobs])
+    }
+
+    def ms(at: Any) -> str:
+        return f"{(at - t0).total_seconds() * 1000:.1f}" if at is not None else "?"
+
+    return "; ".join(
+        f"job {j.options.get('pages')}: accepted {ms(j.created_at)}, claimed "
+        f"{ms(claimed.get(j.id))}, finished {ms(j.finished_at)} ms"
+        for j in sorted(jobs, key=lambda j: j.created_at)
+    )
 
 
 def _tree_cpu_s(pid: int) -> float:
@@ -667,13 +702,25 @@ def main() -> None:
         default="filesystem",
         help="s3: run the throughput part once more with the artifacts in S3 (SeaweedFS)",
     )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="py-spy the worker tree during each throughput run into this directory "
+        "(BENCH_PROFILE_GIL=1: only GIL-holding threads)",
+    )
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     print(f"load at start: {os.getloadavg()}", flush=True)
     with service(bench_db_name("quire_cx_pages"), keep=args.keep) as svc:
         if "throughput" not in skip:
             modes = ["on", "off"] if args.sandbox == "both" else [args.sandbox]
-            part = {"pages": args.pages, "split": args.split, "outputs": args.outputs.split(",")}
+            part = {
+                "pages": args.pages,
+                "split": args.split,
+                "outputs": args.outputs.split(","),
+                "profile": args.profile,
+            }
             rows = [row for mode in modes for row in throughput(svc, sandbox=mode, **part)]
             if args.storage == "s3":
                 with s3_server(svc.scratch) as env, storage_in_process(env):

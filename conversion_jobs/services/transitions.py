@@ -31,6 +31,7 @@ from django.db.models import F, Q, QuerySet
 from django.db.models.functions import Coalesce, Now
 from django.utils import timezone
 
+from conversion_jobs.db import fetchone_bound
 from conversion_jobs.models import (
     AttemptOutcome,
     CancellationOutcome,
@@ -567,16 +568,17 @@ def _publish(lease: Lease, state: State, result: Result, checkpoints: list[PageC
 
 
 #: The done pages of a batch (the ``p_*`` arrays), upserted from the row that ``moved``
-#: returned: part of ``_DONE_PAGES_SQL`` and of ``_PUBLISH_SQL``.
+#: returned: part of ``_DONE_PAGES_SQL`` and of ``_PUBLISH_SQL``. The arrays are bound by the
+#: server and sent in binary (``%(…)b``, ``db.fetchone_bound``): a page's text as it is.
 _UPSERT_DONE_PAGES = """
     INSERT INTO page_checkpoint
         (job_id, page_number, state, attempts, artifact_key, artifact_sha256, artifact_size,
          media_type, error_code, generation, updated_at, content)
     SELECT m.id, p.page_number, 'done', p.attempts, p.artifact_key, p.artifact_sha256,
            p.artifact_size, p.media_type, NULL, %(generation)s, now(), p.content
-    FROM moved m, unnest(%(p_number)s::int[], %(p_attempts)s::int[], %(p_key)s::text[],
-                         %(p_sha)s::text[], %(p_size)s::bigint[], %(p_media)s::text[],
-                         %(p_content)s::bytea[])
+    FROM moved m, unnest(%(p_number)b::int[], %(p_attempts)b::int[], %(p_key)b::text[],
+                         %(p_sha)b::text[], %(p_size)b::bigint[], %(p_media)b::text[],
+                         %(p_content)b::bytea[])
          AS p(page_number, attempts, artifact_key, artifact_sha256, artifact_size, media_type,
               content)
     ON CONFLICT (job_id, page_number) DO UPDATE SET
@@ -626,9 +628,7 @@ def done_pages_record(*, lease: Lease, checkpoints: list[PageCheckpoint]) -> boo
         "n_done": len(checkpoints),
         **_done_pages_params(checkpoints),
     }
-    with connection.cursor() as cursor:
-        cursor.execute(_DONE_PAGES_SQL, params)
-        (moved,) = cursor.fetchone()
+    (moved,) = fetchone_bound(_DONE_PAGES_SQL, params) or (0,)
     return bool(moved)
 
 
@@ -658,10 +658,10 @@ WITH locked AS (
 ), attempt AS (
     UPDATE conversion_attempt SET
         outcome = 'succeeded', error_code = NULL, finished_at = now(),
-        pages_converted = cardinality(%(p_number)s::int[]) + (
+        pages_converted = cardinality(%(p_number)b::int[]) + (
             SELECT count(*) FROM page_checkpoint c
             WHERE c.job_id = %(job)s AND c.generation = %(generation)s AND c.state = 'done'
-              AND NOT (c.page_number = ANY(%(p_number)s::int[])))
+              AND NOT (c.page_number = ANY(%(p_number)b::int[])))
     WHERE id = %(attempt)s AND finished_at IS NULL AND EXISTS (SELECT 1 FROM moved)
     RETURNING id
 ), cancels AS (
@@ -716,9 +716,7 @@ def _publish_postgres(
             params=params,
         )
     )
-    with connection.cursor() as cursor:
-        cursor.execute(sql, params)
-        moved, closed = cursor.fetchone()
+    moved, closed = fetchone_bound(sql, params) or (0, 0)
     if not moved:
         return False
     if closed:
