@@ -268,13 +268,15 @@ def throughput(
                 "ratio": service_pps / direct["pages_s"],
                 "jobs": [f"{a}-{b}" for a, b in ranges],
                 "worker_cpu_ms_page": worker_ms,
+                "direct_cpu_ms_page": direct["cpu_ms"],
                 "s3_cpu_ms_page": s3_ms,
             }
         )
         print(
             f"throughput {output}, sandbox {sandbox}, {storage}: direct "
             f"{direct['pages_s']:.1f} pages/s, service {service_pps:.1f} pages/s "
-            f"({split} jobs {rows[-1]['jobs']}), worker tree CPU {worker_ms:.2f} ms/page"
+            f"({split} jobs {rows[-1]['jobs']}), worker tree CPU {worker_ms:.2f} ms/page "
+            f"(direct {direct['cpu_ms']:.2f})"
             + (f", S3 server CPU {s3_ms:.2f} ms/page" if storage == "s3" else "")
             + ", "
             f"ratio service / direct {rows[-1]['ratio']:.2f} (target >= {TARGET_DIRECT_RATIO}) "

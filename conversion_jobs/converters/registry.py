@@ -21,8 +21,8 @@ from .base import (
     Prepared,
 )
 from .errors import EncryptedInput, InvalidInput, UnsupportedConversion
-from .isolation import test_fault_from
-from .sessions import forget, fresh_child, open_session, session_for
+from .isolation import ChildSession, test_fault_from
+from .sessions import forget, fresh_child, open_session, session_due, session_for
 from .sniff import office_encrypted, sniff_media_type
 
 _SUFFIX = {"text": ".txt", "png": ".png", "pdf": ".pdf"}
@@ -88,13 +88,63 @@ def _page_call(
     comes back in the answer (``PageArtifact.content``), with no file written or moved."""
     if not 1 <= page <= prepared.page_count:
         raise InvalidInput(f"page {page} does not exist (the document has {prepared.page_count})")
-    dest_dir.mkdir(parents=True, exist_ok=True)
-    dest = _page_dest(dest_dir, page, output)
+    dest: Path | None = None
+    try:
+        # The page a read-ahead already asked for: no request to build, no child to probe.
+        session = session_due(document=prepared.document, limits=limits, page=page)
+        if session is None or len(session.ahead) <= READ_AHEAD_PAGES // 2:
+            session = _request_pages(
+                session=session,
+                op=op,
+                prepared=prepared,
+                page=page,
+                output=output,
+                options=options,
+                dest_dir=dest_dir,
+                limits=limits,
+                should_stop=should_stop,
+                lookahead=lookahead,
+                password=password,
+                inline_max_bytes=inline_max_bytes,
+            )
+        result = session.next_page(page, timeout_s=limits.page_timeout_s, should_stop=should_stop)
+        if "text" in result:  # inline: the page's text came with the answer, no file
+            content = result["text"].encode("utf-8")
+            return PageArtifact(path=None, media_type=result["media_type"], content=content)
+        dest_dir.mkdir(parents=True, exist_ok=True)
+        dest = _page_dest(dest_dir, page, output)
+        session.hand_out(_page_dest(session.inside("out"), page, output), dest)
+    except BaseException:
+        # A killed or failed child may have left half an artifact; it must never be promoted.
+        if dest is not None:
+            dest.unlink(missing_ok=True)
+        raise
+    return PageArtifact(path=dest, media_type=result["media_type"])
+
+
+def _request_pages(
+    *,
+    session: ChildSession | None,
+    op: str,
+    prepared: Prepared,
+    page: int,
+    output: str,
+    options: dict,
+    dest_dir: Path,
+    limits: Limits,
+    should_stop: Callable[[], bool],
+    lookahead: Sequence[int],
+    password: str | None,
+    inline_max_bytes: int,
+) -> ChildSession:
+    """The session that will answer ``page``, with ``page`` and the next pages of ``lookahead``
+    requested of it as needed: ``session`` (``page`` already due from it, half of its read-ahead
+    or less left) or the thread's session of the document, or a fresh one."""
     dpi = int((options or {}).get("dpi") or DEFAULT_DPI)
     # a fresh child (after a failed page) opens the document again: the password goes along
     secret = {"password": password} if password is not None else {}
     fault = test_fault_from(options)
-    try:
+    if session is None:
         # The session of this document (the child keeps it open); a fresh child if an earlier
         # page's failure killed it.
         session = session_for(
@@ -111,47 +161,38 @@ def _page_call(
                 limits=limits,
                 should_stop=should_stop,
             )
-        upcoming = [p for p in lookahead if p != page and 1 <= p <= prepared.page_count]
-        if not session.ahead:
-            wanted = [page, *upcoming[: READ_AHEAD_PAGES - 1]]
-        elif len(session.ahead) <= READ_AHEAD_PAGES // 2 and session.ahead == [
-            page,
-            *upcoming[: len(session.ahead) - 1],
-        ]:
-            # Half collected, the plan unchanged: queue the next pages behind those in flight.
-            wanted = upcoming[len(session.ahead) - 1 : len(session.ahead) - 1 + READ_AHEAD_PAGES]
-        else:
-            wanted = []
-        if wanted:
-            session.folder("out")
-            if fault:
-                session.fault_records_to = dest_dir
-            extra = {"inline_max_bytes": inline_max_bytes} if inline_max_bytes > 0 else {}
-            # The child writes in its private directory; each page is handed out when read.
-            session.read_ahead(
-                op,
-                [(p, str(_page_dest(session.inside("out"), p, output))) for p in wanted],
-                {
-                    "path": str(session.document),
-                    "output": output,
-                    "dpi": max(1, min(dpi, limits.max_dpi)),
-                    **secret,
-                    **extra,
-                },
-                timeout_s=limits.page_timeout_s,
-                should_stop=should_stop,
-                fault=fault,
-            )
-        result = session.next_page(page, timeout_s=limits.page_timeout_s, should_stop=should_stop)
-        if "text" in result:  # inline: the page's text came with the answer, no file
-            content = result["text"].encode("utf-8")
-            return PageArtifact(path=None, media_type=result["media_type"], content=content)
-        session.hand_out(_page_dest(session.inside("out"), page, output), dest)
-    except BaseException:
-        # A killed or failed child may have left half an artifact; it must never be promoted.
-        dest.unlink(missing_ok=True)
-        raise
-    return PageArtifact(path=dest, media_type=result["media_type"])
+    upcoming = [p for p in lookahead if p != page and 1 <= p <= prepared.page_count]
+    if not session.ahead:
+        wanted = [page, *upcoming[: READ_AHEAD_PAGES - 1]]
+    elif len(session.ahead) <= READ_AHEAD_PAGES // 2 and session.ahead == [
+        page,
+        *upcoming[: len(session.ahead) - 1],
+    ]:
+        # Half collected, the plan unchanged: queue the next pages behind those in flight.
+        wanted = upcoming[len(session.ahead) - 1 : len(session.ahead) - 1 + READ_AHEAD_PAGES]
+    else:
+        wanted = []
+    if wanted:
+        session.folder("out")
+        if fault:
+            session.fault_records_to = dest_dir
+        extra = {"inline_max_bytes": inline_max_bytes} if inline_max_bytes > 0 else {}
+        # The child writes in its private directory; each page is handed out when read.
+        session.read_ahead(
+            op,
+            [(p, str(_page_dest(session.inside("out"), p, output))) for p in wanted],
+            {
+                "path": str(session.document),
+                "output": output,
+                "dpi": max(1, min(dpi, limits.max_dpi)),
+                **secret,
+                **extra,
+            },
+            timeout_s=limits.page_timeout_s,
+            should_stop=should_stop,
+            fault=fault,
+        )
+    return session
 
 
 def _page_dest(dest_dir: Path, page: int, output: str) -> Path:

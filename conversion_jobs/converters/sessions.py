@@ -241,6 +241,20 @@ def session_for(
     )
 
 
+def session_due(*, document: Path, limits: Limits, page: int) -> ChildSession | None:
+    """The calling thread's session for ``document`` if ``page`` is the next answer it owes (a
+    read-ahead asked for it), else None. Unlike ``session_for`` it does not probe the child
+    (its ``/proc`` status, its directory, its idle time) once per page: a child that died
+    shows when the answer is read (ConverterCrashed, charged to that page)."""
+    key = _key(document, limits)
+    with _lock:
+        _forked()
+        session = _sessions.get(key)
+    if session is not None and not session.closed and session.ahead and session.ahead[0] == page:
+        return session
+    return None
+
+
 def forget(session: ChildSession) -> None:
     """Close ``session`` and drop it from the cache (e.g. its prepare failed)."""
     with _lock:
