@@ -47,11 +47,12 @@ def fetchone_bound(sql: str, params: dict[str, Any]) -> tuple[Any, ...] | None:
         with connection.cursor() as cursor:
             cursor.execute(_BINARY_PLACEHOLDER.sub(r"%(\1)s", sql), params)
             return cursor.fetchone()
-    from django.db.backends.postgresql.base import ServerBindingCursor
+    import psycopg
 
     connection.ensure_connection()
     connection.validate_no_broken_transaction()
-    with connection.wrap_database_errors, ServerBindingCursor(connection.connection) as cursor:
+    # A server-binding cursor on Django's own connection (its transaction, its session).
+    with connection.wrap_database_errors, psycopg.Cursor(connection.connection) as cursor:
         cursor.execute(sql, params)
         return cursor.fetchone()
 

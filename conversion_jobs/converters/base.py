@@ -118,6 +118,24 @@ class Converter(Protocol):
         up to this size may come back as ``content`` instead of a file (0: always a file)."""
         ...
 
+    def request_pages(
+        self,
+        *,
+        prepared: Prepared,
+        pages: Sequence[int],
+        output: str,
+        options: dict,
+        dest_dir: Path,
+        limits: Limits,
+        should_stop: Callable[[], bool],
+        inline_max_bytes: int = 0,
+    ) -> None:
+        """Start converting ``pages`` (the caller's plan, in order) without waiting: the next
+        ``convert_page`` calls, for these pages in this order, collect them. The caller may do
+        other work meanwhile (record the page count). A failure here is met again by the first
+        ``convert_page``; only ConversionStopped is raised."""
+        ...
+
 
 def process_group_members(pgid: int) -> list[int]:
     """Live (non-zombie) processes whose process group is ``pgid``, from /proc."""

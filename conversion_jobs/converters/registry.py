@@ -20,7 +20,13 @@ from .base import (
     PageArtifact,
     Prepared,
 )
-from .errors import EncryptedInput, InvalidInput, UnsupportedConversion
+from .errors import (
+    ConversionError,
+    ConversionStopped,
+    EncryptedInput,
+    InvalidInput,
+    UnsupportedConversion,
+)
 from .isolation import ChildSession, test_fault_from
 from .sessions import forget, fresh_child, open_session, session_due, session_for
 from .sniff import office_encrypted, sniff_media_type
@@ -195,6 +201,45 @@ def _request_pages(
     return session
 
 
+def _request_first(
+    *,
+    op: str,
+    prepared: Prepared,
+    pages: Sequence[int],
+    output: str,
+    options: dict,
+    dest_dir: Path,
+    limits: Limits,
+    should_stop: Callable[[], bool],
+    password: str | None = None,
+    inline_max_bytes: int = 0,
+) -> None:
+    """``request_pages`` of a session converter: the read-ahead the first ``_page_call`` of
+    ``pages`` would send (the same pages, so that call finds them due). A failure closes the
+    session and is left to that call, which meets it again (with its page's tries)."""
+    if not pages or not 1 <= pages[0] <= prepared.page_count:
+        return
+    try:
+        _request_pages(
+            session=None,
+            op=op,
+            prepared=prepared,
+            page=pages[0],
+            output=output,
+            options=options,
+            dest_dir=dest_dir,
+            limits=limits,
+            should_stop=should_stop,
+            lookahead=pages[1:],
+            password=password,
+            inline_max_bytes=inline_max_bytes,
+        )
+    except ConversionStopped:
+        raise
+    except ConversionError:
+        return  # the session is closed (read_ahead, open_session): a fresh one serves the page
+
+
 def _page_dest(dest_dir: Path, page: int, output: str) -> Path:
     return dest_dir / f"page-{page:04d}{_SUFFIX[output]}"
 
@@ -252,6 +297,32 @@ class PdfConverter:
             inline_max_bytes=inline_max_bytes if output == "text" else 0,
         )
 
+    def request_pages(
+        self,
+        *,
+        prepared,
+        pages,
+        output,
+        options,
+        dest_dir,
+        limits,
+        should_stop,
+        inline_max_bytes=0,
+    ) -> None:
+        if output in self.outputs:
+            _request_first(
+                op="pdf_page",
+                prepared=prepared,
+                pages=pages,
+                output=output,
+                options=options,
+                dest_dir=dest_dir,
+                limits=limits,
+                should_stop=should_stop,
+                password=(options or {}).get("password"),
+                inline_max_bytes=inline_max_bytes if output == "text" else 0,
+            )
+
 
 class ImageConverter:
     """PNG / JPEG / TIFF, one page per frame -> png, pdf (img2pdf), text (tesseract)."""
@@ -306,6 +377,30 @@ class ImageConverter:
             should_stop=should_stop,
             lookahead=lookahead,
         )
+
+    def request_pages(
+        self,
+        *,
+        prepared,
+        pages,
+        output,
+        options,
+        dest_dir,
+        limits,
+        should_stop,
+        inline_max_bytes=0,
+    ) -> None:
+        if output in self.outputs and (output != "text" or tesseract_available()):
+            _request_first(
+                op="image_page",
+                prepared=prepared,
+                pages=pages,
+                output=output,
+                options=options,
+                dest_dir=dest_dir,
+                limits=limits,
+                should_stop=should_stop,
+            )
 
 
 def engine_label(converter: Converter) -> str:
@@ -401,6 +496,30 @@ class OfficeConverter:
             should_stop=should_stop,
             lookahead=lookahead,
         )
+
+    def request_pages(
+        self,
+        *,
+        prepared,
+        pages,
+        output,
+        options,
+        dest_dir,
+        limits,
+        should_stop,
+        inline_max_bytes=0,
+    ) -> None:
+        if output in self.outputs:
+            _request_first(
+                op="pdf_page",
+                prepared=prepared,
+                pages=pages,
+                output=output,
+                options=options,
+                dest_dir=dest_dir,
+                limits=limits,
+                should_stop=should_stop,
+            )
 
 
 CONVERTERS: tuple[Converter, ...] = (PdfConverter(), ImageConverter(), OfficeConverter())

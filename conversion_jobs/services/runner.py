@@ -250,11 +250,32 @@ def _convert(
     if job.source_page_count != prepared.page_count:
         unrecorded["page_count"] = prepared.page_count
     pages = _selected_pages(job.options, prepared.page_count)  # terminal errors record it (_run)
+    checkpoints = {} if lease.first_run else db_retry(page_checkpoints_by_page, job_id=lease.job_id)
+    # A resumed job never redoes a finished page.
+    todo = [
+        page
+        for page in pages
+        if checkpoints.get(page) is None
+        or checkpoints[page].state not in (PageState.DONE, PageState.FAILED)
+    ]
+    # A small text page comes back from the child as bytes and rides in its checkpoint row.
+    inline_max = settings.QUIRE["INLINE_PAGE_MAX_BYTES"] if job.output == "text" else 0
     if len(pages) != 1:
+        # The child starts on the first pages (exactly what the first page call would ask for)
+        # while the count is recorded: that round trip no longer delays the pages.
+        converter.request_pages(
+            prepared=prepared,
+            pages=todo[: 2 * converters.READ_AHEAD_PAGES],
+            output=job.output,
+            options=options,
+            dest_dir=workdir,
+            limits=limits,
+            should_stop=stop,
+            inline_max_bytes=inline_max,
+        )
         # Progress needs the count now. With one page to convert the publish records it (no
         # UPDATE of its own), or a terminal failure first.
         _record_page_count(lease, unrecorded)
-    checkpoints = {} if lease.first_run else db_retry(page_checkpoints_by_page, job_id=lease.job_id)
     page_budget = settings.QUIRE["PAGE_MAX_ATTEMPTS"]
     with CheckpointBatch(lease, checkpoints) as batch:
         return _convert_pages(
@@ -267,6 +288,8 @@ def _convert(
             converter=converter,
             prepared=prepared,
             pages=pages,
+            todo=todo,
+            inline_max=inline_max,
             checkpoints=checkpoints,
             page_budget=page_budget,
             batch=batch,
@@ -285,22 +308,17 @@ def _convert_pages(
     converter: Any,
     prepared: Any,
     pages: list[int],
+    todo: list[int],
+    inline_max: int,
     checkpoints: dict[int, Any],
     page_budget: int,
     batch: CheckpointBatch,
     unrecorded: dict[str, int],
 ) -> str:
+    """``todo``: the pages of ``pages`` still to convert, in order; ``inline_max``: the largest
+    text page that rides in its checkpoint row (0: none)."""
     stop = heartbeat.stop.is_set
     local: dict[int, Path] = {}  # pages of this attempt: where their bytes are on this host
-    # A resumed job never redoes a finished page.
-    todo = [
-        page
-        for page in pages
-        if checkpoints.get(page) is None
-        or checkpoints[page].state not in (PageState.DONE, PageState.FAILED)
-    ]
-    # A small text page comes back from the child as bytes and rides in its checkpoint row.
-    inline_max = settings.QUIRE["INLINE_PAGE_MAX_BYTES"] if job.output == "text" else 0
     for index, page in enumerate(todo):
         done = checkpoints.get(page)
         if heartbeat.stop.is_set():
