@@ -1,11 +1,14 @@
 """Read-ahead: one request for several pages, answered page by page, charged page by page."""
 
+import os
+import signal
 import time
 
 import pytest
 from convhelpers import alive, convert_page, prepare, session_of
 
 from conversion_jobs.converters import (
+    ConversionStopped,
     ConversionTimeout,
     ConverterCrashed,
     InvalidInput,
@@ -151,3 +154,77 @@ def test_read_ahead__a_hanging_page_times_out_at_its_own_deadline(doc, tmp_path,
     assert LIMITS.page_timeout_s - 0.2 <= waited <= LIMITS.page_timeout_s + 2
     assert f"{LIMITS.page_timeout_s:g} s" in info.value.detail
     assert process_group_members(hung.pgid) == []
+
+
+def _request(doc, tmp_path, pages, **extra):
+    converter, prepared = doc
+    converter.request_pages(
+        prepared=prepared,
+        pages=pages,
+        output="text",
+        options={},
+        dest_dir=tmp_path / "attempt",
+        limits=LIMITS,
+        should_stop=lambda: False,
+        **extra,
+    )
+
+
+def test_request_pages__the_child_starts_before_the_first_page_is_asked_for(doc, tmp_path):
+    plan = list(range(1, 41))
+    _request(doc, tmp_path, plan[: 2 * READ_AHEAD_PAGES])
+    session = _session(doc, tmp_path)
+    assert session.ahead == plan[:READ_AHEAD_PAGES]  # what the first page call would ask for
+    first = session.inside("out", "page-0001.txt")
+    deadline = time.monotonic() + 5
+    while not first.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert first.exists()  # converted while nobody asked for a page yet
+    for page in plan:
+        artifact = _page(doc, tmp_path, page, plan[page : page + 2 * READ_AHEAD_PAGES - 1])
+        assert artifact.path.read_text() == f"Page {page} of the Quire test document"
+    assert session.ahead == []
+    assert _session(doc, tmp_path) is session  # the pages requested early were used, in order
+
+
+def test_request_pages__a_changed_plan_gets_the_right_page(doc, tmp_path):
+    _request(doc, tmp_path, [1, 2, 3])
+    early = _session(doc, tmp_path)
+    artifact = _page(doc, tmp_path, 5, [6])
+    assert artifact.path.read_text() == "Page 5 of the Quire test document"
+    assert early.closed and process_group_members(early.pgid) == []
+
+
+def test_request_pages__a_failure_is_left_to_the_first_page_call(doc, tmp_path):
+    session = _session(doc, tmp_path)
+    session.close()  # e.g. the child died after prepare: the early request cannot be sent
+    _request(doc, tmp_path, [1, 2, 3])  # raises nothing
+    assert _page(doc, tmp_path, 1, [2, 3]).path.read_text().startswith("Page 1")
+
+
+def test_request_pages__a_stop_is_raised(doc, tmp_path):
+    converter, prepared = doc
+    with pytest.raises(ConversionStopped):
+        converter.request_pages(
+            prepared=prepared,
+            pages=[1, 2],
+            output="text",
+            options={},
+            dest_dir=tmp_path / "attempt",
+            limits=LIMITS,
+            should_stop=lambda: True,
+        )
+
+
+def test_read_ahead__a_child_killed_between_pages_is_charged_to_the_next_page(
+    doc, tmp_path, faults_enabled
+):
+    slow = {"kind": "slow", "seconds": 0.5}  # the child is still on page 2 when it is killed
+    plan = list(range(1, 6))
+    _page(doc, tmp_path, 1, plan[1:], fault=slow)
+    session = _session(doc, tmp_path)
+    os.killpg(session.pgid, signal.SIGKILL)  # the pages due are read without probing the child
+    with pytest.raises(ConverterCrashed):
+        _page(doc, tmp_path, 2, plan[2:], fault=slow)
+    assert session.closed and process_group_members(session.pgid) == []
+    assert _page(doc, tmp_path, 2, plan[2:]).path.read_text().startswith("Page 2")

@@ -92,3 +92,35 @@ def test_batch__after_a_cancel_writes_nothing(tmp_path):
     with pytest.raises(LeaseLost):
         page_checkpoints_record(lease=lease, checkpoints=[_done(lease, 1, b"x")])
     assert not PageCheckpoint.objects.filter(job_id=job.id).exists()
+
+
+#: Bytes a text literal would have to escape: quotes, backslashes, braces and commas of an
+#: array literal, a NUL, bytes that are not UTF-8; and an empty page.
+AWKWARD = [b"'quoted' \\back\\slash {a,b} \"x\"", b"\x00\x01\xff\xfe", b"", "π ≠ 3".encode()]
+
+
+def test_batch__page_bytes_travel_unchanged_in_binary(tmp_path):
+    from django.db import connection
+
+    job, lease = _claimed(tmp_path)
+    assert not connection.queries_logged  # the server-binding path (db.fetchone_bound)
+    page_checkpoints_record(
+        lease=lease, checkpoints=[_done(lease, n, body) for n, body in enumerate(AWKWARD, 1)]
+    )
+    rows = PageCheckpoint.objects.filter(job_id=job.id).order_by("page_number")
+    assert [bytes(r.content) for r in rows] == AWKWARD
+
+
+def test_batch__logged_queries_take_the_text_path_with_the_same_result(tmp_path):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    job, lease = _claimed(tmp_path)
+    with CaptureQueriesContext(connection) as captured:
+        page_checkpoints_record(
+            lease=lease, checkpoints=[_done(lease, n, body) for n, body in enumerate(AWKWARD, 1)]
+        )
+    logged = [q["sql"] for q in captured.captured_queries if "page_checkpoint" in q["sql"]]
+    assert logged and "%(" not in logged[0] and "$1" not in logged[0]  # runnable as logged
+    rows = PageCheckpoint.objects.filter(job_id=job.id).order_by("page_number")
+    assert [bytes(r.content) for r in rows] == AWKWARD
