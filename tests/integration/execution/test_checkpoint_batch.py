@@ -124,3 +124,20 @@ def test_batch__logged_queries_take_the_text_path_with_the_same_result(tmp_path)
     assert logged and "%(" not in logged[0] and "$1" not in logged[0]  # runnable as logged
     rows = PageCheckpoint.objects.filter(job_id=job.id).order_by("page_number")
     assert [bytes(r.content) for r in rows] == AWKWARD
+
+
+@pytest.mark.postgres
+def test_batch__inline_page_texts_are_compressed_with_lz4_where_postgres_has_it():
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT 'lz4' = ANY(enumvals) FROM pg_settings WHERE name = 'default_toast_compression'"
+        )
+        (has_lz4,) = cursor.fetchone()
+        cursor.execute(
+            "SELECT attcompression FROM pg_attribute"
+            " WHERE attrelid = 'page_checkpoint'::regclass AND attname = 'content'"
+        )
+        (method,) = cursor.fetchone()
+    assert method == ("l" if has_lz4 else "")  # migration 0010
