@@ -306,7 +306,8 @@ class ChildSession:
             )
         line, self._buffer = self._buffer[:newline], self._buffer[newline + 1 :]
         try:
-            outcome = json.loads(line)
+            # From str: json.loads on bytes first guesses their encoding in Python (per page).
+            outcome = json.loads(line.decode("utf-8"))
         except ValueError:
             raise ConverterCrashed("the converter sent an unreadable answer") from None
         if not isinstance(outcome, dict) or "ok" not in outcome:
