@@ -111,7 +111,7 @@ def test_batch__page_bytes_travel_unchanged_in_binary(tmp_path):
     assert [bytes(r.content) for r in rows] == AWKWARD
 
 
-def test_batch__logged_queries_take_the_text_path_with_the_same_result(tmp_path):
+def test_batch__page_bytes_travel_unchanged_while_queries_are_logged(tmp_path):
     from django.db import connection
     from django.test.utils import CaptureQueriesContext
 
@@ -120,8 +120,7 @@ def test_batch__logged_queries_take_the_text_path_with_the_same_result(tmp_path)
         page_checkpoints_record(
             lease=lease, checkpoints=[_done(lease, n, body) for n, body in enumerate(AWKWARD, 1)]
         )
-    logged = [q["sql"] for q in captured.captured_queries if "page_checkpoint" in q["sql"]]
-    assert logged and "%(" not in logged[0] and "$1" not in logged[0]  # runnable as logged
+    assert any("page_checkpoint" in q["sql"] for q in captured.captured_queries)
     rows = PageCheckpoint.objects.filter(job_id=job.id).order_by("page_number")
     assert [bytes(r.content) for r in rows] == AWKWARD
 
