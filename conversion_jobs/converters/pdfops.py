@@ -18,7 +18,7 @@ from .base import MAX_PAGE_SIDE_PT, PDF, PNG, TEXT_PLAIN, Limits
 from .errors import EncryptedInput, InputTooLarge, InvalidInput, InvalidPassword
 
 
-def open_pdf(path: Path, password: str | None = None) -> pdfium.PdfDocument:
+def open_pdf(path: Path | str, password: str | None = None) -> pdfium.PdfDocument:
     try:
         return pdfium.PdfDocument(str(path), password=password)
     except pdfium.PdfiumError as exc:
@@ -34,7 +34,7 @@ def open_pdf(path: Path, password: str | None = None) -> pdfium.PdfDocument:
 _open: dict = {"key": None, "doc": None}
 
 
-def document(path: Path, password: str | None = None) -> pdfium.PdfDocument:
+def document(path: Path | str, password: str | None = None) -> pdfium.PdfDocument:
     """The open document for ``path``, reused while the file is the same (size, mtime, inode).
     ``password`` opens an encrypted PDF; it is not kept (an open document needs it no more)."""
     st = os.stat(path)
@@ -148,11 +148,11 @@ def pdf_page(
     password: str | None = None,
     inline_max_bytes: int = 0,
 ) -> dict:
-    doc = document(Path(path), password)
+    doc = document(path, password)  # a str: no Path built per page
     if not 1 <= page <= len(doc):
         raise InvalidInput(f"page {page} does not exist (the document has {len(doc)})")
     if output == "text":
-        return _text(doc, page, Path(dest), inline_max_bytes)
+        return _text(doc, page, dest, inline_max_bytes)
     if output == "png":
         return _render(doc, page, dpi, Path(dest), limits)
     if output == "pdf":
@@ -160,7 +160,7 @@ def pdf_page(
     raise ValueError(output)
 
 
-def _text(doc: pdfium.PdfDocument, page: int, dest: Path, inline_max_bytes: int = 0) -> dict:
+def _text(doc: pdfium.PdfDocument, page: int, dest: Path | str, inline_max_bytes: int = 0) -> dict:
     """The page's text, written to ``dest``; or, when its UTF-8 is at most ``inline_max_bytes``,
     returned in the answer (``text``) with no file: the worker stores it in its checkpoint row."""
     pdf_page_obj = textpage = None
@@ -179,7 +179,7 @@ def _text(doc: pdfium.PdfDocument, page: int, dest: Path, inline_max_bytes: int 
     encoded = text.encode("utf-8")
     if 0 < inline_max_bytes and len(encoded) <= inline_max_bytes:
         return {"media_type": TEXT_PLAIN, "text": text}
-    dest.write_bytes(encoded)
+    Path(dest).write_bytes(encoded)
     return {"media_type": TEXT_PLAIN}
 
 
