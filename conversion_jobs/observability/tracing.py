@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 from opentelemetry import context, propagate, trace
 
@@ -66,6 +66,18 @@ def instrument_worker() -> None:
     from opentelemetry.instrumentation.psycopg import PsycopgInstrumentor
 
     PsycopgInstrumentor().instrument()
+
+
+def page_span(page: int) -> AbstractContextManager[object]:
+    """The span of one converted page. Without a tracer provider (tracing off, the default) a
+    shared no-op context: the API's no-op tracer still builds a span and a context manager per
+    call (≈ 10 µs a page in the pool process)."""
+    if not _configured:
+        return _NO_SPAN
+    return tracer.start_as_current_span("conversion.page", attributes={"quire.page": page})
+
+
+_NO_SPAN = nullcontext()
 
 
 def current_traceparent() -> str:

@@ -327,9 +327,7 @@ def _convert_pages(
         tries = done.attempts if done is not None else 0
         while True:
             try:
-                with tracing.tracer.start_as_current_span(
-                    "conversion.page", attributes={"quire.page": page}
-                ):
+                with tracing.page_span(page):
                     artifact = converter.convert_page(
                         prepared=prepared,
                         page=page,
