@@ -105,6 +105,12 @@ if os.environ.get("DATABASE_URL"):
     DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
     if DATABASES["default"]["ENGINE"].endswith("postgresql"):
         DATABASES["default"]["OPTIONS"].setdefault("connect_timeout", 5)
+        # The hot statements' cursor (services/prepared.py) prepares each statement on its
+        # first use on a connection; the ORM's client-binding cursors never prepare. Off
+        # (QUIRE_DB_PREPARED_STATEMENTS=0) for a pooler that cannot keep prepared statements.
+        DATABASES["default"]["OPTIONS"].setdefault(
+            "prepare_threshold", 0 if env_bool("QUIRE_DB_PREPARED_STATEMENTS", True) else None
+        )
 else:
     VAR_DIR.mkdir(parents=True, exist_ok=True)
     DATABASES = {

@@ -20,6 +20,7 @@ one round trip, the hook included). SQLite (the standalone profile, one writer a
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -63,6 +64,7 @@ from conversion_jobs.services.checkpoints import (
 )
 from conversion_jobs.services.dispatch import outbox_publish_after_commit
 from conversion_jobs.services.leases import Lease, lease_ttl
+from conversion_jobs.services.prepared import prepared_cursor
 from conversion_jobs.states import TERMINAL_STATES, TRANSITIONS, State
 
 Fn = TypeVar("Fn", bound=Callable[..., Any])
@@ -351,7 +353,7 @@ WITH locked AS (
         audit_seq = l.audit_seq + 1, audit_head = {hash}
     FROM locked l, att
     WHERE j.id = l.id
-    RETURNING j.*, att.id AS attempt_id, l.audit_head AS audit_prev
+    RETURNING {columns}, att.id AS attempt_id, l.audit_head AS audit_prev
 ), attempt AS (
     INSERT INTO conversion_attempt
         (id, job_id, generation, number, worker, started_at, heartbeat_at, pages_converted)
@@ -393,6 +395,7 @@ def _claim_postgres(
     details = canonical_json({"attempt": slot("attempt_number")})
     exprs = {"attempt": "att.id", "attempt_number": "l.attempts + 1"}
     sql = _CLAIM_SQL.format(
+        columns=_job_columns(),
         hash=chain_sql(
             prev="l.audit_head",
             seq="l.audit_seq + 1",
@@ -410,13 +413,33 @@ def _claim_postgres(
         ),
         details=spliced_sql(details, exprs={"attempt_number": "attempts"}, params=params),
     )
-    with connection.cursor() as cursor:
+    with prepared_cursor() as cursor:
         cursor.execute(sql, params)
         row = cursor.fetchone()
-        names = tuple(column.name for column in cursor.description or ())
     if row is None:
         return None
-    return _job_from_row(names, row)
+    return _job_from_row(_claim_names(), row)
+
+
+@functools.cache
+def _job_columns() -> str:
+    """The job's columns the claim returns, named (not ``j.*``): a column added by a later
+    migration changes neither the statement's result nor a connection's prepared plan of it."""
+    return ", ".join(
+        f"j.{connection.ops.quote_name(f.column or '')}"
+        for f in ConversionJob._meta.concrete_fields
+    )
+
+
+@functools.cache
+def _claim_names() -> tuple[str, ...]:
+    """The names of the claim's result columns, in order (``_job_columns`` and two more): known
+    without asking the cursor for its description."""
+    return (
+        *(f.column or "" for f in ConversionJob._meta.concrete_fields),
+        "attempt_id",
+        "audit_prev",
+    )
 
 
 #: per column list: (attnames, their positions, converters, position of attempt_id)
@@ -626,7 +649,7 @@ def done_pages_record(*, lease: Lease, checkpoints: list[PageCheckpoint]) -> boo
         "n_done": len(checkpoints),
         **_done_pages_params(checkpoints),
     }
-    with connection.cursor() as cursor:
+    with prepared_cursor() as cursor:
         cursor.execute(_DONE_PAGES_SQL, params)
         (moved,) = cursor.fetchone()
     return bool(moved)
@@ -716,7 +739,7 @@ def _publish_postgres(
             params=params,
         )
     )
-    with connection.cursor() as cursor:
+    with prepared_cursor() as cursor:
         cursor.execute(sql, params)
         moved, closed = cursor.fetchone()
     if not moved:

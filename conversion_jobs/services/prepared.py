@@ -1,0 +1,54 @@
+"""A cursor for the hot statements: parameters bound by the server, the statement prepared once
+per connection (ADR 0017, "Session 5: one-page jobs, worker side").
+
+Django's psycopg 3 backend binds every parameter on the client: psycopg renders each value into
+the SQL text in Python, and Postgres then parses and plans a statement it has never seen. For
+the claim and publish statements (a CTE over five tables, with a dozen to twenty parameters)
+that was ≈ 15 % of a one-page job's task time in the worker and a parse + plan in Postgres per
+job. This cursor sends the same text with ``$n`` placeholders and the values apart, so the
+statement's text is the same for every job and psycopg prepares it on its first use on a
+connection (``prepare_threshold``, ``settings.DATABASES["default"]["OPTIONS"]``: 0 here; ``None``
+with ``QUIRE_DB_PREPARED_STATEMENTS=0``, for a pooler without prepared statements, still binds
+on the server but parses every time).
+
+Only statements whose every parameter has a type Postgres can infer use it (no ``%s`` in a
+position where an ``unknown`` parameter is ambiguous): values in the audit hash are spliced as
+``%(_litN)s::text`` parameters (``audit.spliced_sql``), never as SQL text, so the text stays the
+same from job to job. The cursor is a Django ``CursorWrapper``: errors are Django's, execute
+wrappers and query logging see it as any other cursor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, cast
+
+from django.db import connection
+
+
+@contextmanager
+def prepared_cursor() -> Iterator[Any]:
+    """A server-binding cursor on the default connection (Postgres only), as
+    ``connection.cursor()`` would make it otherwise."""
+    from django.db.backends.postgresql.base import TIMESTAMPTZ_OID, ServerBindingCursor
+    from django.db.backends.postgresql.psycopg_any import register_tzloader
+    from psycopg.pq import Format
+
+    connection.close_if_health_check_failed()
+    connection.ensure_connection()
+    with connection.wrap_database_errors:
+        # (django-stubs type this backend's cursor classes for psycopg 2)
+        raw: Any = cast(Any, ServerBindingCursor)(connection.connection)
+        # As DatabaseWrapper.create_cursor: the session's time zone for timestamptz results.
+        loader = connection.connection.adapters.get_loader(TIMESTAMPTZ_OID, Format.TEXT)
+        if connection.timezone != loader.timezone:
+            register_tzloader(connection.timezone, raw)
+    connection.validate_thread_sharing()
+    wrapped = (
+        connection.make_debug_cursor(raw)
+        if connection.queries_logged
+        else connection.make_cursor(raw)
+    )
+    with wrapped as cursor:
+        yield cursor
