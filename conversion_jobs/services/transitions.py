@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
+from django.conf import settings
 from django.db import connection, transaction
 from django.db.models import F, Q, QuerySet
 from django.db.models.functions import Coalesce, Now
@@ -371,8 +372,17 @@ WITH locked AS (
            %(now)s, audit_prev, audit_head
     FROM moved
 )
-SELECT * FROM moved
+SELECT * FROM moved{commit}
 """
+
+#: The claim's own commit does not wait for its WAL flush (``QUIRE_CLAIM_ASYNC_COMMIT``; ADR
+#: 0017 session 5). Durability comes with the attempt's next synchronous commit (heartbeat,
+#: checkpoint batch, publish, failure), which flushes the WAL up to and including the claim. A
+#: claim lost with a Postgres crash before that flush loses nothing: the job is ``queued`` in
+#: its claimed generation again, every fenced write of the attempt matches nothing, and the
+#: dispatch-timeout sweep sends it again. ``set_config(..., true)`` is local to the statement's
+#: own (autocommit) transaction and runs only when ``moved`` has a row.
+_CLAIM_ASYNC_COMMIT = " WHERE set_config('synchronous_commit', 'off', true) IS NOT NULL"
 
 
 def _claim_postgres(
@@ -396,6 +406,7 @@ def _claim_postgres(
     exprs = {"attempt": "att.id", "attempt_number": "l.attempts + 1"}
     sql = _CLAIM_SQL.format(
         columns=_job_columns(),
+        commit=_CLAIM_ASYNC_COMMIT if settings.QUIRE["CLAIM_ASYNC_COMMIT"] else "",
         hash=chain_sql(
             prev="l.audit_head",
             seq="l.audit_seq + 1",
