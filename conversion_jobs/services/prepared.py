@@ -20,35 +20,39 @@ wrappers and query logging see it as any other cursor.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, cast
+from typing import Any
 
-from django.db import connection
+from django.db import DEFAULT_DB_ALIAS, connections
+
+
+@functools.cache
+def _postgres_parts() -> tuple[Any, Any, Any, Any]:
+    """(ServerBindingCursor, register_tzloader, the timestamptz oid, text format), imported on
+    first use: the module also loads where psycopg is not the backend (SQLite profile)."""
+    from django.db.backends.postgresql.base import TIMESTAMPTZ_OID, ServerBindingCursor
+    from django.db.backends.postgresql.psycopg_any import register_tzloader
+    from psycopg.pq import Format
+
+    return ServerBindingCursor, register_tzloader, TIMESTAMPTZ_OID, Format.TEXT
 
 
 @contextmanager
 def prepared_cursor() -> Iterator[Any]:
     """A server-binding cursor on the default connection (Postgres only), as
     ``connection.cursor()`` would make it otherwise."""
-    from django.db.backends.postgresql.base import TIMESTAMPTZ_OID, ServerBindingCursor
-    from django.db.backends.postgresql.psycopg_any import register_tzloader
-    from psycopg.pq import Format
-
-    connection.close_if_health_check_failed()
-    connection.ensure_connection()
-    with connection.wrap_database_errors:
-        # (django-stubs type this backend's cursor classes for psycopg 2)
-        raw: Any = cast(Any, ServerBindingCursor)(connection.connection)
+    cursor_class, register_tzloader, timestamptz, text = _postgres_parts()
+    db = connections[DEFAULT_DB_ALIAS]  # the proxy's every attribute is a thread-local lookup
+    db.close_if_health_check_failed()
+    db.ensure_connection()
+    with db.wrap_database_errors:
+        raw = cursor_class(db.connection)
         # As DatabaseWrapper.create_cursor: the session's time zone for timestamptz results.
-        loader = connection.connection.adapters.get_loader(TIMESTAMPTZ_OID, Format.TEXT)
-        if connection.timezone != loader.timezone:
-            register_tzloader(connection.timezone, raw)
-    connection.validate_thread_sharing()
-    wrapped = (
-        connection.make_debug_cursor(raw)
-        if connection.queries_logged
-        else connection.make_cursor(raw)
-    )
+        if db.timezone != db.connection.adapters.get_loader(timestamptz, text).timezone:
+            register_tzloader(db.timezone, raw)
+    db.validate_thread_sharing()
+    wrapped = db.make_debug_cursor(raw) if db.queries_logged else db.make_cursor(raw)
     with wrapped as cursor:
         yield cursor
