@@ -105,6 +105,12 @@ if os.environ.get("DATABASE_URL"):
     DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
     if DATABASES["default"]["ENGINE"].endswith("postgresql"):
         DATABASES["default"]["OPTIONS"].setdefault("connect_timeout", 5)
+        # The hot statements' cursor (services/prepared.py) prepares each statement on its
+        # first use on a connection; the ORM's client-binding cursors never prepare. Off
+        # (QUIRE_DB_PREPARED_STATEMENTS=0) for a pooler that cannot keep prepared statements.
+        DATABASES["default"]["OPTIONS"].setdefault(
+            "prepare_threshold", 0 if env_bool("QUIRE_DB_PREPARED_STATEMENTS", True) else None
+        )
 else:
     VAR_DIR.mkdir(parents=True, exist_ok=True)
     DATABASES = {
@@ -219,6 +225,9 @@ QUIRE: dict[str, Any] = {
     "CONVERTER_REUSE": env_str("QUIRE_CONVERTER_REUSE", "attempt"),
     "CONVERTER_REUSE_MAX_ATTEMPTS": env_int("QUIRE_CONVERTER_REUSE_MAX_ATTEMPTS", 20),
     "CONVERTER_REUSE_MAX_RSS_MB": env_int("QUIRE_CONVERTER_REUSE_MAX_RSS_MB", 512),
+    # The claim's commit does not wait for its WAL flush; the attempt's next synchronous commit
+    # makes it durable (services/transitions.py _CLAIM_ASYNC_COMMIT, ADR 0017 session 5).
+    "CLAIM_ASYNC_COMMIT": env_bool("QUIRE_CLAIM_ASYNC_COMMIT", True),
     "HEARTBEAT_S": env_float("QUIRE_HEARTBEAT_S", 2.0),
     "LEASE_S": env_float("QUIRE_LEASE_S", 10.0),
     "PAGE_MAX_ATTEMPTS": env_int("QUIRE_PAGE_MAX_ATTEMPTS", 3),

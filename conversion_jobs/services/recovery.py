@@ -147,7 +147,8 @@ def _is_uuid(name: str) -> bool:
 
 def work_dirs_remove_stale(*, older_than_s: float | None = None) -> int:
     """Remove attempt work directories whose attempt is no longer running (a crashed worker's
-    leftovers). A directory is ``<WORK_DIR>/<job_id>/<attempt_id>``; it is live while its
+    leftovers). A directory is ``<WORK_DIR>/<job_id>.<attempt_id>-<token>`` (before session 5
+    ``<WORK_DIR>/<job_id>/<attempt_id>-<token>``, still recognised); it is live while its
     attempt row is unfinished. Young directories are left alone (their claim may be committing)."""
     root = Path(settings.QUIRE["WORK_DIR"])
     if not root.exists():
@@ -155,15 +156,21 @@ def work_dirs_remove_stale(*, older_than_s: float | None = None) -> int:
     older_than_s = older_than_s if older_than_s is not None else settings.QUIRE["LEASE_S"] * 2
     cutoff = time.time() - older_than_s
     candidates: dict[int, Path] = {}
-    for job_dir in root.iterdir():
-        # Only <job uuid>/ directories: the workers' sandbox directories (``.sandbox/<pid>-…``)
-        # also live here, and an idle worker's must never be taken for a dead attempt's.
-        if not _is_uuid(job_dir.name):
+    for entry in root.iterdir():
+        # Only <job uuid>.<attempt>-… and <job uuid>/ entries: the workers' sandbox directories
+        # (``.sandbox/<pid>-…``) also live here, and an idle worker's must never be taken for a
+        # dead attempt's.
+        job, dot, attempt = entry.name.partition(".")
+        if dot and _is_uuid(job):
+            attempt_dirs = [(entry, attempt)]
+        elif _is_uuid(entry.name) and entry.is_dir():
+            attempt_dirs = [(d, d.name) for d in entry.iterdir()]
+        else:
             continue
-        for attempt_dir in job_dir.iterdir() if job_dir.is_dir() else []:
+        for attempt_dir, name in attempt_dirs:
             try:
                 if attempt_dir.stat().st_mtime < cutoff:
-                    candidates[int(attempt_dir.name.split("-")[0])] = attempt_dir
+                    candidates[int(name.split("-")[0])] = attempt_dir
             except (ValueError, OSError):
                 continue
     if not candidates:
@@ -178,8 +185,9 @@ def work_dirs_remove_stale(*, older_than_s: float | None = None) -> int:
         if attempt_id not in live:
             shutil.rmtree(path, ignore_errors=True)
             removed += 1
-            try:
-                path.parent.rmdir()
-            except OSError:
-                pass
+            if path.parent != root:  # the older layout's job directory
+                try:
+                    path.parent.rmdir()
+                except OSError:
+                    pass
     return removed

@@ -105,9 +105,9 @@ def conversion_job_execute(*, job_id: uuid.UUID, generation: int) -> str:
     lease = claim.lease
     heartbeat = Heartbeat(lease)
     heartbeat.start()
-    workdir = (
-        Path(settings.QUIRE["WORK_DIR"]) / str(job_id) / f"{lease.attempt_id}-{lease.token.hex}"
-    )
+    # One directory per attempt straight under WORK_DIR (no per-job parent: one mkdir and one
+    # rmdir fewer per job; recovery.work_dirs_remove_stale reads the name).
+    workdir = Path(settings.QUIRE["WORK_DIR"]) / f"{job_id}.{lease.attempt_id}-{lease.token.hex}"
     workdir.mkdir(parents=True, mode=0o700)
     converters.configure_reuse(reuse_settings_from_settings())
     # The converter layer sees the tenant only as an opaque pseudonym (reuse within a tenant).
@@ -125,10 +125,6 @@ def conversion_job_execute(*, job_id: uuid.UUID, generation: int) -> str:
         converters.release(spare=False)
         converters.begin_attempt(tenant=None)
         shutil.rmtree(workdir, ignore_errors=True)
-        try:
-            workdir.parent.rmdir()
-        except OSError:
-            pass
         converters.warm()
 
 

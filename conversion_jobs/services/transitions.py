@@ -20,18 +20,19 @@ one round trip, the hook included). SQLite (the standalone profile, one writer a
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
+from django.conf import settings
 from django.db import connection, transaction
 from django.db.models import F, Q, QuerySet
 from django.db.models.functions import Coalesce, Now
 from django.utils import timezone
 
-from conversion_jobs.db import fetchone_bound
 from conversion_jobs.models import (
     AttemptOutcome,
     CancellationOutcome,
@@ -64,6 +65,7 @@ from conversion_jobs.services.checkpoints import (
 )
 from conversion_jobs.services.dispatch import outbox_publish_after_commit
 from conversion_jobs.services.leases import Lease, lease_ttl
+from conversion_jobs.services.prepared import prepared_cursor
 from conversion_jobs.states import TERMINAL_STATES, TRANSITIONS, State
 
 Fn = TypeVar("Fn", bound=Callable[..., Any])
@@ -352,7 +354,7 @@ WITH locked AS (
         audit_seq = l.audit_seq + 1, audit_head = {hash}
     FROM locked l, att
     WHERE j.id = l.id
-    RETURNING j.*, att.id AS attempt_id, l.audit_head AS audit_prev
+    RETURNING {columns}, att.id AS attempt_id, l.audit_head AS audit_prev
 ), attempt AS (
     INSERT INTO conversion_attempt
         (id, job_id, generation, number, worker, started_at, heartbeat_at, pages_converted)
@@ -370,8 +372,17 @@ WITH locked AS (
            %(now)s, audit_prev, audit_head
     FROM moved
 )
-SELECT * FROM moved
+SELECT * FROM moved{commit}
 """
+
+#: The claim's own commit does not wait for its WAL flush (``QUIRE_CLAIM_ASYNC_COMMIT``; ADR
+#: 0017 session 5). Durability comes with the attempt's next synchronous commit (heartbeat,
+#: checkpoint batch, publish, failure), which flushes the WAL up to and including the claim. A
+#: claim lost with a Postgres crash before that flush loses nothing: the job is ``queued`` in
+#: its claimed generation again, every fenced write of the attempt matches nothing, and the
+#: dispatch-timeout sweep sends it again. ``set_config(..., true)`` is local to the statement's
+#: own (autocommit) transaction and runs only when ``moved`` has a row.
+_CLAIM_ASYNC_COMMIT = " WHERE set_config('synchronous_commit', 'off', true) IS NOT NULL"
 
 
 def _claim_postgres(
@@ -394,6 +405,8 @@ def _claim_postgres(
     details = canonical_json({"attempt": slot("attempt_number")})
     exprs = {"attempt": "att.id", "attempt_number": "l.attempts + 1"}
     sql = _CLAIM_SQL.format(
+        columns=_job_columns(),
+        commit=_CLAIM_ASYNC_COMMIT if settings.QUIRE["CLAIM_ASYNC_COMMIT"] else "",
         hash=chain_sql(
             prev="l.audit_head",
             seq="l.audit_seq + 1",
@@ -411,13 +424,33 @@ def _claim_postgres(
         ),
         details=spliced_sql(details, exprs={"attempt_number": "attempts"}, params=params),
     )
-    with connection.cursor() as cursor:
+    with prepared_cursor() as cursor:
         cursor.execute(sql, params)
         row = cursor.fetchone()
-        names = tuple(column.name for column in cursor.description or ())
     if row is None:
         return None
-    return _job_from_row(names, row)
+    return _job_from_row(_claim_names(), row)
+
+
+@functools.cache
+def _job_columns() -> str:
+    """The job's columns the claim returns, named (not ``j.*``): a column added by a later
+    migration changes neither the statement's result nor a connection's prepared plan of it."""
+    return ", ".join(
+        f"j.{connection.ops.quote_name(f.column or '')}"
+        for f in ConversionJob._meta.concrete_fields
+    )
+
+
+@functools.cache
+def _claim_names() -> tuple[str, ...]:
+    """The names of the claim's result columns, in order (``_job_columns`` and two more): known
+    without asking the cursor for its description."""
+    return (
+        *(f.column or "" for f in ConversionJob._meta.concrete_fields),
+        "attempt_id",
+        "audit_prev",
+    )
 
 
 #: per column list: (attnames, their positions, converters, position of attempt_id)
@@ -569,7 +602,7 @@ def _publish(lease: Lease, state: State, result: Result, checkpoints: list[PageC
 
 #: The done pages of a batch (the ``p_*`` arrays), upserted from the row that ``moved``
 #: returned: part of ``_DONE_PAGES_SQL`` and of ``_PUBLISH_SQL``. The arrays are bound by the
-#: server and sent in binary (``%(…)b``, ``db.fetchone_bound``): a page's text as it is.
+#: server and sent in binary (``%(…)b``, ``prepared.prepared_cursor``): a page's text as it is.
 _UPSERT_DONE_PAGES = """
     INSERT INTO page_checkpoint
         (job_id, page_number, state, attempts, artifact_key, artifact_sha256, artifact_size,
@@ -628,7 +661,9 @@ def done_pages_record(*, lease: Lease, checkpoints: list[PageCheckpoint]) -> boo
         "n_done": len(checkpoints),
         **_done_pages_params(checkpoints),
     }
-    (moved,) = fetchone_bound(_DONE_PAGES_SQL, params) or (0,)
+    with prepared_cursor() as cursor:
+        cursor.execute(_DONE_PAGES_SQL, params)
+        (moved,) = cursor.fetchone()
     return bool(moved)
 
 
@@ -716,7 +751,9 @@ def _publish_postgres(
             params=params,
         )
     )
-    moved, closed = fetchone_bound(sql, params) or (0, 0)
+    with prepared_cursor() as cursor:
+        cursor.execute(sql, params)
+        moved, closed = cursor.fetchone()
     if not moved:
         return False
     if closed:

@@ -134,11 +134,14 @@ def working_children(worker: harness.Proc) -> list[int]:
 
 
 def work_dirs(job_id) -> list[str]:
-    base = Path(settings.QUIRE["WORK_DIR"]) / str(job_id)
+    """The job's attempt directories (``<WORK_DIR>/<job>.<attempt>-<token>``), named
+    ``<attempt>-<token>``."""
+    prefix = f"{job_id}."
     try:
-        return sorted(os.listdir(base))
+        names = os.listdir(Path(settings.QUIRE["WORK_DIR"]))
     except FileNotFoundError:
         return []
+    return sorted(name.removeprefix(prefix) for name in names if name.startswith(prefix))
 
 
 def submit_docx(tmp_path: Path, *, paragraphs: int, output: str = "pdf") -> ConversionJob:

@@ -176,10 +176,10 @@ def object_sha256(key: str) -> str:
 
 def converter_children(job_id: uuid.UUID) -> list[int]:
     """Live converter child processes working for ``job_id``: their cwd is their private
-    directory, in the job's work dir (sandbox off) or in a converter sandbox under WORK_DIR
-    (the tests run one job at a time)."""
+    directory, in one of the job's attempt directories (sandbox off) or in a converter sandbox
+    under WORK_DIR (the tests run one job at a time)."""
     work_dir = Path(settings.QUIRE["WORK_DIR"]).resolve()
-    places = (str(work_dir / str(job_id)) + "/", str(work_dir / ".sandbox") + "/")
+    places = (str(work_dir / str(job_id)) + ".", str(work_dir / ".sandbox") + "/")
     engine_host = engines.host_pgid()  # the warm engine serves attempts, it is not one
     found = []
     for entry in os.scandir("/proc"):

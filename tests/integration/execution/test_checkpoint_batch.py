@@ -103,7 +103,7 @@ def test_batch__page_bytes_travel_unchanged_in_binary(tmp_path):
     from django.db import connection
 
     job, lease = _claimed(tmp_path)
-    assert not connection.queries_logged  # the server-binding path (db.fetchone_bound)
+    assert not connection.queries_logged  # the cursor as it runs in production
     page_checkpoints_record(
         lease=lease, checkpoints=[_done(lease, n, body) for n, body in enumerate(AWKWARD, 1)]
     )

@@ -32,3 +32,22 @@ def test_work_dirs_remove_stale__removes_a_dead_attempt_dir_and_keeps_an_idle_sa
     assert work_dirs_remove_stale(older_than_s=1) == 1
     assert not dead.exists()
     assert (sandbox / "tmp").is_dir()
+
+
+def test_work_dirs_remove_stale__both_layouts_dead_removed_live_and_young_kept(settings, make_job):
+    from conversion_jobs.models import ConversionAttempt
+
+    root = Path(settings.QUIRE["WORK_DIR"])
+    job = make_job(state="running")
+    live = ConversionAttempt.objects.create(job=job, generation=1, number=1, worker="w")
+    dead_flat = aged(root / f"{uuid.uuid4()}.987655-abc")
+    dead_nested = aged(root / str(uuid.uuid4()) / "987656-abc")
+    live_flat = aged(root / f"{job.id}.{live.id}-abc")
+    young_flat = root / f"{uuid.uuid4()}.987657-abc"
+    young_flat.mkdir(parents=True)
+
+    assert work_dirs_remove_stale(older_than_s=60) == 2
+    assert not dead_flat.exists() and not dead_nested.exists()
+    assert not dead_nested.parent.exists()  # the older layout's job directory goes too
+    assert live_flat.is_dir() and young_flat.is_dir()
+    assert root.is_dir()

@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 from django.conf import settings
 from django.db import connection
-from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from bench.history import seed_history
@@ -50,18 +49,25 @@ AGO = timedelta(days=30)
 
 
 def _plans(run: Callable[[], Any]) -> list[tuple[str, str]]:
-    """(statement, plan) for every statement ``run`` executes that reads a table."""
-    with CaptureQueriesContext(connection) as captured:
+    """(statement, plan) for every statement ``run`` executes that reads a table. Captured with
+    their parameters by an execute wrapper, which sees the ORM's cursors and the hot
+    statements' server-binding one (services/prepared.py) alike."""
+    captured: list[tuple[str, Any]] = []
+
+    def capture(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        captured.append((sql, params))
+        return execute(sql, params, many, context)
+
+    with connection.execute_wrapper(capture):
         run()
     out = []
     with connection.cursor() as cursor:
-        for query in captured.captured_queries:
-            sql = query["sql"]
+        for sql, params in captured:
             if not re.match(r"\s*(WITH|SELECT|UPDATE|DELETE|INSERT)", sql, re.I):
                 continue
             if re.match(r"\s*INSERT", sql, re.I) and " SELECT " not in sql.upper():
                 continue  # a plain VALUES insert reads nothing
-            cursor.execute("EXPLAIN " + sql)
+            cursor.execute("EXPLAIN " + sql, params)
             out.append((sql, "\n".join(row[0] for row in cursor.fetchall())))
     return out
 

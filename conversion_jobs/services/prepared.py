@@ -1,0 +1,58 @@
+"""A cursor for the hot statements: parameters bound by the server, the statement prepared once
+per connection (ADR 0017, "Session 5: one-page jobs, worker side").
+
+Django's psycopg 3 backend binds every parameter on the client: psycopg renders each value into
+the SQL text in Python, and Postgres then parses and plans a statement it has never seen. For
+the claim and publish statements (a CTE over five tables, with a dozen to twenty parameters)
+that was ≈ 15 % of a one-page job's task time in the worker and a parse + plan in Postgres per
+job. This cursor sends the same text with ``$n`` placeholders and the values apart, so the
+statement's text is the same for every job and psycopg prepares it on its first use on a
+connection (``prepare_threshold``, ``settings.DATABASES["default"]["OPTIONS"]``: 0 here; ``None``
+with ``QUIRE_DB_PREPARED_STATEMENTS=0``, for a pooler without prepared statements, still binds
+on the server but parses every time).
+
+Only statements whose every parameter has a type Postgres can infer use it (no ``%s`` in a
+position where an ``unknown`` parameter is ambiguous): values in the audit hash are spliced as
+``%(_litN)s::text`` parameters (``audit.spliced_sql``), never as SQL text, so the text stays the
+same from job to job. The cursor is a Django ``CursorWrapper``: errors are Django's, execute
+wrappers and query logging see it as any other cursor.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from django.db import DEFAULT_DB_ALIAS, connections
+
+
+@functools.cache
+def _postgres_parts() -> tuple[Any, Any, Any, Any]:
+    """(ServerBindingCursor, register_tzloader, the timestamptz oid, text format), imported on
+    first use: the module also loads where psycopg is not the backend (SQLite profile)."""
+    from django.db.backends.postgresql.base import TIMESTAMPTZ_OID, ServerBindingCursor
+    from django.db.backends.postgresql.psycopg_any import register_tzloader
+    from psycopg.pq import Format
+
+    return ServerBindingCursor, register_tzloader, TIMESTAMPTZ_OID, Format.TEXT
+
+
+@contextmanager
+def prepared_cursor() -> Iterator[Any]:
+    """A server-binding cursor on the default connection (Postgres only), as
+    ``connection.cursor()`` would make it otherwise."""
+    cursor_class, register_tzloader, timestamptz, text = _postgres_parts()
+    db = connections[DEFAULT_DB_ALIAS]  # the proxy's every attribute is a thread-local lookup
+    db.close_if_health_check_failed()
+    db.ensure_connection()
+    with db.wrap_database_errors:
+        raw = cursor_class(db.connection)
+        # As DatabaseWrapper.create_cursor: the session's time zone for timestamptz results.
+        if db.timezone != db.connection.adapters.get_loader(timestamptz, text).timezone:
+            register_tzloader(db.timezone, raw)
+    db.validate_thread_sharing()
+    wrapped = db.make_debug_cursor(raw) if db.queries_logged else db.make_cursor(raw)
+    with wrapped as cursor:
+        yield cursor
