@@ -33,6 +33,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.postgres]
 
 MIB = 1024 * 1024
 BUDGET_MIB = 64
+#: what one download may grow the web by (a streamed batch, buffers; never the whole body)
+DOWNLOAD_BUDGET_MIB = 6
 
 
 def _rss_kib(pid: int, field: str = "VmRSS") -> int:
@@ -258,12 +260,15 @@ def test_png_result__a_page_deleted_while_a_client_reads_cuts_the_connection(
     result_incomplete); one deleted while a slow client reads the ZIP is found only when the
     stream reaches it, and the server closes the connection short of the Content-Length it
     announced, which every HTTP client reports as an incomplete body. What the client got is
-    the archive's true prefix: never a complete-looking 200 with other bytes."""
-    _web_proc, base = _web(cluster)
+    the archive's true prefix: never a complete-looking 200 with other bytes. Before that, a
+    whole download grows the web by far less than the archive (it holds a batch, not the
+    result: project.web.QuireASGIHandler.send_response)."""
+    web, base = _web(cluster)
+    web_worker = harness.process_tree(web.pid)[-1]
     start("worker")
     start("sweeper")
     start("beat")
-    frames = 6
+    frames = 8
     tiff = _noise_tiff(tmp_path / "noise.tiff", frames=frames, side=800)
     response = requests.post(
         f"{base}/api/v1/jobs",
@@ -274,7 +279,16 @@ def test_png_result__a_page_deleted_while_a_client_reads_cuts_the_connection(
     )
     assert response.status_code == 202, response.content
     job_id = response.json()["id"]
+    harness.wait_until(
+        lambda: ConversionJob.objects.get(id=job_id).state == "succeeded",
+        timeout=120,
+        what="the PNG job succeeded",
+    )
+    peak_before = _rss_kib(web_worker, "VmHWM")
     full, _headers = _result_when_succeeded(base, job_id)
+    grown_mib = (_rss_kib(web_worker, "VmHWM") - peak_before) / 1024
+    print(f"web worker peak RSS +{grown_mib:.1f} MiB serving a {len(full) / MIB:.1f} MiB ZIP")
+    assert grown_mib < DOWNLOAD_BUDGET_MIB < len(full) / MIB / 2, grown_mib
     assert zipfile.ZipFile(io.BytesIO(full)).namelist() == [
         f"page-{n:04d}.png" for n in range(1, frames + 1)
     ]
