@@ -32,6 +32,7 @@ import os
 import threading
 import time
 from asyncio import TimerHandle
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Executor, Future
 from queue import SimpleQueue
 from typing import Any
@@ -41,7 +42,7 @@ from django.core import signals
 from django.core.exceptions import RequestAborted
 from django.core.handlers.asgi import ASGIHandler, get_script_prefix
 from django.core.handlers.base import BaseHandler
-from django.http import HttpRequest, HttpResponseBase
+from django.http import HttpRequest, HttpResponseBase, StreamingHttpResponse
 from django.urls import Resolver404, get_resolver, set_script_prefix
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from uvicorn_worker import UvicornWorker
@@ -49,6 +50,9 @@ from uvicorn_worker import UvicornWorker
 access_logger = logging.getLogger("quire.access")
 
 MIB = 1024 * 1024
+#: A streamed response body is read this much at a time (more when one chunk is larger): the
+#: most of it the web holds per download, and one thread hop per batch.
+STREAM_BATCH_BYTES = 256 * 1024
 
 
 def _env_float(name: str, default: float) -> float:
@@ -204,6 +208,19 @@ class QuireASGIHandler(ASGIHandler):
         signals.request_started.send(sender=self.__class__, scope=request.scope)  # type: ignore[attr-defined]
         return self.sync_handler.get_response(request)
 
+    async def send_response(self, response: HttpResponseBase, send: Any) -> None:
+        """Django's, except that a streaming body from a sync iterator (a download: a stored
+        result or page, the ZIP of a PNG result) is read a batch at a time on the request's
+        thread, each batch once the client took the one before. Django would read it whole
+        into memory before sending a byte (``StreamingHttpResponse.__aiter__`` runs ``list()``
+        on it): the web's memory would grow by the whole result, and a ZIP result's page that
+        vanishes after the response started would go unnoticed (ADR 0018, session 5)."""
+        if isinstance(response, StreamingHttpResponse) and not response.is_async:
+            chunks = response.streaming_content
+            assert isinstance(chunks, Iterator)  # noqa: S101 - not is_async: a sync map()
+            response.streaming_content = _batches_on_thread(chunks)
+        await super().send_response(response, send)
+
     async def get_response_async(self, request: HttpRequest) -> HttpResponseBase:
         if _async_view(request.path_info):
             await signals.request_started.asend(sender=self.__class__, scope=request.scope)  # type: ignore[attr-defined]
@@ -271,6 +288,28 @@ class QuireASGIHandler(ASGIHandler):
         thread = min(self.threads, key=lambda t: t.pending)
         async with ThreadSensitiveContext(executor=thread):
             await self.handle(scope, receive, send)
+
+
+def _next_batch(chunks: Iterator[bytes]) -> bytes | None:
+    """The next ``STREAM_BATCH_BYTES`` or more of ``chunks`` (one chunk may be larger); None at
+    the end. Runs on the request's thread (a read may block on the disk or the S3 server)."""
+    batch: list[bytes] = []
+    size = 0
+    for chunk in chunks:
+        batch.append(chunk)
+        size += len(chunk)
+        if size >= STREAM_BATCH_BYTES:
+            break
+    return b"".join(batch) if batch else None
+
+
+async def _batches_on_thread(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:
+    """``chunks`` as an async iterator, a batch per hop onto the request's thread; the next
+    batch is read only when the server asks for it, after the client drained the last one
+    (uvicorn's ``send`` waits while the transport is paused)."""
+    next_batch = sync_to_async(_next_batch, thread_sensitive=True)
+    while (batch := await next_batch(chunks)) is not None:
+        yield batch
 
 
 def _async_view(path: str) -> bool:

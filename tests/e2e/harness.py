@@ -77,7 +77,8 @@ def broker_url(role: str, *, port: int | None = None) -> str:
 def wait_until(
     predicate: Callable[[], Any], *, timeout: float, interval: float = 0.1, what: str = "condition"
 ) -> Any:
-    """Poll ``predicate`` until it returns something truthy; fail with ``what`` at the timeout."""
+    """Poll ``predicate`` until it returns something truthy; fail with ``what`` at the timeout,
+    naming the last call's error (None: the last call answered, falsy)."""
     deadline = time.monotonic() + timeout
     last_exc: BaseException | None = None
     while True:
@@ -85,6 +86,7 @@ def wait_until(
             value = predicate()
             if value:
                 return value
+            last_exc = None
         except Exception as exc:  # e.g. a database restarting under the predicate
             last_exc = exc
         if time.monotonic() > deadline:

@@ -100,6 +100,29 @@ def flower_saw_success(port: int, job_id: str) -> bool:
     return any(t.get("state") == "SUCCESS" and job_id in str(t.get("args")) for t in tasks.values())
 
 
+def flower_shows_a_new_task(web, port: int, *, timeout: float, what: str) -> None:
+    """Submit jobs until Flower lists one of them succeeded.
+
+    Flower sees only the events sent while its capture has a queue bound to the ``celeryev``
+    exchange: a topic exchange drops the events of a task that ran before (Flower's start, or its
+    reconnect after an outage), and ``args`` come only with ``task-received``. So one job
+    submitted before the capture is bound is never shown, however long the wait; each new job
+    is a fresh chance once it is.
+    """
+
+    def one_job_shown() -> bool:
+        job_id = web.submit().json()["id"]
+        return bool(
+            harness.wait_until(
+                lambda: flower_saw_success(port, job_id) or None,
+                timeout=10,
+                what="",
+            )
+        )
+
+    harness.wait_until(one_job_shown, timeout=timeout, interval=0, what=what)
+
+
 def test_broker_outage__every_process_reconnects_and_every_accepted_job_succeeds(
     cluster, rabbitmq_node, tmp_path
 ):
@@ -117,8 +140,12 @@ def test_broker_outage__every_process_reconnects_and_every_accepted_job_succeeds
         timeout=60,
         what="/health/ready 200 and the one-tick sweeps running",
     )
+    # Flower captures events before the outage (so seeing one after it means it reconnected).
+    # Before the retry and long jobs: their timer and lease must fall due during the outage.
+    flower_shows_a_new_task(
+        web, flower[1], timeout=60, what="flower to show a task run before the outage"
+    )
 
-    done_before = web.submit().json()["id"]
     # A job whose retry timer will fall due during the outage, and a long job whose worker dies
     # during it (its lease expires while nothing can be published).
     retry_job = web.submit(
@@ -144,11 +171,6 @@ def test_broker_outage__every_process_reconnects_and_every_accepted_job_succeeds
         what="the long job running",
     )
     owner = cluster.owner_of(running)
-    harness.wait_until(
-        lambda: flower_saw_success(flower[1], done_before),
-        timeout=60,
-        what="flower to show a task run before the outage",
-    )
 
     # --- the outage -------------------------------------------------------------------------
     node.stop_app()
@@ -234,26 +256,11 @@ def test_broker_outage__every_process_reconnects_and_every_accepted_job_succeeds
         )
         assert (row.publish_attempts, row.last_error_code) == (1, None)
         assert (row.published_at - row.created_at).total_seconds() < 2
-    # Flower's event capture reconnected too: it shows a task that ran after the outage. Its
-    # own back-off doubles while the broker is away, and events sent before it is back are
-    # not queued for it, so keep submitting until one shows up.
+    # Flower's event capture reconnected too: it shows a task that ran after the outage (its
+    # reconnect delay is capped at 5 s, flowerconfig.py).
     flower_proc, flower_port = flower
-
-    def flower_sees_a_new_task() -> bool:
-        job_id = web.submit().json()["id"]
-        return bool(
-            harness.wait_until(
-                lambda: flower_saw_success(flower_port, job_id) or None,
-                timeout=10,
-                what="",
-            )
-        )
-
-    harness.wait_until(
-        lambda: flower_sees_a_new_task(),
-        timeout=90,
-        interval=0,
-        what="flower to show a task run after the outage",
+    flower_shows_a_new_task(
+        web, flower_port, timeout=90, what="flower to show a task run after the outage"
     )
     flower_back_s = time.monotonic() - back_at
     survivors = [p for p in [web.proc, *workers, beat, flower_proc] if p is not owner]

@@ -7,6 +7,8 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
+import socket
 import threading
 import time
 import urllib.request
@@ -14,11 +16,14 @@ import uuid
 import zipfile
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
+import requests
+from PIL import Image
 
 from conversion_jobs import storage
-from conversion_jobs.models import ConversionJob
+from conversion_jobs.models import ConversionJob, PageCheckpoint
 from tests import testdocs
 from tests.conftest import token
 from tests.e2e import harness
@@ -28,6 +33,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.postgres]
 
 MIB = 1024 * 1024
 BUDGET_MIB = 64
+#: what one download may grow the web by (a streamed batch, buffers; never the whole body)
+DOWNLOAD_BUDGET_MIB = 6
 
 
 def _rss_kib(pid: int, field: str = "VmRSS") -> int:
@@ -198,3 +205,112 @@ def test_png_result__the_zip_of_the_pages_streams_through_the_web(cluster, start
         with urllib.request.urlopen(page, timeout=30) as response:  # noqa: S310
             assert archive.read(name) == response.read()
     assert not list(storage.list_objects(f"results/{job['id']}"))
+
+
+def _noise_tiff(path: Path, *, frames: int, side: int) -> Path:
+    """A multi-page TIFF of random RGB pixels: each PNG page is about ``3 * side**2`` bytes
+    (noise does not compress), so the result ZIP is far larger than any socket buffer."""
+    images = [
+        Image.frombytes("RGB", (side, side), os.urandom(3 * side * side)) for _ in range(frames)
+    ]
+    images[0].save(path, format="TIFF", save_all=True, append_images=images[1:])
+    return path
+
+
+def _read_slowly(base: str, path: str, *, first: int, then: Any) -> tuple[int, int | None, bytes]:
+    """GET ``path`` over a socket whose receive buffer is 4 KiB, reading ``first`` body bytes
+    slowly (the server can only run a little ahead of what the client took), then ``then()``,
+    then the rest as fast as it comes until the server closes. (status, Content-Length, body)."""
+    url = urlsplit(base)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(30)
+    sock.connect((url.hostname, url.port))
+    with sock:
+        sock.sendall(
+            f"GET {path} HTTP/1.1\r\nHost: {url.netloc}\r\n"
+            f"Authorization: Bearer {token()}\r\nConnection: close\r\n\r\n".encode()
+        )
+        received = b""
+        while b"\r\n\r\n" not in received:
+            chunk = sock.recv(4096)
+            assert chunk, f"closed before the response head: {received!r}"
+            received += chunk
+        head, body = received.split(b"\r\n\r\n", 1)
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split()[1])
+        fields = dict(line.split(": ", 1) for line in lines[1:])
+        length = {k.lower(): v for k, v in fields.items()}.get("content-length")
+        while len(body) < first:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            body += chunk
+            time.sleep(0.005)
+        then()
+        while chunk := sock.recv(65536):
+            body += chunk
+    return status, int(length) if length is not None else None, body
+
+
+def test_png_result__a_page_deleted_while_a_client_reads_cuts_the_connection(
+    cluster, start, tmp_path
+):
+    """The web checks every page object before it answers (a missing one: 500
+    result_incomplete); one deleted while a slow client reads the ZIP is found only when the
+    stream reaches it, and the server closes the connection short of the Content-Length it
+    announced, which every HTTP client reports as an incomplete body. What the client got is
+    the archive's true prefix: never a complete-looking 200 with other bytes. Before that, a
+    whole download grows the web by far less than the archive (it holds a batch, not the
+    result: project.web.QuireASGIHandler.send_response)."""
+    web, base = _web(cluster)
+    web_worker = harness.process_tree(web.pid)[-1]
+    start("worker")
+    start("sweeper")
+    start("beat")
+    frames = 8
+    tiff = _noise_tiff(tmp_path / "noise.tiff", frames=frames, side=800)
+    response = requests.post(
+        f"{base}/api/v1/jobs",
+        headers={"Authorization": f"Bearer {token()}"},
+        files={"file": ("noise.tiff", tiff.read_bytes(), "image/tiff")},
+        data={"output": "png"},
+        timeout=60,
+    )
+    assert response.status_code == 202, response.content
+    job_id = response.json()["id"]
+    harness.wait_until(
+        lambda: ConversionJob.objects.get(id=job_id).state == "succeeded",
+        timeout=120,
+        what="the PNG job succeeded",
+    )
+    peak_before = _rss_kib(web_worker, "VmHWM")
+    full, _headers = _result_when_succeeded(base, job_id)
+    grown_mib = (_rss_kib(web_worker, "VmHWM") - peak_before) / 1024
+    print(f"web worker peak RSS +{grown_mib:.1f} MiB serving a {len(full) / MIB:.1f} MiB ZIP")
+    assert grown_mib < DOWNLOAD_BUDGET_MIB < len(full) / MIB / 2, grown_mib
+    assert zipfile.ZipFile(io.BytesIO(full)).namelist() == [
+        f"page-{n:04d}.png" for n in range(1, frames + 1)
+    ]
+    last = PageCheckpoint.objects.get(job_id=job_id, page_number=frames)
+    assert last.artifact_size > 1_500_000  # noise: the PNG is as large as its pixels
+    first = 64 * 1024
+
+    status, length, body = _read_slowly(
+        base,
+        f"/api/v1/jobs/{job_id}/result",
+        first=first,
+        then=lambda: storage.delete(last.artifact_key or ""),
+    )
+
+    assert (status, length) == (200, len(full))
+    assert first <= len(body) < len(full) - last.artifact_size, (len(body), len(full))
+    assert body == full[: len(body)]
+    # The next download is refused before it starts, and the web serves on.
+    again = requests.get(
+        f"{base}/api/v1/jobs/{job_id}/result",
+        headers={"Authorization": f"Bearer {token()}"},
+        timeout=30,
+    )
+    assert (again.status_code, again.json()["code"]) == (500, "result_incomplete")
+    assert requests.get(f"{base}/health/live", timeout=5).status_code == 200

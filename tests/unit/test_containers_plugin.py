@@ -4,6 +4,9 @@ needed: whether an engine answers is the argument."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -61,3 +64,31 @@ def test_broker_env__publisher_is_the_runs_broker_and_the_harness_finds_the_node
     assert env["QUIRE_RMQ_MGMT_URL"] == "http://10.0.0.5:32802"
     assert env["RABBITMQCTL"] == str(tmp_path / "rabbitmqctl")
     assert env["RABBITMQ_PLUGINS"] == str(tmp_path / "rabbitmq-plugins")
+
+
+def test_bare_pytest_script__imports_the_plugin_without_the_checkout_on_sys_path(tmp_path: Path):
+    """``-p tests.containers_plugin`` (addopts) is imported before any conftest: the bare
+    ``pytest`` script, run from outside the checkout without PYTHONPATH, finds it through
+    pyproject's ``pythonpath`` (``python -m pytest`` would put the working directory there)."""
+    repo = Path(__file__).resolve().parents[2]
+    unset = ("PYTHONPATH", "DATABASE_URL", "CELERY_BROKER_URL")
+    env = {k: v for k, v in os.environ.items() if k not in unset}
+    env["QUIRE_TEST_CONTAINERS"] = "off"  # the standalone profile: nothing to start
+    run = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "pytest"),
+            "--collect-only",
+            "-q",
+            "--trace-config",
+            "-p",
+            "no:cacheprovider",
+            str(repo / "tests/unit/test_containers_plugin.py"),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert f"tests.containers_plugin' from '{repo / 'tests/containers_plugin.py'}'" in run.stdout
