@@ -56,7 +56,6 @@ def _child(doc, tmp_path, limits=LIMITS):
         document=prepared.document,
         scratch_dir=tmp_path / "attempt",
         limits=limits,
-        should_stop=never,
     ).proc.pid
 
 
