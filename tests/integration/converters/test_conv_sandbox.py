@@ -70,9 +70,7 @@ def test_document__reaches_the_child_in_its_private_directory_read_only(tmp_path
     sandbox's uid can read and not change."""
     source = testdocs.make_pdf(tmp_path / "doc.pdf", pages=2)
     os.chmod(source, 0o600)  # as the worker downloads it
-    session = sessions.open_session(
-        document=source, scratch_dir=tmp_path, limits=Limits(), should_stop=never
-    )
+    session = sessions.open_session(document=source, scratch_dir=tmp_path, limits=Limits())
     assert session.document is not None and session.private is not None
     assert session.document.parent == session.private
     assert session.document.read_bytes() == source.read_bytes()
