@@ -36,6 +36,9 @@ def open_pdf(path: Path, password: str | None = None) -> pdfium.PdfDocument:
             raise EncryptedInput()
         if err_code == pdfium_c.FPDF_ERR_SECURITY:
             raise EncryptedInput("the document uses an unsupported security handler")
+        if err_code == pdfium_c.FPDF_ERR_FILE and not os.path.isfile(path):
+            # No fault of the document's (the hand-in went wrong): a crash, retried, as before.
+            raise FileNotFoundError(path)
         reason = _PDFIUM_ERRORS.get(err_code, f"error {err_code}")
         raise InvalidInput(f"not a readable PDF (Failed to load document (PDFium: {reason}).)")
     return pdfium.PdfDocument(raw)

@@ -108,3 +108,5 @@ def test_pdf_text__pdfium_calls_read_what_pypdfium2_reads(tmp_path):
     (tmp_path / "not.pdf").write_bytes(b"%PDF-1.7\nthis is not a PDF")
     with pytest.raises(InvalidInput, match=r"not a readable PDF .*Data format error"):
         pdfops.open_pdf(tmp_path / "not.pdf")
+    with pytest.raises(FileNotFoundError):  # not the document's fault: the child crashes
+        pdfops.open_pdf(tmp_path / "missing.pdf")
