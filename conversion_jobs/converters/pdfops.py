@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import math
 import os
+import tempfile
 from pathlib import Path
 
 import pypdfium2 as pdfium
@@ -130,6 +131,26 @@ def warm_up() -> None:
         page.close()
     finally:
         doc.close()
+    # A child's own path once, from a file as a child opens one: prepare and a text page (what
+    # this touches first is then in place before the fork; ≈ 40 copy-on-write faults fewer per
+    # child). Skipped where no temporary file can be written.
+    try:
+        with tempfile.TemporaryDirectory() as scratch:
+            path = str(Path(scratch) / "warm-up.pdf")
+            Path(path).write_bytes(_WARM_UP_PDF)
+            pdf_prepare(path=path, limits=Limits())
+            pdf_page(
+                path=path,
+                page=1,
+                output="text",
+                dpi=72,
+                dest="",
+                limits=Limits(),
+                inline_max_bytes=1 << 16,
+            )
+            close_document()
+    except OSError:
+        close_document()
 
 
 def pdf_prepare(*, path: str, limits: Limits, password: str | None = None) -> dict:
