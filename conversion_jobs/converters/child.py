@@ -3,15 +3,18 @@
 A session: it reads one JSON request per line on stdin and answers each with one JSON line,
 ``{"ok": true, "result": ...}`` or ``{"ok": false, "code": ..., "detail": ...}``, on the stdout
 it had at start (its own stdout then goes to stderr, so a library's stray print cannot break the
-protocol). The first request is ``setup``: the private directory (cwd, HOME, TMPDIR) and the
-limits (RLIMIT_AS, no core files). Between requests it keeps state that makes pages cheap, such as
-the open PDF (see ``pdfops``). A crash (signal, out of memory, unexpected exception) answers
+protocol). The first request carries the session's ``setup`` (the parent's
+``ChildSession.setup``), which the child runs before that request's operation: the private
+directory (cwd, HOME, TMPDIR) and the limits (RLIMIT_AS, no core files); with ``reset``, a kept
+child first forgets its last attempt. Between requests it keeps state that makes pages cheap,
+such as the open PDF (see ``pdfops``). A crash (signal, out of memory, unexpected exception) answers
 nothing and the parent reports ``converter_crashed``. End of stdin ends the process. Never imports
 Django.
 """
 
 from __future__ import annotations
 
+import _thread
 import functools
 import json
 import os
@@ -20,7 +23,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -175,7 +177,9 @@ def _start_watchdog(watch: _Watch, *, parent_pid: int) -> None:
                 _before_group_kill()
                 os.killpg(0, signal.SIGKILL)
 
-    threading.Thread(target=run, name="quire-watchdog", daemon=True).start()
+    # A bare thread, not a ``threading.Thread``: no start-up handshake (the caller does not wait
+    # for the thread to run) and none of threading's bookkeeping objects in a fresh child.
+    _thread.start_new_thread(run, ())
 
 
 def _reset() -> None:
@@ -276,12 +280,18 @@ def _run_op(op: str, args: dict, *, fault: dict | None, limits: Limits) -> dict:
         return {"ok": False, "code": exc.code, "detail": exc.detail}
 
 
+def _take_setup(setup: dict) -> Limits:
+    """A request's ``setup``, run before its operation: a kept child forgets its last attempt
+    first (``reset``), then takes its private directory and limits."""
+    if setup.pop("reset", False):
+        _reset()
+    return _setup(**setup)
+
+
 def _answer(request: dict, limits: Limits | None) -> tuple[dict, Limits | None]:
     op, args = request["op"], request.get("args") or {}
     if op == "setup":
-        if args.pop("reset", False):  # a kept child: forget the last attempt first
-            _reset()
-        return {"ok": True, "result": {"pid": os.getpid()}}, _setup(**args)
+        return {"ok": True, "result": {"pid": os.getpid()}}, _take_setup(args)
     if op == "reset":
         _reset()
         return {"ok": True, "result": {"pid": os.getpid()}}, limits
@@ -323,6 +333,8 @@ def main() -> int:
             return 0
         request = json.loads(line)
         watch.busy_until = time.monotonic() + float(request["timeout_s"]) + WATCHDOG_GRACE_S
+        if request.get("setup") is not None:  # the session's setup travels with its first request
+            limits = _take_setup(request["setup"])
         if request["op"] in STREAM_OPS and limits is not None:
             for outcome in _stream(request, limits, watch):
                 protocol.write(json.dumps(outcome).encode() + b"\n")

@@ -135,7 +135,7 @@ def _host_for(*, scratch_dir: Path, limits: Limits, should_stop: Callable[[], bo
         scratch_dir.mkdir(parents=True, exist_ok=True)
         session = fresh_child()
         try:
-            session.setup(limits=limits, scratch_dir=scratch_dir, should_stop=should_stop)
+            session.setup(limits=limits, scratch_dir=scratch_dir)
         except BaseException:
             session.close()
             raise

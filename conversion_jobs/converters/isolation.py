@@ -32,7 +32,6 @@ import os
 import select
 import shutil
 import signal
-import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -69,7 +68,8 @@ class ChildSession:
     """
 
     def __init__(self) -> None:
-        self._stderr = tempfile.TemporaryFile()
+        # The child's stderr (its crash message): a memory file, no inode on the work disk.
+        self._stderr = os.fdopen(os.memfd_create("quire-child-stderr", os.MFD_CLOEXEC), "w+b")
         self.proc = spawn(stderr=self._stderr.fileno())
         self.pgid = self.proc.pid
         self.spawned_at = self.last_used = time.monotonic()
@@ -85,6 +85,8 @@ class ChildSession:
         #: document, forgets its directory) as the first step of its next ``setup``, in the
         #: same round trip, before it takes that attempt's directory and limits
         self.reset_due = False
+        #: the setup the child has still to run: it goes with the next request (``setup``)
+        self._setup_due: dict | None = None
         self._buffer = b""
         #: pages asked for by read_ahead whose answers are still to be read, in order
         self.ahead: list[int] = []
@@ -108,10 +110,13 @@ class ChildSession:
         # be reused before the group is killed.
         return self.proc.exited()
 
-    def setup(self, *, limits: Limits, scratch_dir: Path, should_stop: Callable[[], bool]) -> None:
+    def setup(self, *, limits: Limits, scratch_dir: Path) -> None:
         """Give the child its private directory and limits. Sandboxed, the directory is in the
         sandbox's writable area (the only place the child can see besides system files);
-        with the sandbox off it is ``scratch_dir/.isolated-<hex>``."""
+        with the sandbox off it is ``scratch_dir/.isolated-<hex>``. The directory exists when
+        this returns; the child takes it (and its limits, and a kept child first forgets its last
+        attempt) as the first step of the next request, in the same round trip: no request
+        ever runs before its setup, and a session costs one round trip less."""
         root = self.proc.sandbox_root
         name = f".isolated-{uuid.uuid4().hex}"
         private = root.work / name if root is not None else Path(scratch_dir) / name
@@ -119,11 +124,17 @@ class ChildSession:
         if root is not None and os.geteuid() == 0:
             os.chown(private, root.uid, root.gid)
         self.private, self.limits = private, limits
-        args: dict = {"directory": str(private), "limits": asdict(limits)}
+        setup: dict = {"directory": str(private), "limits": asdict(limits)}
         if self.reset_due:
-            args["reset"] = True
-        self.call("setup", args, timeout_s=limits.page_timeout_s, should_stop=should_stop)
-        self.reset_due = False
+            setup["reset"] = True
+        self._setup_due, self.reset_due = setup, False
+
+    def _request(self, op: str, args: dict, *, timeout_s: float, fault: dict | None) -> bytes:
+        """One request line; the pending setup rides along (the child runs it first)."""
+        request = {"op": op, "args": args, "timeout_s": timeout_s, "fault": fault}
+        if self._setup_due is not None:
+            request["setup"], self._setup_due = self._setup_due, None
+        return json.dumps(request).encode() + b"\n"
 
     def inside(self, *parts: str) -> Path:
         """A path in the child's private directory (the same path inside and outside)."""
@@ -149,8 +160,7 @@ class ChildSession:
         change it (the attempt's work directory, 0700, keeps everyone else out); otherwise the
         child runs as this process's user and reads it as it is. Where no link can be made, a
         copy, 0600 and given to the sandbox's uid."""
-        folder = self.folder("in")
-        copy = folder / f"{uuid.uuid4().hex}{Path(source).suffix}"
+        copy = self.inside(f"{uuid.uuid4().hex}{Path(source).suffix}")
         try:
             os.link(source, copy)
         except OSError:
@@ -202,8 +212,7 @@ class ChildSession:
         try:
             if should_stop():
                 raise ConversionStopped()
-            request = {"op": op, "args": args, "timeout_s": timeout_s, "fault": fault}
-            self._send(json.dumps(request).encode() + b"\n")
+            self._send(self._request(op, args, timeout_s=timeout_s, fault=fault))
             outcome = self._receive(timeout_s=timeout_s, should_stop=should_stop)
         except BaseException:
             self.close()
@@ -243,13 +252,8 @@ class ChildSession:
         try:
             if should_stop():
                 raise ConversionStopped()
-            request = {
-                "op": "pages",
-                "args": {**args, "page_op": page_op, "items": [list(i) for i in items]},
-                "timeout_s": timeout_s,
-                "fault": fault,
-            }
-            self._send(json.dumps(request).encode() + b"\n")
+            pages = {**args, "page_op": page_op, "items": [list(i) for i in items]}
+            self._send(self._request("pages", pages, timeout_s=timeout_s, fault=fault))
         except BaseException:
             self.close()
             raise
@@ -406,7 +410,7 @@ def run_isolated(
     from .sessions import fresh_child
 
     with fresh_child() as session:
-        session.setup(limits=limits, scratch_dir=scratch_dir, should_stop=should_stop)
+        session.setup(limits=limits, scratch_dir=scratch_dir)
         return session.call(op, args, timeout_s=timeout_s, should_stop=should_stop, fault=fault)
 
 

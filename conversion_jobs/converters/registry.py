@@ -51,9 +51,7 @@ def _prepare_in_session(
     password: str | None = None,
 ) -> dict:
     """Prepare in a fresh child that then stays open for this document's pages."""
-    session = open_session(
-        document=Path(source), scratch_dir=workdir, limits=limits, should_stop=should_stop
-    )
+    session = open_session(document=Path(source), scratch_dir=workdir, limits=limits)
     secret = {"password": password} if password is not None else {}
     try:
         return session.call(
@@ -119,7 +117,7 @@ def _page_call(
             return PageArtifact(path=None, media_type=result["media_type"], content=content)
         dest_dir.mkdir(parents=True, exist_ok=True)
         dest = _page_dest(dest_dir, page, output)
-        session.hand_out(_page_dest(session.inside("out"), page, output), dest)
+        session.hand_out(_page_dest(session.inside(), page, output), dest)
     except BaseException:
         # A killed or failed child may have left half an artifact; it must never be promoted.
         if dest is not None:
@@ -153,20 +151,10 @@ def _request_pages(
     if session is None:
         # The session of this document (the child keeps it open); a fresh child if an earlier
         # page's failure killed it.
-        session = session_for(
-            document=prepared.document,
-            scratch_dir=dest_dir,
-            limits=limits,
-            should_stop=should_stop,
-        )
+        session = session_for(document=prepared.document, scratch_dir=dest_dir, limits=limits)
         if session.ahead and session.ahead[0] != page:
             forget(session)  # the caller changed its plan: drop the pages still coming
-            session = session_for(
-                document=prepared.document,
-                scratch_dir=dest_dir,
-                limits=limits,
-                should_stop=should_stop,
-            )
+            session = session_for(document=prepared.document, scratch_dir=dest_dir, limits=limits)
     upcoming = [p for p in lookahead if p != page and 1 <= p <= prepared.page_count]
     if not session.ahead:
         wanted = [page, *upcoming[: READ_AHEAD_PAGES - 1]]
@@ -179,14 +167,13 @@ def _request_pages(
     else:
         wanted = []
     if wanted:
-        session.folder("out")
         if fault:
             session.fault_records_to = dest_dir
         extra = {"inline_max_bytes": inline_max_bytes} if inline_max_bytes > 0 else {}
         # The child writes in its private directory; each page is handed out when read.
         session.read_ahead(
             op,
-            [(p, str(_page_dest(session.inside("out"), p, output))) for p in wanted],
+            [(p, str(_page_dest(session.inside(), p, output))) for p in wanted],
             {
                 "path": str(session.document),
                 "output": output,
@@ -451,7 +438,7 @@ class OfficeConverter:
             # ``--convert-to`` cannot take a password: an encrypted document is opened over UNO
             # by a one-off engine in the same child.
             with fresh_child() as session:
-                session.setup(limits=limits, scratch_dir=workdir, should_stop=should_stop)
+                session.setup(limits=limits, scratch_dir=workdir)
                 copy = session.hand_in(source)
                 args = {
                     "path": str(copy),

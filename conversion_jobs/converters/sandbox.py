@@ -38,6 +38,7 @@ Never imports Django.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -115,18 +116,24 @@ def configure(*, work_dir: Path) -> None:
     _configured_work_dir = Path(work_dir)
 
 
-def _base_dir() -> Path:
-    if _configured_work_dir is not None:
-        return _configured_work_dir
-    configured = os.environ.get(ROOT_ENV)
-    if configured:
-        return Path(configured)
-    return Path(os.environ.get("QUIRE_VAR_DIR") or _PACKAGE_DIR.parent / "var") / "work"
-
-
 def sandbox_dirs_parent() -> Path:
     """Where the per-worker-process sandbox directories are (``<WORK_DIR>/.sandbox``)."""
-    return _base_dir() / ".sandbox"
+    return _dirs_parent(
+        _configured_work_dir, os.environ.get(ROOT_ENV), os.environ.get("QUIRE_VAR_DIR")
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _dirs_parent(work_dir: Path | None, root_env: str | None, var_dir: str | None) -> Path:
+    """``sandbox_dirs_parent`` for these settings: ``configure``'s work dir, else
+    ``$QUIRE_WORK_DIR``, else ``$QUIRE_VAR_DIR/work`` (cached: asked at every child start)."""
+    if work_dir is not None:
+        base = work_dir
+    elif root_env:
+        base = Path(root_env)
+    else:
+        base = Path(var_dir or _PACKAGE_DIR.parent / "var") / "work"
+    return base / ".sandbox"
 
 
 class SandboxRoot:
@@ -150,14 +157,19 @@ class SandboxRoot:
             if os.geteuid() == 0:
                 os.chown(directory, self.uid, self.gid)
 
+    @functools.cached_property
+    def _tmp_mount_roots(self) -> frozenset[str]:
+        """The names of the entries of ``/tmp`` that lead to a mount point (computed once: the
+        paths bound are fixed for a sandbox's life, and ``clear_tmp`` runs after every attempt)."""
+        return frozenset(p.split("/")[2] for p in tmp_mount_points(self.work))
+
     def clear_tmp(self) -> None:
         """Empty the sandbox's ``/tmp`` (LibreOffice's OSL_PIPE sockets of killed instances).
         Keeps the directories that lead to ``work`` and to the read-only code paths when they
         lie under /tmp (their mount points inside the sandbox: removing one would unmount it
         there)."""
-        keep = [p + "/" for p in tmp_mount_points(self.work)]
         for entry in list(os.scandir(self.tmp)):
-            if any(k.startswith(f"/tmp/{entry.name}/") for k in keep):  # noqa: S108
+            if entry.name in self._tmp_mount_roots:
                 continue
             if entry.is_dir(follow_symlinks=False):
                 shutil.rmtree(entry.path, ignore_errors=True)

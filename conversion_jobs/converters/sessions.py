@@ -18,8 +18,9 @@ opaque pseudonym, never the tenant id). ``release`` then keeps the attempt's chi
 (document closed, private directory removed), for the next attempt of the same tenant on this
 process, unless it failed in any way (a structured error, a timeout, a crash), served
 ``max_attempts`` attempts, or is above ``max_rss_bytes``. The child's own reset (document
-closed) is the first step of the next attempt's ``setup`` request (one round trip, before that
-attempt's directory and limits); its private directory is removed at ``release``. The next
+closed) is the first step of the next attempt's setup, which travels with that attempt's first
+request (``ChildSession.setup``), before that attempt's directory and limits; its private
+directory is removed at ``release``. The next
 attempt of another tenant, or one with other limits, ends it and gets a fresh child.
 """
 
@@ -29,12 +30,11 @@ import atexit
 import os
 import shutil
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from .base import CHILD_IDLE_EXIT_S, Limits
-from .errors import ConversionError, ConversionStopped
+from .errors import ConversionError
 from .isolation import ChildSession
 from .zygote import current_zygote, stop_zygote
 
@@ -112,9 +112,9 @@ def _keep(session: ChildSession) -> bool:
         or session.rss_bytes() > _reuse.max_rss_bytes
     ):
         return False
-    # The child's reset (close the document, forget the directory) rides on its next setup:
-    # one round trip less per attempt, and nothing of this attempt is visible to the next,
-    # whose first request is that setup. The directory goes now.
+    # The child's reset (close the document, forget the directory) rides on its next setup,
+    # which travels with the next attempt's first request: no round trip of its own, and
+    # nothing of this attempt is visible to that request. The directory goes now.
     session.reset_due = True
     if session.private is not None:
         shutil.rmtree(session.private, ignore_errors=True)
@@ -190,9 +190,7 @@ def _take_thread_sessions(keep: tuple | None = None, document: Path | None = Non
     return taken
 
 
-def open_session(
-    *, document: Path, scratch_dir: Path, limits: Limits, should_stop: Callable[[], bool]
-) -> ChildSession:
+def open_session(*, document: Path, scratch_dir: Path, limits: Limits) -> ChildSession:
     """A fresh, set-up child for ``document``; the calling thread's other sessions end. The
     child gets a copy of the document in its private directory (``session.document``)."""
     key = _key(document, limits)
@@ -201,22 +199,10 @@ def open_session(
         old = _take_thread_sessions()
     for session in old:
         session.close()
-    kept = _take_kept(tenant=_attempt_tenant(), limits=limits)
-    if kept is not None:
-        try:
-            kept.setup(limits=limits, scratch_dir=scratch_dir, should_stop=should_stop)
-        except ConversionError as exc:
-            kept.close()
-            if isinstance(exc, ConversionStopped):
-                raise
-            kept = None  # its reset or setup failed: a fresh child serves the attempt
-        except BaseException:
-            kept.close()
-            raise
-    session = kept or fresh_child()
+    session = _take_kept(tenant=_attempt_tenant(), limits=limits) or fresh_child()
     try:
-        if kept is None:
-            session.setup(limits=limits, scratch_dir=scratch_dir, should_stop=should_stop)
+        # The setup (for a kept child: its reset first) goes with the first request.
+        session.setup(limits=limits, scratch_dir=scratch_dir)
         session.document = session.hand_in(document)
     except BaseException:
         session.close()
@@ -226,9 +212,7 @@ def open_session(
     return session
 
 
-def session_for(
-    *, document: Path, scratch_dir: Path, limits: Limits, should_stop: Callable[[], bool]
-) -> ChildSession:
+def session_for(*, document: Path, scratch_dir: Path, limits: Limits) -> ChildSession:
     """The calling thread's live session for ``document``, or a fresh one."""
     key = _key(document, limits)
     with _lock:
@@ -236,9 +220,7 @@ def session_for(
         session = _sessions.get(key)
     if session is not None and session.usable(max_idle_s=MAX_IDLE_S):
         return session
-    return open_session(
-        document=document, scratch_dir=scratch_dir, limits=limits, should_stop=should_stop
-    )
+    return open_session(document=document, scratch_dir=scratch_dir, limits=limits)
 
 
 def session_due(*, document: Path, limits: Limits, page: int) -> ChildSession | None:

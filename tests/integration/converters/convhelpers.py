@@ -119,6 +119,4 @@ def session_of(doc, scratch_dir: Path, *, limits: Limits):
     """The calling thread's converter session for ``doc`` (a new one if there is none)."""
     from conversion_jobs.converters import sessions
 
-    return sessions.session_for(
-        document=doc[1].document, scratch_dir=scratch_dir, limits=limits, should_stop=never
-    )
+    return sessions.session_for(document=doc[1].document, scratch_dir=scratch_dir, limits=limits)

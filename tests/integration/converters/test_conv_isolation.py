@@ -164,9 +164,9 @@ converter.convert_page(prepared=prepared, page=1, output="text",
     # The worker is killed before it could hand the record out: read it where the child wrote
     # it (its private directory, in the worker's sandbox when sandboxed) and translate its pids.
     pattern = (
-        "*/work/.isolated-*/out/fault-hang-1.json"
+        "*/work/.isolated-*/fault-hang-1.json"
         if sandbox.enabled()
-        else "out/.isolated-*/out/fault-hang-1.json"
+        else "out/.isolated-*/fault-hang-1.json"
     )
     base = sandbox.sandbox_dirs_parent() if sandbox.enabled() else tmp_path
     deadline = time.monotonic() + 15

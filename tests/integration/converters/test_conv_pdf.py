@@ -85,3 +85,28 @@ def test_pdf_prepare__fifty_pages_is_fast(tmp_path):
 
     _converter, prepared = prepare(source, tmp_path, output="text", limits=FAST)
     assert prepared.page_count == 50
+
+
+def test_pdf_text__pdfium_calls_read_what_pypdfium2_reads(tmp_path):
+    """``pdfops`` reads a text page with pdfium's calls directly (ADR 0017, session 5): the
+    text is exactly pypdfium2's ``get_text_range()`` for every page, blank pages included, and
+    a file that is no PDF fails as before. In-process: the child runs the same functions."""
+    import pypdfium2 as pdfium
+
+    from conversion_jobs.converters import InvalidInput, pdfops
+
+    texts = {1: "Grüße, naïve café \u2013 10 €", 2: "", 3: "two\nlines", 4: "   "}
+    source = testdocs.make_pdf(tmp_path / "doc.pdf", pages=4, text_of=lambda n: texts[n])
+    ours, theirs = pdfops.open_pdf(source), pdfium.PdfDocument(str(source))
+    try:
+        for page in range(1, 5):
+            textpage = theirs[page - 1].get_textpage()
+            assert pdfops._page_text(ours, page) == textpage.get_text_range()
+    finally:
+        ours.close()
+        theirs.close()
+    (tmp_path / "not.pdf").write_bytes(b"%PDF-1.7\nthis is not a PDF")
+    with pytest.raises(InvalidInput, match=r"not a readable PDF .*Data format error"):
+        pdfops.open_pdf(tmp_path / "not.pdf")
+    with pytest.raises(FileNotFoundError):  # not the document's fault: the child crashes
+        pdfops.open_pdf(tmp_path / "missing.pdf")

@@ -50,9 +50,7 @@ def _attempt(tmp_path: Path, name: str, *, tenant: str, options=None) -> dict:
             )
         except InvalidInput as exc:
             failure = exc
-    session = sessions.session_for(
-        document=prepared.document, scratch_dir=workdir, limits=FAST, should_stop=never
-    )
+    session = sessions.session_for(document=prepared.document, scratch_dir=workdir, limits=FAST)
     probe = session.call("probe", {}, timeout_s=10, should_stop=never)
     private, document, pid = session.private, session.document, session.pgid
     sessions.release()
@@ -136,9 +134,7 @@ def test_kept_child__forgets_the_previous_attempt_in_its_next_setup(tmp_path, re
     workdir = tmp_path / "k2"
     workdir.mkdir()
     source = testdocs.make_pdf(workdir / "in.pdf", pages=1, text_of=lambda n: "k2")
-    session = sessions.open_session(
-        document=source, scratch_dir=workdir, limits=FAST, should_stop=never
-    )
+    session = sessions.open_session(document=source, scratch_dir=workdir, limits=FAST)
     try:
         probe = session.call("probe", {}, timeout_s=10, should_stop=never)
         assert session.pgid == first["pid"]  # the same child, reused

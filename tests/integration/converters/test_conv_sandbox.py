@@ -70,11 +70,9 @@ def test_document__reaches_the_child_in_its_private_directory_read_only(tmp_path
     sandbox's uid can read and not change."""
     source = testdocs.make_pdf(tmp_path / "doc.pdf", pages=2)
     os.chmod(source, 0o600)  # as the worker downloads it
-    session = sessions.open_session(
-        document=source, scratch_dir=tmp_path, limits=Limits(), should_stop=never
-    )
+    session = sessions.open_session(document=source, scratch_dir=tmp_path, limits=Limits())
     assert session.document is not None and session.private is not None
-    assert session.document.parent.parent == session.private
+    assert session.document.parent == session.private
     assert session.document.read_bytes() == source.read_bytes()
     root = session.proc.sandbox_root
     assert root is not None and session.private.parent == root.work
@@ -100,7 +98,7 @@ def test_off_switch__children_share_the_worker_namespaces(tmp_path, fresh_probe,
         "reason": "turned off by QUIRE_SANDBOX=off",
     }
     with ChildSession() as session:
-        session.setup(limits=Limits(), scratch_dir=tmp_path, should_stop=never)
+        session.setup(limits=Limits(), scratch_dir=tmp_path)
         pid = session.proc.pid
         assert session.proc.sandbox_root is None
         assert os.readlink(f"/proc/{pid}/ns/net") == os.readlink("/proc/self/ns/net")

@@ -1,5 +1,6 @@
 """One long-lived converter child per document and attempt: reuse, respawn, release, spare."""
 
+import json
 import os
 import signal
 import threading
@@ -56,7 +57,6 @@ def _child(doc, tmp_path, limits=LIMITS):
         document=prepared.document,
         scratch_dir=tmp_path / "attempt",
         limits=limits,
-        should_stop=never,
     ).proc.pid
 
 
@@ -206,3 +206,55 @@ def test_fork_server_killed__its_child_ends_itself_and_the_next_page_gets_a_new_
     assert artifact.path.read_text() == "Page 2 of the Quire test document"
     assert zygote.zygote() is not server
     assert _child(doc, tmp_path) != pid
+
+
+def test_one_page_attempt__two_requests_and_the_setup_rides_on_the_first(tmp_path, monkeypatch):
+    """A fresh child's setup (directory, limits) travels with the attempt's first request (ADR
+    0017, session 5): a one-page text attempt writes the child two requests, prepare and the
+    page, and the first one already runs in the private directory, under the limits."""
+    from conversion_jobs.converters.isolation import ChildSession
+
+    sent: list[bytes] = []
+    real_send = ChildSession._send
+
+    def counting_send(self, data: bytes) -> None:
+        sent.append(data)
+        real_send(self, data)
+
+    monkeypatch.setattr(ChildSession, "_send", counting_send)
+    source = testdocs.make_pdf(tmp_path / "doc.pdf", pages=1, text_of=lambda n: "one page")
+    converter, prepared = prepare(source, tmp_path / "attempt", output="text", limits=LIMITS)
+    artifact = converter.convert_page(
+        prepared=prepared,
+        page=1,
+        output="text",
+        options={},
+        dest_dir=tmp_path / "attempt",
+        limits=LIMITS,
+        should_stop=never,
+        inline_max_bytes=1024,
+    )
+    assert artifact.content == b"one page"
+    requests = [json.loads(line) for line in sent]
+    assert [r["op"] for r in requests] == ["pdf_prepare", "pages"]
+    assert requests[0]["setup"]["limits"]["memory_bytes"] == LIMITS.memory_bytes
+    assert "setup" not in requests[1]
+    session = sessions.session_for(
+        document=prepared.document, scratch_dir=tmp_path / "attempt", limits=LIMITS
+    )
+    probe = session.call("probe", {}, timeout_s=10, should_stop=never)
+    assert probe["cwd"] == str(session.private) == requests[0]["setup"]["directory"]
+    assert probe["rlimit_as"] == LIMITS.memory_bytes
+    # The document and nothing else sits directly in the private directory (no in/ or out/).
+    assert [p.name for p in session.private.iterdir()] == [session.document.name]
+    release()
+
+
+def test_setup__a_request_before_any_setup_is_refused_by_the_child(tmp_path):
+    """Without a setup the child has no directory and no limits: its first operation must not
+    run (it ends the session, reported as a crash)."""
+    from conversion_jobs.converters.isolation import ChildSession
+
+    with ChildSession() as session:
+        with pytest.raises(ConverterCrashed, match="a request before setup"):  # its stderr
+            session.call("probe", {}, timeout_s=10, should_stop=never)

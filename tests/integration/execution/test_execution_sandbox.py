@@ -256,7 +256,7 @@ def test_child__seen_from_outside_own_network_unprivileged_no_new_privileges(tmp
     from conversion_jobs.converters.isolation import ChildSession
 
     with ChildSession() as session:
-        session.setup(limits=Limits(), scratch_dir=tmp_path, should_stop=lambda: False)
+        session.setup(limits=Limits(), scratch_dir=tmp_path)
         pid = session.proc.pid
         status = _status(pid)
         assert os.readlink(f"/proc/{pid}/ns/net") != os.readlink("/proc/self/ns/net")
