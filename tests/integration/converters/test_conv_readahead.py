@@ -175,7 +175,7 @@ def test_request_pages__the_child_starts_before_the_first_page_is_asked_for(doc,
     _request(doc, tmp_path, plan[: 2 * READ_AHEAD_PAGES])
     session = _session(doc, tmp_path)
     assert session.ahead == plan[:READ_AHEAD_PAGES]  # what the first page call would ask for
-    first = session.inside("out", "page-0001.txt")
+    first = session.inside("page-0001.txt")
     deadline = time.monotonic() + 5
     while not first.exists() and time.monotonic() < deadline:
         time.sleep(0.01)
