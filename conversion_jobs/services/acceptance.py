@@ -20,6 +20,7 @@ from conversion_jobs.exceptions import (
     UnsupportedMediaType,
     UnsupportedOutput,
 )
+from conversion_jobs.ids import uuid7
 from conversion_jobs.models import ConversionJob, IdempotencyRecord
 from conversion_jobs.options import normalize_options, options_digest, request_fingerprint
 from conversion_jobs.services import transitions
@@ -205,7 +206,7 @@ def conversion_job_accept(
         upload.path.unlink(missing_ok=True)
 
     job = ConversionJob(
-        id=uuid.uuid4(),
+        id=uuid7(),
         tenant=tenant,
         state=State.QUEUED,
         source_key=source_key,
