@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Any
 
 from django.conf import settings
-from django.db import IntegrityError, connection, transaction
+from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from conversion_jobs import converters, faults, passwords, storage
-from conversion_jobs.db import violated_constraint
+from conversion_jobs.db import prepared_cursor, violated_constraint
 from conversion_jobs.exceptions import (
     IdempotencyKeyReused,
     InvalidRequest,
@@ -138,7 +138,7 @@ def _precheck(*, tenant: str, key: str | None, sha: str, output: str, digest: st
         "digest": digest,
         "policy": settings.QUIRE["POLICY_VERSION"],
     }
-    with connection.cursor() as cursor:
+    with prepared_cursor() as cursor:
         cursor.execute(_PRECHECK_SQL, params)
         fingerprint, key_job, duplicate = cursor.fetchone()
     as_uuid = lambda value: None if value is None else uuid.UUID(str(value))  # noqa: E731

@@ -139,6 +139,11 @@ def admission_accepted(*, tenant: str) -> None:
     _SNAPSHOT.accepted(tenant=tenant)
 
 
+def admission_snapshot_reset() -> None:
+    """The next admission reads the live counts afresh (tests, a settings change)."""
+    _SNAPSHOT.reset()
+
+
 def _settings_changed(*, setting: str, **_: Any) -> None:
     if setting == "QUIRE":
         _SNAPSHOT.reset()
