@@ -29,7 +29,6 @@ import asyncio
 import json
 import logging
 import os
-import socket
 import threading
 import time
 from asyncio import TimerHandle
@@ -510,17 +509,7 @@ class QuireUvicornWorker(UvicornWorker):
     """gunicorn worker: an asyncio event loop (uvloop) per process serving ``project.asgi``
     with :class:`QuireHttpProtocol`. gunicorn still owns the processes (restarts a dead
     worker, graceful reload and shutdown, ``--timeout`` for a stuck event loop);
-    ``--keep-alive`` sets the idle connection timeout.
-
-    With gunicorn's ``--reuse-port`` (the Procfile's) each worker also listens on a socket of
-    its own, bound to the same address with ``SO_REUSEPORT``: the kernel spreads new
-    connections over the group by their address hash. On gunicorn's one shared socket alone,
-    the worker that wakes first on a burst of connects accepts every pending one (libuv's
-    accept loop), so 16 keep-alive clients often all landed on one of two workers (ADR 0017,
-    session 5). The shared socket stays in the group and served by every worker (a
-    connection hashed onto it goes to whichever accepts first). A worker's own queue dies with
-    it: a connection still waiting there when it exits is reset (never a request the server
-    had read), as with any ``SO_REUSEPORT`` server; the client reconnects."""
+    ``--keep-alive`` sets the idle connection timeout."""
 
     CONFIG_KWARGS = {
         "loop": "uvloop",
@@ -529,31 +518,3 @@ class QuireUvicornWorker(UvicornWorker):
         "server_header": False,
         "access_log": False,
     }
-
-    def init_process(self) -> None:
-        shared: list[Any] = self.sockets  # type: ignore[has-type]
-        self.own_sockets = (
-            _reuseport_sockets(shared, backlog=self.cfg.backlog) if self.cfg.reuse_port else []
-        )
-        super().init_process()
-
-    async def _serve(self) -> None:
-        self.sockets = [*self.own_sockets, *self.sockets]  # type: ignore[has-type]
-        await super()._serve()
-
-
-def _reuseport_sockets(shared: list[Any], *, backlog: int) -> list[socket.socket]:
-    """A listening socket of this process's own beside each shared TCP one (same address,
-    ``SO_REUSEPORT``, which gunicorn's ``--reuse-port`` set on the shared one)."""
-    own = []
-    for sock in shared:
-        if sock.family not in (socket.AF_INET, socket.AF_INET6):
-            continue
-        mine = socket.socket(sock.family, socket.SOCK_STREAM)
-        mine.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        mine.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        mine.bind(sock.getsockname())
-        mine.listen(backlog)
-        mine.setblocking(False)
-        own.append(mine)
-    return own

@@ -8,14 +8,12 @@ all.
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -445,57 +443,3 @@ def test_job_detail_without_wait_is_unchanged(web, submit):
     )
     assert again.status_code == 304
     assert ConversionJob.objects.get(id=job.id).state == "queued"
-
-
-# --- connection balance ----------------------------------------------------------------------
-
-
-def _connections_per_worker(proc: harness.Proc) -> dict[int, int]:
-    """Established server-side connections on the web's port, per worker process."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as fh:
-            for line in list(fh)[1:]:
-                fields = line.split()
-                if int(fields[1].rsplit(":", 1)[1], 16) == proc.port and fields[3] == "01":
-                    inodes.add(fields[9])
-    counts = {}
-    for pid in proc.tree():
-        if pid == proc.pid:
-            continue
-        fds = Path(f"/proc/{pid}/fd")
-        links = [os.readlink(fd) for fd in fds.iterdir() if fd.is_symlink()]
-        counts[pid] = sum(1 for link in links if link[8:-1] in inodes and link[:8] == "socket:[")
-    return counts
-
-
-def test_a_burst_of_keep_alive_clients_is_spread_over_the_workers(start):
-    """16 clients connecting at once no longer all land on the worker that woke first: each
-    worker also listens on its own SO_REUSEPORT socket (project/web.py), and the kernel spreads
-    the connections (before: all 16 on one of two workers in four runs of six)."""
-    proc = start("web", WEB_CONCURRENCY="2")
-    clients = 16
-    barrier = threading.Barrier(clients)
-    sockets: list[socket.socket] = []
-
-    def connect() -> None:
-        barrier.wait()
-        sock = socket.create_connection(("127.0.0.1", proc.port), timeout=10)
-        sock.sendall(b"GET /health/live HTTP/1.1\r\nHost: x\r\n\r\n")
-        raw = b""
-        while b'"ok"}' not in raw:
-            raw += sock.recv(4096)
-        sockets.append(sock)
-
-    threads = [threading.Thread(target=connect) for _ in range(clients)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    try:
-        counts = _connections_per_worker(proc)
-        assert len(counts) == 2 and sum(counts.values()) == clients, counts
-        assert min(counts.values()) >= 1, counts  # before: often all 16 on one worker
-    finally:
-        for sock in sockets:
-            sock.close()
