@@ -31,7 +31,7 @@ What runs:
 
 Every Quire phase starts from an empty job table (``TRUNCATE conversion_job CASCADE``; the
 history phase truncates before it seeds): no worker runs, so a phase leaves thousands of live
-jobs, and the acceptance pre-check counts the live jobs per request.
+jobs, which each web process's admission snapshot counts (at most every 0.25 s, ADR 0004).
 
 Each phase: ``--clients`` threads on keep-alive connections, ``--warm`` seconds discarded, then
 ``--measure`` seconds measured. Prints accepted/s, p50/p99 latency, the ratio to the baseline,

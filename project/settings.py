@@ -209,6 +209,10 @@ QUIRE: dict[str, Any] = {
     "MAX_UPLOAD_BYTES": env_int("QUIRE_MAX_UPLOAD_BYTES", 100 * 1024 * 1024),
     "TENANT_QUOTA": env_int("QUIRE_TENANT_QUOTA", 200),
     "GLOBAL_CAPACITY": env_int("QUIRE_GLOBAL_CAPACITY", 2000),
+    # per-process admission snapshot (services/admission.py, ADR 0004): live counts read at most
+    # this often; within this share of a limit (and before any refusal) the exact count decides
+    "ADMISSION_SNAPSHOT_S": env_float("QUIRE_ADMISSION_SNAPSHOT_S", 0.25),
+    "ADMISSION_EXACT_WITHIN": env_float("QUIRE_ADMISSION_EXACT_WITHIN", 0.1),
     "RETRY_AFTER_MIN_S": env_int("QUIRE_RETRY_AFTER_MIN_S", 1),
     "RETRY_AFTER_MAX_S": env_int("QUIRE_RETRY_AFTER_MAX_S", 300),
     # Retry-After of a 503 database_unavailable

@@ -8,11 +8,12 @@ from pathlib import Path
 from typing import Any
 
 from django.conf import settings
-from django.db import IntegrityError, connection, transaction
+from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from conversion_jobs import converters, faults, passwords, storage
 from conversion_jobs.db import violated_constraint
+from conversion_jobs.services.prepared import prepared_cursor
 from conversion_jobs.exceptions import (
     IdempotencyKeyReused,
     InvalidRequest,
@@ -20,10 +21,11 @@ from conversion_jobs.exceptions import (
     UnsupportedMediaType,
     UnsupportedOutput,
 )
+from conversion_jobs.ids import uuid7
 from conversion_jobs.models import ConversionJob, IdempotencyRecord
 from conversion_jobs.options import normalize_options, options_digest, request_fingerprint
 from conversion_jobs.services import transitions
-from conversion_jobs.services.admission import admission_verdict
+from conversion_jobs.services.admission import admission_accepted, admission_admit
 from conversion_jobs.services.artifacts import source_lock
 from conversion_jobs.states import LIVE_STATES, State
 
@@ -104,9 +106,10 @@ def _existing_answer(
     return _bind_key(tenant=tenant, key=key, fingerprint=fingerprint, job_id=job_id)
 
 
-#: The acceptance pre-checks in one read: the key's binding, the live or succeeded job with this
-#: content identity, and the live counts for admission. Races past it are settled by the unique
-#: constraints in the insert, never by this read.
+#: The acceptance pre-checks in one read: the key's binding and the live or succeeded job with
+#: this content identity (index lookups, O(1) in the table's size). Races past it are settled by
+#: the unique constraints in the insert, never by this read. Admission counts come from the
+#: process's snapshot (``admission.admission_admit``), not from a count per request.
 _PRECHECK_SQL = """
 SELECT
     (SELECT fingerprint FROM idempotency_record WHERE tenant = %(tenant)s AND key = %(key)s),
@@ -116,10 +119,7 @@ SELECT
        AND options_digest = %(digest)s AND policy_version = %(policy)s
        AND state IN ('queued', 'running', 'retry_wait', 'cancelling', 'succeeded')
        AND expired_at IS NULL
-     LIMIT 1),
-    count(*) FILTER (WHERE tenant = %(tenant)s),
-    count(*)
-FROM conversion_job WHERE state IN ('queued', 'running', 'retry_wait', 'cancelling')
+     LIMIT 1)
 """
 
 
@@ -128,8 +128,6 @@ class _Seen:
     key_fingerprint: str | None
     key_job: uuid.UUID | None
     duplicate: uuid.UUID | None
-    tenant_live: int
-    global_live: int
 
 
 def _precheck(*, tenant: str, key: str | None, sha: str, output: str, digest: str) -> _Seen:
@@ -141,11 +139,11 @@ def _precheck(*, tenant: str, key: str | None, sha: str, output: str, digest: st
         "digest": digest,
         "policy": settings.QUIRE["POLICY_VERSION"],
     }
-    with connection.cursor() as cursor:
+    with prepared_cursor() as cursor:
         cursor.execute(_PRECHECK_SQL, params)
-        fingerprint, key_job, duplicate, tenant_live, global_live = cursor.fetchone()
+        fingerprint, key_job, duplicate = cursor.fetchone()
     as_uuid = lambda value: None if value is None else uuid.UUID(str(value))  # noqa: E731
-    return _Seen(fingerprint, as_uuid(key_job), as_uuid(duplicate), tenant_live, global_live)
+    return _Seen(fingerprint, as_uuid(key_job), as_uuid(duplicate))
 
 
 def conversion_job_accept(
@@ -164,8 +162,10 @@ def conversion_job_accept(
     written) otherwise.
 
     Two round trips on the way to a 202: the pre-check read (``_PRECHECK_SQL``), then the
-    insert. Races are settled by the unique constraints, never by the read: a submit that loses
-    one rolls its whole transaction back and answers from the winner."""
+    insert (plus the admission snapshot's grouped count, at most every 0.25 s per process, and
+    the exact count near a limit). Races are settled by the unique constraints, never by the
+    read: a submit that loses one rolls its whole transaction back and answers from the
+    winner."""
     try:
         media_type = converters.sniff_media_type(upload.path)
         if media_type is None:
@@ -198,7 +198,7 @@ def conversion_job_accept(
             return _existing_answer(
                 tenant=tenant, key=idempotency_key, fingerprint=fingerprint, job_id=seen.duplicate
             )
-        admission_verdict(tenant_live=seen.tenant_live, global_live=seen.global_live)
+        admission_admit(tenant=tenant)
         try:
             source_key, uploaded = storage.put_source(upload.path, upload.sha256)
         except storage.StorageError as exc:
@@ -207,7 +207,7 @@ def conversion_job_accept(
         upload.path.unlink(missing_ok=True)
 
     job = ConversionJob(
-        id=uuid.uuid4(),
+        id=uuid7(),
         tenant=tenant,
         state=State.QUEUED,
         source_key=source_key,
@@ -258,6 +258,7 @@ def conversion_job_accept(
         return _existing_answer(
             tenant=tenant, key=idempotency_key, fingerprint=fingerprint, job_id=winner
         )
+    admission_accepted(tenant=tenant)
     return Acceptance(job=job, created=True, replayed=False)
 
 

@@ -21,6 +21,7 @@ wrappers and query logging see it as any other cursor.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -53,6 +54,32 @@ def prepared_cursor() -> Iterator[Any]:
         if db.timezone != db.connection.adapters.get_loader(timestamptz, text).timezone:
             register_tzloader(db.timezone, raw)
     db.validate_thread_sharing()
-    wrapped = db.make_debug_cursor(raw) if db.queries_logged else db.make_cursor(raw)
+    wrapped = _logged_cursor_class()(raw, db) if db.queries_logged else db.make_cursor(raw)
     with wrapped as cursor:
         yield cursor
+
+
+@functools.cache
+def _logged_cursor_class() -> Any:
+    """Django's debug cursor (DEBUG, ``CaptureQueriesContext``) logs what psycopg says it sent,
+    which for a server-bound statement is nothing (``None``). This one logs the statement with
+    its values rendered as the client-side cursor would (binary ``%(x)b`` placeholders as text),
+    so a logged hot statement reads, and runs under EXPLAIN, as any other logged query."""
+    from django.db.backends.utils import CursorDebugWrapper, CursorWrapper
+
+    class LoggedServerBindingCursor(CursorDebugWrapper):  # type: ignore[misc]
+        def execute(self, sql: str, params: Any = None) -> Any:
+            with self.debug_sql(_as_logged(self.db, sql, params), params):
+                return CursorWrapper.execute(self, sql, params)
+
+    return LoggedServerBindingCursor
+
+
+def _as_logged(db: Any, sql: str, params: Any) -> str:
+    try:
+        return str(db.ops.compose_sql(_BINARY_PLACEHOLDER.sub(r"%(\1)s", sql), params))
+    except Exception:  # a value the client-side rendering cannot show: the statement's text
+        return sql
+
+
+_BINARY_PLACEHOLDER = re.compile(r"%\((\w+)\)b")

@@ -259,7 +259,7 @@ def job_insert_queued(new: NewJob) -> None:
             columns=", ".join(str(f.column) for f in fields),
             values=", ".join(f"%(j_{f.column})s" for f in fields),
         )
-        with connection.cursor() as cursor:
+        with prepared_cursor() as cursor:  # prepared: parsed and planned once per connection
             cursor.execute(sql, params)
             outbox_id = cursor.fetchone()[0]
     else:
@@ -287,7 +287,7 @@ WITH job AS (
     SELECT id, 1, traceparent, %(now)s, 0 FROM job RETURNING id
 ), idempotency AS (
     INSERT INTO idempotency_record (tenant, key, fingerprint, job_id, created_at)
-    SELECT %(j_tenant)s, %(key)s, %(fingerprint)s, id, %(now)s FROM job
+    SELECT %(j_tenant)s, %(key)s::text, %(fingerprint)s, id, %(now)s FROM job
     WHERE %(key)s::text IS NOT NULL
 ), audit AS (
     INSERT INTO execution_audit_event

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
 import os
 import shutil
 import tempfile
@@ -29,6 +30,7 @@ from django.core.files import File
 
 from .base import CHUNK, ArtifactStore, Put, StorageError, StoredObject, check_key
 from .filesystem import DIR_MODE, FILE_MODE, remove_older
+from .s3put import HTTPStatusError, SignedPut
 
 PART = 8 * 1024 * 1024
 STAGING_SWEEP_EVERY_S = 600.0
@@ -55,7 +57,9 @@ def _errors(*, missing_is_not_found: bool = False) -> Iterator[None]:
 
 
 def _status(exc: StorageError) -> int | None:
-    """The HTTP status of the botocore error behind ``exc``, if any."""
+    """The HTTP status of ``exc`` (the signed PUT's) or of the botocore error behind it."""
+    if isinstance(exc, HTTPStatusError):
+        return exc.status
     response = getattr(exc.__cause__, "response", None) or {}
     status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
     return int(status) if status is not None else None
@@ -130,6 +134,7 @@ class S3Store(ArtifactStore):
         self._client = self.backend.connection.meta.client
         self._bucket = bucket
         self._conditional: bool | None = None  # conditional writes honoured (probed once)
+        self._signed: SignedPut | None = None  # the source PUT without boto3 (``s3put``)
 
     # --- names ------------------------------------------------------------------------------
 
@@ -208,14 +213,30 @@ class S3Store(ArtifactStore):
             raise
         return True
 
-    def _put_if_none_match(self, name: str, path: Path, sha256: str | None) -> None:
+    def _put_if_none_match(self, name: str, path: Path, sha256: str) -> None:
+        """The hot source PUT: signed here (``s3put``), or through boto3 when django-storages
+        adds object parameters ``s3put`` does not send."""
         params = self.backend._get_write_parameters(name)
-        if sha256 is not None:
-            params["ChecksumSHA256"] = base64.b64encode(bytes.fromhex(sha256)).decode()
+        if SignedPut.supports(params):
+            self._signed_put().put_if_none_match(name, path, sha256=sha256, params=params)
+            return
+        params["ChecksumSHA256"] = base64.b64encode(bytes.fromhex(sha256)).decode()
         with _errors(), open(path, "rb") as body:
             self._client.put_object(
                 Bucket=self._bucket, Key=name, Body=body, IfNoneMatch="*", **params
             )
+
+    def _signed_put(self) -> SignedPut:
+        if self._signed is None:
+            config = self._client.meta.config
+            with _errors():
+                self._signed = SignedPut(
+                    self._client,
+                    bucket=self._bucket,
+                    connect_timeout=config.connect_timeout,
+                    read_timeout=config.read_timeout,
+                )
+        return self._signed
 
     def _conditional_writes(self) -> bool:
         """Whether the server refuses ``If-None-Match: *`` on an existing key (AWS S3, MinIO
@@ -224,13 +245,15 @@ class S3Store(ArtifactStore):
         if self._conditional is None:
             name = self._name(f"_probe/{uuid.uuid4().hex}")
             self.staging_dir.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
+            data = b"quire conditional-write probe"
+            sha256 = hashlib.sha256(data).hexdigest()
             with tempfile.NamedTemporaryFile(dir=self.staging_dir) as probe:
-                probe.write(b"quire conditional-write probe")
+                probe.write(data)
                 probe.flush()
                 try:
-                    self._put_if_none_match(name, Path(probe.name), None)
+                    self._put_if_none_match(name, Path(probe.name), sha256)
                     try:
-                        self._put_if_none_match(name, Path(probe.name), None)
+                        self._put_if_none_match(name, Path(probe.name), sha256)
                         self._conditional = False
                     except StorageError as exc:
                         if _status(exc) != 412:

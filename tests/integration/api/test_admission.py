@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from rest_framework.test import APIClient
 
@@ -126,3 +128,47 @@ def test_submit__concurrent_overshoot_is_bounded(
             assert r["Retry-After"]
     # Once the burst is over the quota holds exactly.
     problem(submit(_client(), pdf_file(salt="after")), 429, "tenant_quota_exceeded")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_submit__far_below_the_limits_is_admitted_on_the_process_snapshot(
+    make_job, pdf_file, settings_quire, no_broker_publish
+):
+    """services/admission.py: well below a limit the process's snapshot (refreshed every
+    ADMISSION_SNAPSHOT_S) admits without counting; once it is refreshed, the exact count
+    decides near the limit. Jobs another process accepted within one snapshot period are the
+    documented overshoot (ADR 0004)."""
+    settings_quire(TENANT_QUOTA=20, GLOBAL_CAPACITY=1000, ADMISSION_SNAPSHOT_S=2.0)
+    assert submit(_client(), pdf_file(salt="first")).status_code == 202  # snapshot: 0 + 1
+    for _ in range(19):  # accepted elsewhere: this process's snapshot does not see them yet
+        make_job()
+    assert submit(_client(), pdf_file(salt="stale")).status_code == 202
+    assert ConversionJob.objects.live().for_tenant("tenant-a").count() == 21
+    time.sleep(2.1)
+    problem(submit(_client(), pdf_file(salt="fresh")), 429, "tenant_quota_exceeded")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_submit__a_stale_snapshot_never_refuses(
+    make_job, pdf_file, settings_quire, no_broker_publish
+):
+    """A refusal is always decided by the exact count: jobs that finished since the snapshot
+    was taken free their room at once."""
+    settings_quire(TENANT_QUOTA=20, GLOBAL_CAPACITY=1000, ADMISSION_SNAPSHOT_S=60.0)
+    jobs = [make_job() for _ in range(20)]
+    problem(submit(_client(), pdf_file(salt="full")), 429, "tenant_quota_exceeded")
+    ConversionJob.objects.filter(id__in=[j.id for j in jobs[:10]]).delete()
+    assert submit(_client(), pdf_file(salt="room")).status_code == 202
+
+
+@pytest.mark.django_db(transaction=True)
+def test_submit__own_acceptances_count_at_once_in_the_snapshot(
+    pdf_file, settings_quire, no_broker_publish
+):
+    """Without a refresh (60 s), the jobs this process accepted move the snapshot, so the
+    exact count takes over near the quota and the quota holds exactly."""
+    settings_quire(TENANT_QUOTA=10, GLOBAL_CAPACITY=1000, ADMISSION_SNAPSHOT_S=60.0)
+    for i in range(10):
+        assert submit(_client(), pdf_file(salt=f"own{i}")).status_code == 202
+    problem(submit(_client(), pdf_file(salt="over")), 429, "tenant_quota_exceeded")
+    assert ConversionJob.objects.live().for_tenant("tenant-a").count() == 10

@@ -1,3 +1,5 @@
+import uuid
+
 import pytest
 
 from conversion_jobs.models import ConversionJob, ConversionOutbox, ExecutionAuditEvent
@@ -10,6 +12,7 @@ def test_submit__accepted_and_readable(api, pdf_file, no_broker_publish):
         response = client.post("/api/v1/jobs", {"file": fh, "output": "text"}, format="multipart")
     assert response.status_code == 202, response.content
     job_id = response.json()["id"]
+    assert uuid.UUID(job_id).version == 7  # time-ordered (conversion_jobs/ids.py)
     assert response["Location"] == f"/api/v1/jobs/{job_id}"
     assert ConversionJob.objects.get(id=job_id).state == "queued"
     assert ConversionOutbox.objects.filter(job_id=job_id).count() == 1

@@ -141,6 +141,47 @@ def test_s3__a_put_whose_bytes_do_not_match_its_sha256_is_refused(s3_store, tmp_
     assert not storage.exists(key)
 
 
+def test_s3__a_source_whose_bytes_do_not_match_its_sha256_is_refused(s3_store, tmp_path):
+    """The source PUT (signed by ``storage/s3put.py``, not boto3) carries the SHA-256 the row
+    will name; the server refuses other bytes, and nothing is stored under the key."""
+    path = _file(tmp_path, b"the source")
+    wrong = "ab" * 32
+    with pytest.raises(storage.StorageError):
+        storage.put_source(path, wrong)
+    assert not storage.exists(storage.source_key(wrong))
+
+
+def test_s3__the_source_put_bypasses_the_boto3_client(s3_store, tmp_path):
+    """The conditional source PUT is the signed request of ``s3put`` (no boto3 PutObject
+    call), and the server accepts its signature, its checksum and its condition; object
+    parameters it does not know send it back to boto3, with the same answers."""
+    target = storage.store()
+    calls: list[str] = []
+    target._client.meta.events.register(
+        "before-call.s3.PutObject", lambda **kw: calls.append("put")
+    )
+    target._conditional_writes()  # the probe: two PUTs of its own, through s3put
+    data = uuid.uuid4().bytes * 64
+    sha, _size = storage.sha256_file(_file(tmp_path, data))
+    assert storage.put_source(_file(tmp_path, data), sha) == (storage.source_key(sha), True)
+    assert storage.put_source(_file(tmp_path, data), sha) == (storage.source_key(sha), False)
+    assert calls == []
+    with storage.open_object(storage.source_key(sha)) as body:
+        assert body.read() == data
+
+    kept = target.backend.object_parameters
+    target.backend.object_parameters = {"Metadata": {"origin": "test"}}
+    try:
+        other = uuid.uuid4().bytes * 64
+        sha2, _size = storage.sha256_file(_file(tmp_path, other))
+        again = storage.source_key(sha2)
+        assert storage.put_source(_file(tmp_path, other), sha2) == (again, True)
+        assert storage.put_source(_file(tmp_path, other), sha2) == (again, False)
+    finally:
+        target.backend.object_parameters = kept  # the store outlives this test
+    assert calls == ["put", "put"]
+
+
 @pytest.mark.parametrize("key", ["../etc/passwd", "/abs", "pages/../x", "a//b", "", "a b"])
 def test_store__refuses_keys_outside_the_scheme(backend, key, tmp_path):
     with pytest.raises(ValueError):

@@ -30,6 +30,7 @@ from conversion_jobs.models import (
 )
 from conversion_jobs.services import dispatch, recovery, retention, transitions
 from conversion_jobs.services.acceptance import StagedUpload, conversion_job_accept
+from conversion_jobs.services.admission import admission_snapshot_reset
 from conversion_jobs.services.cancellation import conversion_job_cancel
 from tests import testdocs
 
@@ -103,6 +104,7 @@ def _upload(tmp_path: Path) -> StagedUpload:
 
 
 def test_plans__acceptance(history, tmp_path, no_broker_publish):
+    admission_snapshot_reset()  # so this acceptance reads the live counts (job_live_tenant)
     plans = _plans(
         lambda: conversion_job_accept(
             tenant="history-3",
