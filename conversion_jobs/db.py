@@ -26,4 +26,3 @@ def violated_constraint(exc: IntegrityError) -> str | None:
     if "CHECK constraint failed:" in message:
         return message.split("CHECK constraint failed:", 1)[1].strip()
     return None
-

@@ -13,7 +13,6 @@ from django.utils import timezone
 
 from conversion_jobs import converters, faults, passwords, storage
 from conversion_jobs.db import violated_constraint
-from conversion_jobs.services.prepared import prepared_cursor
 from conversion_jobs.exceptions import (
     IdempotencyKeyReused,
     InvalidRequest,
@@ -27,6 +26,7 @@ from conversion_jobs.options import normalize_options, options_digest, request_f
 from conversion_jobs.services import transitions
 from conversion_jobs.services.admission import admission_accepted, admission_admit
 from conversion_jobs.services.artifacts import source_lock
+from conversion_jobs.services.prepared import prepared_cursor
 from conversion_jobs.states import LIVE_STATES, State
 
 

@@ -15,9 +15,9 @@ from django.test.utils import CaptureQueriesContext
 
 from conversion_jobs import storage
 from conversion_jobs.db import violated_constraint
-from conversion_jobs.services.prepared import prepared_cursor
 from conversion_jobs.models import ConversionJob
 from conversion_jobs.services.acceptance import StagedUpload, conversion_job_accept
+from conversion_jobs.services.prepared import prepared_cursor
 from tests import testdocs
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
