@@ -68,7 +68,7 @@ def _logged_cursor_class() -> Any:
     from django.db.backends.utils import CursorDebugWrapper, CursorWrapper
 
     class LoggedServerBindingCursor(CursorDebugWrapper):  # type: ignore[misc]
-        def execute(self, sql: str, params: Any = None) -> Any:
+        def execute(self, sql: Any, params: Any = None) -> Any:  # type: ignore[override]
             with self.debug_sql(_as_logged(self.db, sql, params), params):
                 return CursorWrapper.execute(self, sql, params)
 
