@@ -42,10 +42,15 @@ def _postgres_parts() -> tuple[Any, Any, Any, Any]:
 
 @contextmanager
 def prepared_cursor() -> Iterator[Any]:
-    """A server-binding cursor on the default connection (Postgres only), as
-    ``connection.cursor()`` would make it otherwise."""
-    cursor_class, register_tzloader, timestamptz, text = _postgres_parts()
+    """A server-binding cursor on the default connection, as ``connection.cursor()`` would make
+    it otherwise. On another database (SQLite, the standalone profile) Django's own cursor: the
+    statements that run on both (the acceptance's) use only ``%(name)s`` placeholders."""
     db = connections[DEFAULT_DB_ALIAS]  # the proxy's every attribute is a thread-local lookup
+    if db.vendor != "postgresql":
+        with db.cursor() as cursor:
+            yield cursor
+        return
+    cursor_class, register_tzloader, timestamptz, text = _postgres_parts()
     db.close_if_health_check_failed()
     db.ensure_connection()
     with db.wrap_database_errors:
