@@ -1,0 +1,102 @@
+"""CPU of parsing one acceptance request body: Django's ``MultiPartParser`` with Quire's
+``StagingUploadHandler`` (what POST /jobs runs) against python-multipart's streaming parser
+(hashing and writing the file part the same way), when it is importable. The question it
+answers (ADR 0017, session 5 closing): is a faster multipart parser a lever for the accept path?
+
+    .venv/bin/python bench/multipart_parse.py [--kb 10] [--n 3000]
+    # python-multipart is not a Quire dependency; to include it:
+    #   .venv/bin/python -m pip install --target /tmp/pm python-multipart
+    #   PYTHONPATH=/tmp/pm .venv/bin/python bench/multipart_parse.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "project.settings")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--kb", type=int, default=10, help="size of the file part (accept.py: 10)")
+    parser.add_argument("--n", type=int, default=3000)
+    args = parser.parse_args()
+
+    scratch = tempfile.mkdtemp(prefix="quire-mp-")
+    os.environ.setdefault("QUIRE_VAR_DIR", scratch)
+    import django
+
+    django.setup()
+    from django.http.multipartparser import MultiPartParser
+
+    from conversion_jobs.api.uploads import StagingUploadHandler
+
+    boundary = "----quirebench1234567890"
+    body = (
+        (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="output"\r\n\r\ntext\r\n'
+            f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="bench.pdf"\r\n'
+            "Content-Type: application/pdf\r\n\r\n"
+        ).encode()
+        + os.urandom(args.kb * 1024)
+        + f"\r\n--{boundary}--\r\n".encode()
+    )
+    meta = {
+        "CONTENT_TYPE": f"multipart/form-data; boundary={boundary}",
+        "CONTENT_LENGTH": str(len(body)),
+    }
+
+    def django_parse() -> None:
+        handler = StagingUploadHandler(max_bytes=1 << 30)
+        _, files = MultiPartParser(meta, io.BytesIO(body), [handler], "utf-8").parse()
+        files["file"].staged.path.unlink()
+
+    candidates: list[tuple[str, Callable[[], None]]] = [
+        ("Django MultiPartParser + StagingUploadHandler", django_parse)
+    ]
+    try:
+        import python_multipart
+    except ImportError:
+        print("python-multipart not importable: Django's parser only (see the docstring)")
+    else:
+        staged = Path(scratch) / "staged"
+
+        def python_multipart_parse() -> None:
+            digest = hashlib.sha256()
+            with staged.open("wb") as fh:
+
+                def on_part_data(data: bytes, start: int, end: int) -> None:
+                    chunk = data[start:end]
+                    digest.update(chunk)
+                    fh.write(chunk)
+
+                parser = python_multipart.MultipartParser(
+                    boundary.encode(), callbacks={"on_part_data": on_part_data}
+                )
+                parser.write(body)
+                parser.finalize()
+            staged.unlink()
+
+        candidates.append(("python-multipart MultipartParser", python_multipart_parse))
+
+    for name, parse in candidates:
+        for _ in range(200):
+            parse()
+        start = time.process_time()
+        for _ in range(args.n):
+            parse()
+        per = (time.process_time() - start) / args.n * 1000
+        print(f"{name}: {per:.3f} ms CPU per {args.kb} KB request ({args.n} parses)")
+
+
+if __name__ == "__main__":
+    main()
