@@ -14,6 +14,7 @@ from django.utils import timezone
 
 from conversion_jobs.models import ConversionAttempt, ConversionJob, ConversionOutbox, WorkerLease
 from conversion_jobs.services import dispatch, transitions
+from tests.integration.transitions.builders import text_result
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
@@ -55,14 +56,7 @@ def test_claim__a_lost_claim_never_publishes_and_is_dispatched_again(
     assert (row.state, row.generation, row.attempts, row.lease_token) == ("queued", 1, 0, None)
     assert not ConversionAttempt.objects.filter(job_id=job.id).exists()
     assert not WorkerLease.objects.filter(job_id=job.id).exists()
-    result = transitions.Result(
-        key="results/x",
-        sha256="a" * 64,
-        size=1,
-        media_type="text/plain",
-        pages_done=1,
-        pages_failed=0,
-    )
+    result = text_result()
     assert transitions.publish_succeeded(lease=lost.lease, result=result) is False
     assert ConversionJob.objects.get(id=job.id).result_key is None
     settings.QUIRE = {**settings.QUIRE, "DISPATCH_TIMEOUT_S": 60.0}

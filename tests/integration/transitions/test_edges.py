@@ -30,16 +30,10 @@ from conversion_jobs.services import transitions
 from conversion_jobs.services.audit import audit_chain_verify
 from conversion_jobs.services.leases import Lease
 from conversion_jobs.states import TRANSITIONS, State
+from tests.integration.transitions.builders import text_result
 
 ROOT = Path(__file__).resolve().parents[3] / "conversion_jobs"
-RESULT = transitions.Result(
-    key="results/x",
-    sha256="a" * 64,
-    size=1,
-    media_type="text/plain",
-    pages_done=1,
-    pages_failed=0,
-)
+RESULT = text_result()
 
 #: edge -> (the source state to set up, the call that makes the move, what winning returns)
 Call = Callable[[ConversionJob, Lease | None], Any]

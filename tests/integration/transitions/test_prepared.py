@@ -10,8 +10,9 @@ from collections.abc import Callable
 import pytest
 from django.db import connection
 
-from conversion_jobs.models import ConversionJob, PageCheckpoint, PageState
+from conversion_jobs.models import ConversionJob
 from conversion_jobs.services import transitions
+from tests.integration.transitions.builders import done_page, text_result
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
@@ -27,40 +28,19 @@ def _prepared() -> dict[str, int]:
     return out
 
 
-def _page(job: ConversionJob, number: int) -> PageCheckpoint:
-    return PageCheckpoint(
-        job_id=job.id,
-        page_number=number,
-        state=PageState.DONE,
-        attempts=1,
-        artifact_key=f"inline:pages/{job.id}/{number:05d}.g1.txt",
-        artifact_sha256="a" * 64,
-        artifact_size=1,
-        media_type="text/plain",
-        generation=1,
-        content=b"x",
-    )
-
-
 def _run_one(job: ConversionJob, pages: int) -> None:
     claim = transitions.claim(job_id=job.id, generation=1, worker="w")
     assert claim is not None
     assert claim.job.id == job.id and claim.job.state == "running"
     if pages > 1:
         assert transitions.done_pages_record(
-            lease=claim.lease, checkpoints=[_page(job, n) for n in range(1, pages)]
+            lease=claim.lease, checkpoints=[done_page(job.id, n) for n in range(1, pages)]
         )
-    result = transitions.Result(
-        key=f"inline:results/{job.id}/result.g1.txt",
-        sha256="a" * 64,
-        size=pages,
-        media_type="text/plain",
-        pages_done=pages,
-        pages_failed=0,
-        page_count=pages,
+    result = text_result(
+        key=f"inline:results/{job.id}/result.g1.txt", size=pages, pages_done=pages, page_count=pages
     )
     assert transitions.publish_succeeded(
-        lease=claim.lease, result=result, checkpoints=[_page(job, pages)]
+        lease=claim.lease, result=result, checkpoints=[done_page(job.id, pages)]
     )
 
 

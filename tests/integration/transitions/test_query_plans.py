@@ -24,8 +24,6 @@ from conversion_jobs import storage
 from conversion_jobs.models import (
     ConversionJob,
     ConversionOutbox,
-    PageCheckpoint,
-    PageState,
     WorkerLease,
 )
 from conversion_jobs.services import dispatch, recovery, retention, transitions
@@ -33,6 +31,7 @@ from conversion_jobs.services.acceptance import StagedUpload, conversion_job_acc
 from conversion_jobs.services.admission import admission_snapshot_reset
 from conversion_jobs.services.cancellation import conversion_job_cancel
 from tests import testdocs
+from tests.integration.transitions.builders import done_page, text_result
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
@@ -124,29 +123,11 @@ def test_plans__claim_checkpoint_publish(history, no_broker_publish):
     job = history()
     claim = transitions.claim(job_id=job.id, generation=1, worker="w")
     assert claim is not None
-    page = PageCheckpoint(
-        job_id=job.id,
-        page_number=1,
-        state=PageState.DONE,
-        attempts=1,
-        artifact_key=f"inline:pages/{job.id}/00001.g1.txt",
-        artifact_sha256="a" * 64,
-        artifact_size=1,
-        media_type="text/plain",
-        generation=1,
-        content=b"x",
-    )
+    page = done_page(job.id, 1)
     _assert_indexed(
         _plans(lambda: transitions.done_pages_record(lease=claim.lease, checkpoints=[page]))
     )
-    result = transitions.Result(
-        key="results/x",
-        sha256="a" * 64,
-        size=1,
-        media_type="text/plain",
-        pages_done=0,
-        pages_failed=0,
-    )
+    result = text_result(pages_done=0)
     _assert_indexed(_plans(lambda: transitions.publish_succeeded(lease=claim.lease, result=result)))
     other = history()
     _assert_indexed(_plans(lambda: transitions.claim(job_id=other.id, generation=1, worker="w")))
