@@ -45,6 +45,7 @@ from conversion_jobs.api.serializers import (
     problems,
 )
 from conversion_jobs.api.uploads import StagedFile, StagingUploadHandler
+from conversion_jobs.converters.base import PAGE_EXT, RESULT_EXT
 from conversion_jobs.exceptions import (
     InvalidRequest,
     NotAuthenticated,
@@ -69,7 +70,6 @@ AUTHENTICATED = (400, 401, 403, 503)
 #: The media types a result or a page artifact is served with (by output).
 ARTIFACT_TYPES = ("text/plain", "image/png", "application/zip", "application/pdf")
 ARTIFACT = {(200, media_type): OpenApiTypes.BINARY for media_type in ARTIFACT_TYPES}
-RESULT_EXT = {"text": "txt", "png": "zip", "pdf": "pdf"}
 
 
 class QuireView(APIView):
@@ -426,7 +426,7 @@ class JobPageView(QuireView):
             or not pages_survive
         ):
             raise NotFound()
-        ext = RESULT_EXT[job.output] if job.output != "png" else "png"
+        ext = PAGE_EXT[job.output]
         return _artifact_response(
             key=checkpoint.artifact_key or "",
             content=None if checkpoint.content is None else bytes(checkpoint.content),

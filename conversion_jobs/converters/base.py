@@ -9,6 +9,9 @@ from pathlib import Path
 from typing import Protocol
 
 OUTPUTS = ("text", "png", "pdf")
+#: File extension of an output's result (a PNG result is the ZIP of its pages) and of its pages.
+RESULT_EXT = {"text": "txt", "png": "zip", "pdf": "pdf"}
+PAGE_EXT = {"text": "txt", "png": "png", "pdf": "pdf"}
 
 PDF = "application/pdf"
 PNG = "image/png"

@@ -24,7 +24,7 @@ from django.db import connections
 
 from conversion_jobs import converters, storage
 from conversion_jobs.converters import ConversionError, ConversionStopped, Limits
-from conversion_jobs.converters.base import ZIP
+from conversion_jobs.converters.base import PAGE_EXT, RESULT_EXT, ZIP
 from conversion_jobs.converters.engines import EngineSettings, configure
 from conversion_jobs.converters.registry import engine_label
 from conversion_jobs.models import ConversionJob, PageCheckpoint, PageState
@@ -359,9 +359,11 @@ def _convert_pages(
                     lease, page=page, state=PageState.FAILED, attempts=tries, error_code=exc.code
                 )
                 break
-            ext = "txt" if job.output == "text" else job.output
             key = storage.page_key(
-                job_id=lease.job_id, page=page, generation=lease.generation, ext=ext
+                job_id=lease.job_id,
+                page=page,
+                generation=lease.generation,
+                ext=PAGE_EXT[job.output],
             )
             if artifact.content is not None:
                 sha, size = hashlib.sha256(artifact.content).hexdigest(), len(artifact.content)
@@ -473,8 +475,9 @@ def _finalize(
         media_type = ZIP
     else:
         done = [(p, _page_source(outcome[p], local, workdir)) for p in done_pages]
-        ext = {"text": "txt", "pdf": "pdf"}[job.output]
-        key = storage.result_key(job_id=lease.job_id, generation=lease.generation, ext=ext)
+        key = storage.result_key(
+            job_id=lease.job_id, generation=lease.generation, ext=RESULT_EXT[job.output]
+        )
         inline_pages = [(page, source) for page, source in done if isinstance(source, bytes)]
         with tracing.tracer.start_as_current_span("conversion.finalize"):
             inline_size = sum(len(body) for _page, body in inline_pages) + len(done)

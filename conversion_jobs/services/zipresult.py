@@ -18,6 +18,7 @@ from typing import Any
 
 from conversion_jobs import storage
 from conversion_jobs.converters import zipstream
+from conversion_jobs.converters.base import RESULT_EXT
 from conversion_jobs.exceptions import QuireError, StorageUnavailable
 from conversion_jobs.models import ConversionJob, PageCheckpoint, PageState
 
@@ -26,7 +27,9 @@ ZIP_PREFIX = "zip:"
 
 
 def zip_result_key(*, job_id: uuid.UUID, generation: int) -> str:
-    return ZIP_PREFIX + storage.result_key(job_id=job_id, generation=generation, ext="zip")
+    return ZIP_PREFIX + storage.result_key(
+        job_id=job_id, generation=generation, ext=RESULT_EXT["png"]
+    )
 
 
 def is_zip_result(key: str | None) -> bool:

@@ -14,10 +14,10 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 
 from conversion_jobs.api.auth import token_mint
+from conversion_jobs.converters.base import RESULT_EXT
 
 DEFAULT_OUTPUTS = {".pdf": "text", ".png": "pdf", ".jpg": "pdf", ".tif": "png", ".tiff": "png"}
 TERMINAL = ("succeeded", "partial", "failed", "cancelled")
-RESULT_EXT = {"text": "txt", "png": "zip", "pdf": "pdf"}
 
 
 class Api:
