@@ -288,16 +288,11 @@ def _take_setup(setup: dict) -> Limits:
     return _setup(**setup)
 
 
-def _answer(request: dict, limits: Limits | None) -> tuple[dict, Limits | None]:
+def _answer(request: dict, limits: Limits | None) -> dict:
     op, args = request["op"], request.get("args") or {}
-    if op == "setup":
-        return {"ok": True, "result": {"pid": os.getpid()}}, _take_setup(args)
-    if op == "reset":
-        _reset()
-        return {"ok": True, "result": {"pid": os.getpid()}}, limits
     if limits is None:
         raise RuntimeError("a request before setup")
-    return _run_op(op, args, fault=request.get("fault"), limits=limits), limits
+    return _run_op(op, args, fault=request.get("fault"), limits=limits)
 
 
 def _stream(request: dict, limits: Limits, watch: _Watch) -> Iterator[dict]:
@@ -339,7 +334,7 @@ def main() -> int:
             for outcome in _stream(request, limits, watch):
                 protocol.write(json.dumps(outcome).encode() + b"\n")
         else:
-            outcome, limits = _answer(request, limits)
+            outcome = _answer(request, limits)
             protocol.write(json.dumps(outcome).encode() + b"\n")
         watch.idle_since = time.monotonic()
         watch.busy_until = None
