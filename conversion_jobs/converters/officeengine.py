@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -35,11 +36,10 @@ from .base import DOC, DOCX, ODT, PPTX, RTF, XLSX, Limits, process_group_members
 from .errors import (
     ConverterCrashed,
     EncryptedInput,
-    InvalidInput,
     InvalidPassword,
     error_from_code,
 )
-from .officeops import PROFILE_SETTINGS
+from .officeops import PROFILE_SETTINGS, descendants, load_failure, vm_peak
 from .pdfops import pdf_prepare
 
 _EXTENSIONS = {DOCX: ".docx", PPTX: ".pptx", XLSX: ".xlsx", ODT: ".odt", DOC: ".doc", RTF: ".rtf"}
@@ -128,17 +128,36 @@ class _Engine:
         self._lingering = set(os.listdir(self.tmp))
         self.sockets: list[str] = []
 
+    def wait_connected(self) -> None:
+        """Return once the UNO client is connected (it answers a ping only then). soffice
+        ending first (it cannot start under the host's memory limit, say) is a crash, seen at
+        once rather than after the client's connect timeout."""
+        self._send({"op": "ping"})
+        while self.bridge.stdout and not select.select([self.bridge.stdout], [], [], 0.1)[0]:
+            if self.soffice.poll() is not None:
+                raise ConverterCrashed(
+                    f"LibreOffice ended (status {self.soffice.returncode}) before it accepted"
+                    " a connection"
+                )
+        self._receive()
+
     def call(self, request: dict) -> dict:
+        self._send(request)
+        return self._receive()
+
+    def _send(self, request: dict) -> None:
         stdin: IO[bytes] | None = self.bridge.stdin
-        stdout: IO[bytes] | None = self.bridge.stdout
-        if stdin is None or stdout is None or self.bridge.poll() is not None:
+        if stdin is None or self.bridge.poll() is not None:
             raise ConverterCrashed("the LibreOffice engine's client is gone")
         try:
             stdin.write(json.dumps(request).encode() + b"\n")
             stdin.flush()
-            line = stdout.readline()
         except BrokenPipeError:
-            line = b""
+            raise ConverterCrashed("the LibreOffice engine's client is gone") from None
+
+    def _receive(self) -> dict:
+        stdout: IO[bytes] | None = self.bridge.stdout
+        line = stdout.readline() if stdout is not None else b""
         if not line:
             raise ConverterCrashed("the LibreOffice engine ended during a conversion")
         return json.loads(line)
@@ -233,7 +252,7 @@ def _start() -> _Engine:
     global _engine
     if _engine is None:
         engine = _Engine(Path.cwd() / "engine")
-        engine.call({"op": "ping"})  # answered once the client is connected
+        engine.wait_connected()
         engine.sockets = bound_sockets(_group_pids())
         _engine = engine
     return _engine
@@ -282,7 +301,14 @@ def office_engine_convert(
         shutil.rmtree(inbox, ignore_errors=True)
     try:
         if not answer.get("ok"):
-            raise _load_error(answer, password_given=password_given, encrypted=encrypted)
+            raise _load_error(
+                answer,
+                password_given=password_given,
+                encrypted=encrypted,
+                peak_bytes=max(
+                    (vm_peak(pid) for pid in descendants(engine.soffice.pid)), default=0
+                ),
+            )
         if not produced.is_file() or produced.stat().st_size == 0:
             raise error_from_code("invalid_input", "LibreOffice produced no PDF")
         out_dir = Path(base)
@@ -302,16 +328,24 @@ def office_engine_convert(
     }
 
 
-def _load_error(answer: dict, *, password_given: bool, encrypted: bool | None) -> Exception:
+def _load_error(
+    answer: dict,
+    *,
+    password_given: bool,
+    encrypted: bool | None,
+    peak_bytes: int,
+) -> Exception:
     """The error for a failed conversion. LibreOffice only says "not loaded"; with a password
-    for a file that is (or may be, ``None``) encrypted, that is the wrong password."""
+    for a file that is (or may be, ``None``) encrypted, that is the wrong password; otherwise,
+    with LibreOffice's address space near the host's limit (``peak_bytes``), out of memory
+    (``officeops.load_failure``)."""
     if answer.get("code") != "not_loaded":
         return error_from_code(answer.get("code", "converter_crashed"), answer.get("detail"))
     if password_given and encrypted is not False:
         return InvalidPassword()
     if encrypted:
         return EncryptedInput()
-    return InvalidInput(answer.get("detail"))
+    return load_failure(answer.get("detail") or "", peak_bytes=peak_bytes)
 
 
 def running() -> bool:

@@ -9,6 +9,7 @@ from conversion_jobs.converters import (
     Limits,
     assemble_result,
     converter_for,
+    engines,
     release,
 )
 from conversion_jobs.converters.base import DOCX
@@ -89,23 +90,59 @@ def test_docx_to_png(tmp_path):
     assert artifacts[0].media_type == "image/png"
 
 
-@pytest.mark.parametrize("engine", ["warm", "fresh"])
-def test_libreoffice_killed_at_the_memory_limit__is_a_crash_not_invalid_input(
-    tmp_path, settings, engine
+@pytest.fixture(params=["warm", "fresh"])
+def office_engine(request, tmp_path):
+    """The Office path under test: the warm engine (configured as the runner does) or a fresh
+    soffice per document."""
+    if request.param == "warm":
+        engines.configure(engines.EngineSettings(scratch_dir=tmp_path / "engines"))
+    yield request.param
+    engines.stop("test")
+    engines.configure(engines.EngineSettings())
+
+
+@pytest.mark.parametrize("memory_mb", [300, 380])
+def test_libreoffice_out_of_memory_at_the_limit__is_a_crash_not_invalid_input(
+    tmp_path, office_engine, memory_mb
 ):
-    """soffice.bin aborts when an allocation fails under the child's RLIMIT_AS; the soffice
-    script reports that as status 128 + SIGABRT. Like pdfium past the memory limit, it ends
-    ``converter_crashed`` (retryable), never ``invalid_input`` (a fault of the document)."""
-    settings.QUIRE = {**settings.QUIRE, "OFFICE_ENGINE": engine}
+    """Under the child's RLIMIT_AS, soffice.bin aborts when an allocation fails (the soffice
+    script reports status 128 + SIGABRT; here at 300 MB), or catches it and reports that the
+    document "could not be loaded" (here at 380 MB, with its address space at the limit). Like
+    pdfium past the memory limit, both end ``converter_crashed`` (retryable), never
+    ``invalid_input`` (a fault of the document)."""
     source = testdocs.make_docx(tmp_path / "in.docx", paragraphs=["memory"] * 50)
     with pytest.raises(ConversionError) as failed:
         converter_for(DOCX, "text").prepare(
             source=source,
             media_type=DOCX,
             workdir=tmp_path,
-            limits=Limits(memory_bytes=300_000_000, prepare_timeout_s=60),
+            limits=Limits(memory_bytes=memory_mb * 1_000_000, prepare_timeout_s=60),
             should_stop=never,
         )
     release()
     assert failed.value.code == "converter_crashed", str(failed.value)
     assert failed.value.retryable
+
+
+def test_a_document_libreoffice_cannot_load__is_invalid_input_after_the_probe_loads(
+    tmp_path, office_engine
+):
+    """A package LibreOffice cannot load, under the ordinary limits (its address space far from
+    the limit): the document is at fault (``invalid_input``, final), on both Office paths."""
+    import zipfile
+
+    source = tmp_path / "bad.docx"
+    with zipfile.ZipFile(source, "w") as zf:
+        zf.writestr("[Content_Types].xml", "<Types><not-closed>")
+        zf.writestr("word/document.xml", "\x00\x01garbage" * 100)
+    with pytest.raises(ConversionError) as failed:
+        converter_for(DOCX, "text").prepare(
+            source=source,
+            media_type=DOCX,
+            workdir=tmp_path,
+            limits=Limits(prepare_timeout_s=60),
+            should_stop=never,
+        )
+    release()
+    assert failed.value.code == "invalid_input", str(failed.value)
+    assert not failed.value.retryable
