@@ -2,10 +2,10 @@
 
 A session: it reads one JSON request per line on stdin and answers each with one JSON line,
 ``{"ok": true, "result": ...}`` or ``{"ok": false, "code": ..., "detail": ...}``, on the stdout
-it had at start. A result holding bytes under ``BODY`` (a text page's UTF-8) is sent as the line
-with ``"body": <length>`` in place of the bytes, followed by the bytes themselves, in the same
-write (``_encode``) (its own stdout then goes to stderr, so a library's stray print cannot break the
-protocol). The first request carries the session's ``setup`` (the parent's
+it had at start (its own stdout then goes to stderr, so a library's stray print cannot break the
+protocol). A result holding bytes under ``BODY`` (a text page's UTF-8) is sent as that line
+with ``"body": <length>`` in place of the bytes, followed by the bytes as they are, in the same
+write (``_encode``). The first request carries the session's ``setup`` (the parent's
 ``ChildSession.setup``), which the child runs before that request's operation: the private
 directory (cwd, HOME, TMPDIR) and the limits (RLIMIT_AS, no core files); with ``reset``, a kept
 child first forgets its last attempt. Between requests it keeps state that makes pages cheap,
