@@ -39,6 +39,12 @@ EXIT_OUT_OF_MEMORY = 75
 #: Exit status of the child for any other unexpected exception (reported as converter_crashed).
 EXIT_UNEXPECTED = 70
 
+#: The key of a child answer's raw payload: an operation's result may hold bytes under it (a
+#: text page's UTF-8); the child then sends the answer line with the payload's length under
+#: this key and the bytes themselves right after the line, and the parent puts them back in the
+#: result (child.py ``_encode``, isolation.py ``_receive``). No escaping, no JSON for the text.
+BODY = "body"
+
 #: A converter child left idle this long (a worker that forgot to release it) ends itself.
 CHILD_IDLE_EXIT_S = 300.0
 

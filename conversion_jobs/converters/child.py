@@ -3,7 +3,9 @@
 A session: it reads one JSON request per line on stdin and answers each with one JSON line,
 ``{"ok": true, "result": ...}`` or ``{"ok": false, "code": ..., "detail": ...}``, on the stdout
 it had at start (its own stdout then goes to stderr, so a library's stray print cannot break the
-protocol). The first request carries the session's ``setup`` (the parent's
+protocol). A result holding bytes under ``BODY`` (a text page's UTF-8) is sent as that line
+with ``"body": <length>`` in place of the bytes, followed by the bytes as they are, in the same
+write (``_encode``). The first request carries the session's ``setup`` (the parent's
 ``ChildSession.setup``), which the child runs before that request's operation: the private
 directory (cwd, HOME, TMPDIR) and the limits (RLIMIT_AS, no core files); with ``reset``, a kept
 child first forgets its last attempt. Between requests it keeps state that makes pages cheap,
@@ -26,9 +28,9 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import NoReturn
+from typing import IO, NoReturn
 
-from .base import CHILD_IDLE_EXIT_S, EXIT_OUT_OF_MEMORY, EXIT_UNEXPECTED, Limits
+from .base import BODY, CHILD_IDLE_EXIT_S, EXIT_OUT_OF_MEMORY, EXIT_UNEXPECTED, Limits
 from .errors import ConversionError, InvalidInput
 
 #: The child kills its own group this long after a request's deadline, should the parent hang.
@@ -310,6 +312,28 @@ def _stream(request: dict, limits: Limits, watch: _Watch) -> Iterator[dict]:
         yield {**_run_op(op, page_args, fault=request.get("fault"), limits=limits), "page": page}
 
 
+def _encode(outcome: dict) -> bytes:
+    """An answer as written to the parent: its JSON line, and after it the result's raw
+    ``BODY`` bytes if it has some (their length in the line, under ``BODY``). Takes the bytes
+    out of ``outcome``."""
+    result = outcome.get("result")
+    if isinstance(result, dict) and isinstance(result.get(BODY), bytes):
+        body = result.pop(BODY)
+        outcome[BODY] = len(body)
+        return json.dumps(outcome).encode() + b"\n" + body
+    return json.dumps(outcome).encode() + b"\n"
+
+
+def _write(protocol: IO[bytes], outcome: dict, *, fault: dict | None) -> None:
+    """Write one page's answer. Test fault ``cut`` (QUIRE_ENABLE_TEST_FAULTS=1 only): the
+    child dies by SIGKILL halfway through that page's raw bytes."""
+    data = _encode(outcome)
+    if fault and fault.get("kind") == "cut" and fault.get("page") == outcome.get("page"):
+        protocol.write(data[: len(data) - max(1, outcome.get(BODY, 0) // 2)])
+        os.kill(os.getpid(), signal.SIGKILL)
+    protocol.write(data)
+
+
 def main() -> int:
     protocol = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)
@@ -332,10 +356,9 @@ def main() -> int:
             limits = _take_setup(request["setup"])
         if request["op"] in STREAM_OPS and limits is not None:
             for outcome in _stream(request, limits, watch):
-                protocol.write(json.dumps(outcome).encode() + b"\n")
+                _write(protocol, outcome, fault=request.get("fault"))
         else:
-            outcome = _answer(request, limits)
-            protocol.write(json.dumps(outcome).encode() + b"\n")
+            protocol.write(_encode(_answer(request, limits)))
         watch.idle_since = time.monotonic()
         watch.busy_until = None
 

@@ -21,6 +21,8 @@ Test faults (honoured only when the *worker* process has QUIRE_ENABLE_TEST_FAULT
 * ``{"kind": "segv"}``             -> the child kills itself with SIGSEGV -> ConverterCrashed
 * ``{"kind": "oom"}``              -> allocates until RLIMIT_AS -> ConverterCrashed
 * ``{"kind": "slow", "seconds": 0.2}`` -> sleeps before converting each page
+* ``{"kind": "cut", "page": 4}``   -> the child dies (SIGKILL) halfway through writing page 4's
+  answer (its raw text bytes, inline) -> ConverterCrashed for page 4
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import IO
 
-from .base import EXIT_OUT_OF_MEMORY, TEST_FAULTS_ENV, Limits, process_group_members
+from .base import BODY, EXIT_OUT_OF_MEMORY, TEST_FAULTS_ENV, Limits, process_group_members
 from .errors import ConversionStopped, ConversionTimeout, ConverterCrashed, error_from_code
 from .zygote import ForkedProcess, spawn
 
@@ -301,33 +303,60 @@ class ChildSession:
     def _receive(
         self, *, timeout_s: float, should_stop: Callable[[], bool], limit_s: float | None = None
     ) -> dict:
-        """The next answer line. ``timeout_s``: how long to wait from now; ``limit_s``: the limit
-        to name in the timeout error (default ``timeout_s``)."""
+        """The next answer: its line, and the raw ``BODY`` bytes that follow it when the line
+        names their length (put back in its result, see child.py). ``timeout_s``: how long to
+        wait from now, for the line and its bytes; ``limit_s``: the limit to name in the
+        timeout error (default ``timeout_s``). A child that dies before all of an answer's
+        bytes came crashed on that answer."""
+        deadline = time.monotonic() + timeout_s
         newline = self._buffer.find(b"\n")
         if newline < 0:  # else the answer came with an earlier read (read-ahead): no wait
-            newline = self._wait_for_line(
-                timeout_s=timeout_s, limit_s=limit_s, should_stop=should_stop
+            newline = self._read_until(
+                lambda: self._buffer.find(b"\n"),
+                deadline=deadline,
+                limit_s=timeout_s if limit_s is None else limit_s,
+                should_stop=should_stop,
             )
-        line, self._buffer = self._buffer[:newline], self._buffer[newline + 1 :]
         try:
             # From str: json.loads on bytes first guesses their encoding in Python (per page).
-            outcome = json.loads(line.decode("utf-8"))
+            outcome = json.loads(self._buffer[:newline].decode("utf-8"))
         except ValueError:
             raise ConverterCrashed("the converter sent an unreadable answer") from None
         if not isinstance(outcome, dict) or "ok" not in outcome:
             raise ConverterCrashed("the converter sent an unreadable answer")
+        end = newline + 1
+        size = outcome.pop(BODY, None)
+        if size is not None:
+            result = outcome.get("result")
+            if not isinstance(size, int) or size < 0 or not isinstance(result, dict):
+                raise ConverterCrashed("the converter sent an unreadable answer")
+            start, end = end, end + size
+            if len(self._buffer) < end:
+                self._read_until(
+                    lambda: end if len(self._buffer) >= end else -1,
+                    deadline=deadline,
+                    limit_s=timeout_s if limit_s is None else limit_s,
+                    should_stop=should_stop,
+                )
+            result[BODY] = self._buffer[start:end]
+        self._buffer = self._buffer[end:]
         return outcome
 
-    def _wait_for_line(
-        self, *, timeout_s: float, limit_s: float | None, should_stop: Callable[[], bool]
+    def _read_until(
+        self,
+        ready: Callable[[], int],
+        *,
+        deadline: float,
+        limit_s: float,
+        should_stop: Callable[[], bool],
     ) -> int:
-        """Read from the child until the buffer holds a whole line; its end's index."""
-        deadline = time.monotonic() + timeout_s
+        """Read from the child until ``ready()`` (an index into the buffer, -1 while not
+        there) is found; that index."""
         next_check = time.monotonic() + POLL_MAX_S
         fd = self._pipe(self.proc.stdout).fileno()
         poller = select.poll()
         poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
-        while (newline := self._buffer.find(b"\n")) < 0:
+        while (found := ready()) < 0:
             now = time.monotonic()
             if now >= next_check:
                 if should_stop():
@@ -340,9 +369,8 @@ class ChildSession:
                     self._crashed()
                 self._buffer += chunk
             elif time.monotonic() >= deadline:  # an answer already in the pipe still counts
-                limit = timeout_s if limit_s is None else limit_s
-                raise ConversionTimeout(f"the converter did not finish within {limit:g} s")
-        return newline
+                raise ConversionTimeout(f"the converter did not finish within {limit_s:g} s")
+        return found
 
     def _crashed(self) -> None:
         """The child ended (or closed its pipe) without answering: kill, reap, raise."""

@@ -16,7 +16,7 @@ from pathlib import Path
 import pypdfium2 as pdfium
 import pypdfium2.raw as pdfium_c
 
-from .base import MAX_PAGE_SIDE_PT, PDF, PNG, TEXT_PLAIN, Limits
+from .base import BODY, MAX_PAGE_SIDE_PT, PDF, PNG, TEXT_PLAIN, Limits
 from .errors import EncryptedInput, InputTooLarge, InvalidInput, InvalidPassword
 
 
@@ -206,13 +206,14 @@ def pdf_page(
 
 def _text(doc: pdfium.PdfDocument, page: int, dest: Path | str, inline_max_bytes: int = 0) -> dict:
     """The page's text, written to ``dest``; or, when its UTF-8 is at most ``inline_max_bytes``,
-    returned in the answer (``text``) with no file: the worker stores it in its checkpoint row."""
+    returned in the answer with no file (``body``: the UTF-8 bytes, which the child sends raw
+    after the answer's line, see child.py): the worker stores them in its checkpoint row."""
     text = _page_text(doc, page)
     # pdfium separates lines with CRLF; the result is plain UTF-8 text with LF.
     text = text.replace("\r\n", "\n").replace("\r", "\n").replace("\x00", "")
     encoded = text.encode("utf-8")
     if 0 < inline_max_bytes and len(encoded) <= inline_max_bytes:
-        return {"media_type": TEXT_PLAIN, "text": text}
+        return {"media_type": TEXT_PLAIN, BODY: encoded}
     Path(dest).write_bytes(encoded)
     return {"media_type": TEXT_PLAIN}
 

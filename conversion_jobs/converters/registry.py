@@ -10,6 +10,7 @@ from pathlib import Path
 
 from . import engines
 from .base import (
+    BODY,
     DEFAULT_DPI,
     IMAGE_TYPES,
     OFFICE_TYPES,
@@ -112,9 +113,8 @@ def _page_call(
                 inline_max_bytes=inline_max_bytes,
             )
         result = session.next_page(page, timeout_s=limits.page_timeout_s, should_stop=should_stop)
-        if "text" in result:  # inline: the page's text came with the answer, no file
-            content = result["text"].encode("utf-8")
-            return PageArtifact(path=None, media_type=result["media_type"], content=content)
+        if BODY in result:  # inline: the page's text (UTF-8) came with the answer, no file
+            return PageArtifact(path=None, media_type=result["media_type"], content=result[BODY])
         dest_dir.mkdir(parents=True, exist_ok=True)
         dest = _page_dest(dest_dir, page, output)
         session.hand_out(_page_dest(session.inside(), page, output), dest)

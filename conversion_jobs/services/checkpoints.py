@@ -101,6 +101,58 @@ def page_checkpoint_record(
     return checkpoint
 
 
+#: ``PageCheckpoint``'s concrete fields in their model order (``page_checkpoint_done`` builds
+#: rows positionally; a test holds this to the model).
+PAGE_CHECKPOINT_FIELDS = (
+    "id",
+    "job_id",
+    "page_number",
+    "state",
+    "attempts",
+    "artifact_key",
+    "artifact_sha256",
+    "artifact_size",
+    "media_type",
+    "error_code",
+    "generation",
+    "updated_at",
+    "content",
+)
+
+
+def page_checkpoint_done(
+    *,
+    lease: Lease,
+    page: int,
+    attempts: int,
+    artifact_key: str,
+    artifact_sha256: str,
+    artifact_size: int,
+    media_type: str,
+    content: bytes | None = None,
+) -> PageCheckpoint:
+    """An unsaved ``done`` checkpoint of this attempt for the runner's batch (one per page).
+    Built from positional values, Django's fast path (``Model.from_db`` builds rows the same
+    way): keyword construction costs ≈ 14 µs a page, this ≈ 4 µs."""
+    values = (  # in PAGE_CHECKPOINT_FIELDS order
+        None,  # id
+        lease.job_id,
+        page,
+        PageState.DONE,
+        attempts,
+        artifact_key,
+        artifact_sha256,
+        artifact_size,
+        media_type,
+        None,  # error_code
+        lease.generation,
+        None,  # updated_at: set when written
+        content,
+    )
+    # django-stubs' plugin checks positional model arguments against a field order of its own.
+    return PageCheckpoint(*values)  # type: ignore[misc]
+
+
 def page_checkpoints_record(*, lease: Lease, checkpoints: list[PageCheckpoint]) -> None:
     """Fenced upsert of a batch of page checkpoints. A batch of done pages on Postgres is one
     statement (``transitions.done_pages_record``, one round trip); otherwise three round trips:

@@ -27,7 +27,7 @@ from conversion_jobs.converters import ConversionError, ConversionStopped, Limit
 from conversion_jobs.converters.base import PAGE_EXT, RESULT_EXT, ZIP
 from conversion_jobs.converters.engines import EngineSettings, configure
 from conversion_jobs.converters.registry import engine_label
-from conversion_jobs.models import ConversionJob, PageCheckpoint, PageState
+from conversion_jobs.models import ConversionJob, PageState
 from conversion_jobs.observability import metrics, tracing
 from conversion_jobs.passwords import sealed_passwords_wipe, unseal
 from conversion_jobs.pseudonym import pseudonym
@@ -36,6 +36,7 @@ from conversion_jobs.services.checkpoints import (
     INLINE_PREFIX,
     CheckpointBatch,
     inline_content,
+    page_checkpoint_done,
     page_checkpoint_record,
     page_checkpoints_by_page,
 )
@@ -369,29 +370,36 @@ def _convert_pages(
                 sha, size = hashlib.sha256(artifact.content).hexdigest(), len(artifact.content)
             else:
                 sha, size = storage.sha256_file(_path(artifact))
-            checkpoint = PageCheckpoint(
-                job_id=lease.job_id,
-                page_number=page,
-                state=PageState.DONE,
-                attempts=tries + 1,
-                artifact_key=key,
-                artifact_sha256=sha,
-                artifact_size=size,
-                media_type=artifact.media_type,
-                generation=lease.generation,
-            )
             if job.output == "text" and size <= inline_max:
                 # A small text page rides in its checkpoint row: durable when the batch commits.
-                checkpoint.artifact_key = INLINE_PREFIX + key
-                checkpoint.content = (
+                content = (
                     artifact.content
                     if artifact.content is not None
                     else _path(artifact).read_bytes()
+                )
+                checkpoint = page_checkpoint_done(
+                    lease=lease,
+                    page=page,
+                    attempts=tries + 1,
+                    artifact_key=INLINE_PREFIX + key,
+                    artifact_sha256=sha,
+                    artifact_size=size,
+                    media_type=artifact.media_type,
+                    content=content,
                 )
                 batch.add(checkpoint, None)
             else:
                 put = storage.put_file(key, _path(artifact), wait=False, sha256=sha)
                 local[page] = put.local
+                checkpoint = page_checkpoint_done(
+                    lease=lease,
+                    page=page,
+                    attempts=tries + 1,
+                    artifact_key=key,
+                    artifact_sha256=sha,
+                    artifact_size=size,
+                    media_type=artifact.media_type,
+                )
                 batch.add(checkpoint, put)
             break
     return _finalize(

@@ -105,6 +105,30 @@ def test_read_ahead__small_text_pages_come_back_inline_without_a_file(doc, tmp_p
     assert big.path.read_text() == "Page 6 of the Quire test document"
 
 
+def test_read_ahead__inline_texts_travel_raw_and_every_answer_stays_in_step(tmp_path):
+    # The child sends an inline page's UTF-8 as it is after its answer's line: text that
+    # looks like protocol (newlines, braces, quotes) or is not ASCII comes back unchanged, and
+    # the answers after it are read from where it ends.
+    def text_of(n: int) -> str:
+        return f'Page {n} {{"ok": true, "page": {n + 1}}}\nGr\u00fc\u00dfe "{n}"\n}}'
+
+    source = testdocs.make_pdf(tmp_path / "raw.pdf", pages=12, text_of=text_of)
+    doc = prepare(source, tmp_path / "attempt", output="text", limits=LIMITS)
+    plan = list(range(1, 13))
+    for page in plan:
+        artifact = convert_page(
+            doc,
+            tmp_path / "attempt",
+            page,
+            limits=LIMITS,
+            lookahead=plan[page:],
+            inline_max_bytes=1024,
+        )
+        assert artifact.path is None
+        assert artifact.content == text_of(page).encode("utf-8")
+    assert _session(doc, tmp_path).ahead == []
+
+
 def test_read_ahead__out_of_order_request_gets_a_fresh_child_and_the_right_page(doc, tmp_path):
     _page(doc, tmp_path, 1, [2, 3, 4])
     first = _session(doc, tmp_path)
@@ -138,6 +162,33 @@ def test_read_ahead__a_crash_is_charged_to_the_page_being_converted(doc, tmp_pat
     assert process_group_members(crashed.pgid) == []
     # The next page is served by a fresh child.
     assert _page(doc, tmp_path, 5, [6, 7], fault=fault).path.read_text().startswith("Page 5")
+
+
+def test_read_ahead__a_child_dying_inside_an_inline_text_is_charged_to_that_page(
+    doc, tmp_path, faults_enabled
+):
+    # Half of page 4's raw bytes reached the pipe: never a shorter page, a crash of page 4.
+    fault = {"kind": "cut", "page": 4}
+    plan = list(range(1, 8))
+
+    def page(number: int):
+        return convert_page(
+            doc,
+            tmp_path / "attempt",
+            number,
+            limits=LIMITS,
+            fault=fault,
+            lookahead=plan[number:],
+            inline_max_bytes=1024,
+        )
+
+    for number in (1, 2, 3):
+        assert page(number).content == f"Page {number} of the Quire test document".encode()
+    cut = _session(doc, tmp_path)
+    with pytest.raises(ConverterCrashed):
+        page(4)
+    assert cut.closed and process_group_members(cut.pgid) == []
+    assert page(5).content == b"Page 5 of the Quire test document"  # a fresh child
 
 
 def test_read_ahead__a_hanging_page_times_out_at_its_own_deadline(doc, tmp_path, faults_enabled):

@@ -10,7 +10,12 @@ import pytest
 
 from conversion_jobs.models import ConversionJob, PageCheckpoint, PageState
 from conversion_jobs.services import transitions
-from conversion_jobs.services.checkpoints import INLINE_PREFIX, page_checkpoints_record
+from conversion_jobs.services.checkpoints import (
+    INLINE_PREFIX,
+    PAGE_CHECKPOINT_FIELDS,
+    page_checkpoint_done,
+    page_checkpoints_record,
+)
 from conversion_jobs.services.leases import LeaseLost
 from tests import testdocs
 from tests.integration.execution.jobkit import submit
@@ -140,3 +145,32 @@ def test_batch__inline_page_texts_are_compressed_with_lz4_where_postgres_has_it(
         )
         (method,) = cursor.fetchone()
     assert method == ("l" if has_lz4 else "")  # migration 0010
+
+
+def test_page_checkpoint_done__fields_are_the_models_in_order():
+    assert tuple(f.attname for f in PageCheckpoint._meta.concrete_fields) == PAGE_CHECKPOINT_FIELDS
+
+
+def test_page_checkpoint_done__is_the_keyword_built_row_and_records_the_same(tmp_path):
+    job, lease = _claimed(tmp_path)
+    expected = _done(lease, 1, b"page one")
+    built = page_checkpoint_done(
+        lease=lease,
+        page=1,
+        attempts=1,
+        artifact_key=expected.artifact_key,
+        artifact_sha256=expected.artifact_sha256,
+        artifact_size=expected.artifact_size,
+        media_type=expected.media_type,
+        content=b"page one",
+    )
+    names = [f.attname for f in PageCheckpoint._meta.concrete_fields]
+    assert [getattr(built, n) for n in names] == [getattr(expected, n) for n in names]
+    assert built._state.adding and built.pk is None
+    page_checkpoints_record(lease=lease, checkpoints=[built])
+    row = PageCheckpoint.objects.get(job_id=job.id, page_number=1)
+    assert (row.state, bytes(row.content), row.generation) == (
+        PageState.DONE,
+        b"page one",
+        lease.generation,
+    )
