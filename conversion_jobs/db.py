@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import select
+from typing import Any
 
 from django.db import IntegrityError
-from django.db.backends.base.base import BaseDatabaseWrapper
 
 # SQLite names the columns, not the constraint: map its message onto our constraint names.
 _SQLITE_UNIQUE = {
@@ -31,7 +31,7 @@ def violated_constraint(exc: IntegrityError) -> str | None:
     return None
 
 
-def health_check_by_socket(connection: BaseDatabaseWrapper) -> None:
+def health_check_by_socket(connection: Any) -> None:
     """Before a request's first query: when ``CONN_HEALTH_CHECKS`` would ask an idle Postgres
     connection ``SELECT 1``, look at its socket instead; a socket with nothing to read is the
     open connection it was after its last answer, and the check counts as done.

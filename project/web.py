@@ -222,7 +222,7 @@ class QuireASGIHandler(ASGIHandler):
         health_check_by_socket(connection)  # no SELECT 1 per request (conversion_jobs/db.py)
         response = self.sync_handler.get_response(request)
         if not response.streaming:
-            response._handler_class = self.__class__  # what Django's handler sets before close
+            response._handler_class = self.__class__  # type: ignore[attr-defined]  # as Django's
             response.close()
         return response
 
