@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import select
+from typing import Any
+
 from django.db import IntegrityError
 
 # SQLite names the columns, not the constraint: map its message onto our constraint names.
@@ -26,3 +29,31 @@ def violated_constraint(exc: IntegrityError) -> str | None:
     if "CHECK constraint failed:" in message:
         return message.split("CHECK constraint failed:", 1)[1].strip()
     return None
+
+
+def health_check_by_socket(connection: Any) -> None:
+    """Before a request's first query: when ``CONN_HEALTH_CHECKS`` would ask an idle Postgres
+    connection ``SELECT 1``, look at its socket instead; a socket with nothing to read is the
+    open connection it was after its last answer, and the check counts as done.
+
+    A server that restarted or ended the backend (``pg_terminate_backend``, shutdown, crash
+    recovery) wrote a FATAL notice and closed the socket, so it is readable: then, or when
+    anything else is pending (a notice, a parameter change), Django's own ``SELECT 1`` runs as
+    before and a dead connection is replaced before the request's query. A peer that vanished
+    without a word is not seen by either check (``SELECT 1`` would wait out the TCP timeout).
+    Saves a round trip and the server's parse of ``SELECT 1`` per request (ADR 0017, session
+    6); the web's sync requests call it (``project.web``), nothing else depends on it."""
+    raw = connection.connection
+    if (
+        raw is None
+        or connection.vendor != "postgresql"
+        or not connection.health_check_enabled
+        or connection.health_check_done
+        or raw.closed
+        or raw.broken
+    ):
+        return
+    poller = select.poll()
+    poller.register(raw.fileno(), select.POLLIN | select.POLLPRI)
+    if not poller.poll(0):
+        connection.health_check_done = True

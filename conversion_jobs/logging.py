@@ -7,6 +7,7 @@ record attribute named like a secret, from every record before a handler formats
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 
@@ -46,6 +47,13 @@ class RedactFilter(logging.Filter):
         if record.exc_text:
             record.exc_text = redact(record.exc_text)
         for name in list(record.__dict__):
-            if name not in _STANDARD and _SECRET_ATTRS.search(name):
+            if name not in _STANDARD and _secret_attr(name):
                 setattr(record, name, "[redacted]")
         return True
+
+
+@functools.lru_cache(maxsize=1024)
+def _secret_attr(name: str) -> bool:
+    """Whether a record attribute's name says it may hold a secret (memoised: the names come
+    from the code, a handful per logger; every access-log line asked for six of them)."""
+    return _SECRET_ATTRS.search(name) is not None

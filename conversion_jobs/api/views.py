@@ -44,7 +44,7 @@ from conversion_jobs.api.serializers import (
     SubmitSerializer,
     problems,
 )
-from conversion_jobs.api.uploads import StagedFile, StagingUploadHandler
+from conversion_jobs.api.uploads import StagedFile, StagingUploadHandler, small_form
 from conversion_jobs.converters.base import PAGE_EXT, RESULT_EXT
 from conversion_jobs.exceptions import (
     InvalidRequest,
@@ -117,10 +117,16 @@ class JobCollectionView(QuireView):
         try:
             if not request.content_type.startswith("multipart/form-data"):
                 raise InvalidRequest("send multipart/form-data with a file part")
-            upload = request.FILES.get("file")
+            # A small body in the plain shape is split directly; anything else goes through
+            # DRF's and Django's multipart parsers (uploads.small_form; ADR 0017, session 6).
+            form: Any
+            small = small_form(request._request, handler)
+            if small is not None:
+                form, upload = small
+            else:
+                upload, form = request.FILES.get("file"), request.data
             if not isinstance(upload, StagedFile):
                 raise InvalidRequest("the file part is required")
-            form: Any = request.data
             output = form.get("output")
             if output not in Output.values:
                 raise InvalidRequest(f"output must be one of {', '.join(Output.values)}")

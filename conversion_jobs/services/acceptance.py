@@ -223,25 +223,31 @@ def conversion_job_accept(
         traceparent=traceparent,
         password_sealed=sealed,
     )
+    new = transitions.NewJob(
+        job=job,
+        actor=actor,
+        idempotency_key=idempotency_key,
+        fingerprint=fingerprint,
+        details={"media_type": media_type, "size": upload.size, "output": output},
+    )
+    db = transaction.get_connection()
     try:
-        with transaction.atomic():
-            # We reused an object a deleter (retention, the orphan sweep) may have judged unused
-            # since: under the source's lock it is still there, or we stop. An object we just
-            # uploaded needs no check: deleters leave objects younger than the grace alone.
-            if not uploaded:
-                source_lock(sha256=upload.sha256, exclusive=False)
-                if not _source_present(source_key):
-                    raise StorageUnavailable("the stored source vanished; retry")
-            transitions.job_insert_queued(
-                transitions.NewJob(
-                    job=job,
-                    actor=actor,
-                    idempotency_key=idempotency_key,
-                    fingerprint=fingerprint,
-                    details={"media_type": media_type, "size": upload.size, "output": output},
-                )
-            )
-            faults.hit("accept.after_job_insert")
+        if uploaded and db.vendor == "postgresql" and not db.in_atomic_block:
+            # An object we just uploaded needs no check (deleters leave objects younger than
+            # the grace alone), so the acceptance is the insert alone: one statement, which
+            # Postgres commits whole or not at all in autocommit, without a BEGIN and a COMMIT
+            # round trip around it (ADR 0017, session 6). The 202 still follows its commit.
+            transitions.job_insert_queued(new)
+        else:
+            with transaction.atomic():
+                # We reused an object a deleter (retention, the orphan sweep) may have judged
+                # unused since: under the source's lock it is still there, or we stop.
+                if not uploaded:
+                    source_lock(sha256=upload.sha256, exclusive=False)
+                    if not _source_present(source_key):
+                        raise StorageUnavailable("the stored source vanished; retry")
+                transitions.job_insert_queued(new)
+                faults.hit("accept.after_job_insert")
     except IntegrityError as exc:
         # Everything this submit wrote is rolled back; answer from whoever won.
         constraint = violated_constraint(exc)

@@ -224,9 +224,10 @@ class NewJob:
 def job_insert_queued(new: NewJob) -> None:
     """(none) -> QUEUED, generation 1: the job, its outbox row, its idempotency record (when a
     key was sent) and its first audit event. On Postgres one statement (``_ACCEPT_SQL``), which
-    the caller runs inside its transaction. A unique violation (a concurrent identical job or
-    key) propagates: the caller's transaction rolls back whole and it answers from the winner.
-    Registers the fast-path publish for after commit."""
+    the caller runs inside its transaction or, when it is the whole acceptance, alone in
+    autocommit. A unique violation (a concurrent identical job or key) propagates: everything
+    the statement (or the caller's transaction) wrote rolls back and the caller answers from the
+    winner. Registers the fast-path publish for after commit."""
     job = new.job
     now = timezone.now()
     job.created_at = job.updated_at = now

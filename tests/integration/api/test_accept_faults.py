@@ -19,22 +19,40 @@ def _client() -> APIClient:
 
 @pytest.mark.django_db(transaction=True)
 def test_submit__fault_after_job_insert_leaves_no_row(pdf_file, no_broker_publish):
+    """The insert's transaction (a reused source: checked under its lock in the same
+    transaction) fails after the insert: nothing of it stays. (A fresh source's acceptance is
+    the insert statement alone, in autocommit: all or nothing by itself.)"""
+    path = pdf_file()
+    assert submit(_client(), path, output="png").status_code == 202  # the source is stored
+    before = row_counts()
     with faults.armed("accept.after_job_insert"):
-        response = submit(_client(), pdf_file(), key="k1")
+        response = submit(_client(), path, key="k1")
     assert response.status_code == 500
     assert response["Content-Type"] == "application/problem+json"
     assert response.json()["code"] == "internal_error"
+    assert row_counts() == before
+    assert len(no_broker_publish) == 1  # the first job's only
+    # The client's retry with the same key is a fresh, successful submit.
+    retry = submit(_client(), path, key="k1")
+    assert retry.status_code == 202
+
+
+@pytest.mark.django_db(transaction=True)
+def test_submit__fresh_source_is_accepted_in_one_autocommitted_statement(
+    pdf_file, no_broker_publish
+):
+    """No transaction of its own around the insert: the fault point inside that transaction is
+    never reached, and the job, its outbox row, key and audit event are all committed."""
+    with faults.armed("accept.after_job_insert"):
+        response = submit(_client(), pdf_file(), key="k1")
+    assert response.status_code == 202
     assert row_counts() == {
-        "jobs": 0,
-        "outbox": 0,
-        "idempotency": 0,
-        "audit": 0,
+        "jobs": 1,
+        "outbox": 1,
+        "idempotency": 1,
+        "audit": 1,
         "cancellations": 0,
     }
-    assert no_broker_publish == []
-    # The client's retry with the same key is a fresh, successful submit.
-    retry = submit(_client(), pdf_file(), key="k1")
-    assert retry.status_code == 202
 
 
 @pytest.mark.django_db(transaction=True)
