@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,8 +100,12 @@ def start(
     host: str = "127.0.0.1",
     timeout: float = 60,
     save_to_filer_limit: int = 0,
+    extra_args: Sequence[str] = (),
 ) -> S3Server:
-    """Start ``weed mini`` and return once the bucket answers an authenticated request."""
+    """Start ``weed mini`` and return once the bucket answers an authenticated request.
+
+    ``extra_args`` are appended to the command line (a later flag wins): for
+    ``bench/s3_put.py``'s option experiments only."""
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     access, secret = "quire" + secrets.token_hex(6), secrets.token_urlsafe(24)
@@ -152,6 +157,7 @@ def start(
         "-master.telemetry=false",
         f"-s3.config={config}",
         f"-bucket={BUCKET}",
+        *extra_args,
     ]
     (data_dir / "data").mkdir(exist_ok=True, mode=0o700)
     log = open(data_dir / "weed.log", "wb")
