@@ -146,6 +146,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--weed-args", default="", help="appended to the weed command line")
+    parser.add_argument(
+        "--gomaxprocs",
+        type=int,
+        default=1,
+        help="the server's GOMAXPROCS (tests/s3server.py's default 1; 0: the Go default)",
+    )
     parser.add_argument("--settle", type=float, default=3.0, help="idle seconds after start")
     args = parser.parse_args()
     variants = [v for v in args.variants.split(",") if v]
@@ -154,7 +160,11 @@ def main() -> None:
         parser.error(f"unknown variants: {sorted(unknown)}")
 
     with tempfile.TemporaryDirectory(prefix="s3put-") as scratch:
-        server = s3server.start(Path(scratch), extra_args=shlex.split(args.weed_args))
+        server = s3server.start(
+            Path(scratch),
+            gomaxprocs=args.gomaxprocs or None,
+            extra_args=shlex.split(args.weed_args),
+        )
         try:
             assert server.proc is not None
             time.sleep(args.settle)
@@ -162,7 +172,10 @@ def main() -> None:
             i0, t0 = proc_cpu(pid), time.perf_counter()
             time.sleep(2.0)
             idle = (proc_cpu(pid) - i0) / (time.perf_counter() - t0)
-            print(f"weed args: {args.weed_args or '(tests/s3server.py defaults)'}")
+            print(
+                f"weed args: {args.weed_args or '(tests/s3server.py defaults)'}; "
+                f"GOMAXPROCS {args.gomaxprocs or 'Go default'}"
+            )
             print(f"server idle CPU: {idle * 1000:.1f} ms/s;  load {os.getloadavg()[0]:.1f}")
             pool = urllib3.PoolManager(maxsize=args.threads, block=True)
             existing: list[str] = []
