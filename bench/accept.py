@@ -260,7 +260,7 @@ def drive(
     busy = snap1["machine_busy"] - snap0["machine_busy"]
     total = snap1["machine_total"] - snap0["machine_total"]
     ncpu = os.cpu_count() or 1
-    for key in ("client", "gunicorn", "postgres", "rabbitmq"):
+    for key in ("client", "gunicorn", "postgres", "rabbitmq", "s3"):
         result.cpu[key] = (snap1[key] - snap0[key]) / measure
     result.cpu["machine"] = busy / total * ncpu if total else float("nan")
     return result
@@ -273,6 +273,7 @@ def _cpu_snapshot(server: c.Server) -> dict[str, float]:
         "gunicorn": sum(c.proc_cpu_s(p) for p in [server.proc.pid, *server.worker_pids()]),
         "postgres": sum(c.proc_cpu_s(p) for p in c.pids_named("^postgres")),
         "rabbitmq": sum(c.proc_cpu_s(p) for p in c.pids_named("beam.smp")),
+        "s3": sum(c.proc_cpu_s(p) for p in c.S3_PIDS),
         "machine_busy": busy,
         "machine_total": total,
     }
@@ -461,7 +462,7 @@ def main() -> int:
                         log=storage / "gunicorn-quire-s3.log",
                     ) as server,
                 ):
-                    s3 = quire_phase("asgi-s3", server)
+                    s3 = quire_phase("asgi-s3", server, args.py_spy / "s3" if args.py_spy else None)
             if args.history:
                 no_live_jobs()
                 seed_s = c.seed_history_db(db_url, args.history)
@@ -607,7 +608,9 @@ def report(
                 "asgi-s3 / asgi (artifacts in S3 / filesystem)",
                 s3_ratio,
                 c.S3_TARGET,
-                f"{s3.rate(202):.1f} accepted/s, p99 {s3.pct(99):.1f} ms",
+                f"{s3.rate(202):.1f} accepted/s, p99 {s3.pct(99):.1f} ms, S3 server "
+                f"{s3.cpu['s3'] / (sum(s3.by_status.values()) / s3.seconds) * 1000:.2f} "
+                "ms CPU/req",
             )
         )
     if history is not None:

@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,8 +100,20 @@ def start(
     host: str = "127.0.0.1",
     timeout: float = 60,
     save_to_filer_limit: int = 0,
+    gomaxprocs: int | None = 1,
+    extra_args: Sequence[str] = (),
 ) -> S3Server:
-    """Start ``weed mini`` and return once the bucket answers an authenticated request."""
+    """Start ``weed mini`` and return once the bucket answers an authenticated request.
+
+    ``gomaxprocs``: the Go runtime's ``GOMAXPROCS`` for the server unless the environment sets
+    one (``None``: the Go default, one per core). One, because this server shares its host's
+    cores with the web, the workers and Postgres (tests, benchmarks, ``.ci/run``): with a
+    processor per core the Go scheduler spins and hands work between threads for every
+    request; measured under the acceptance benchmark's load on 2 cores, 1.32-1.58 instead of
+    1.47-2.12 ms of server CPU per acceptance (ADR 0018, session 6). An S3 server on its own
+    host keeps the default.
+    ``extra_args`` are appended to the command line (a later flag wins): for
+    ``bench/s3_put.py``'s option experiments only."""
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     access, secret = "quire" + secrets.token_hex(6), secrets.token_urlsafe(24)
@@ -152,10 +165,16 @@ def start(
         "-master.telemetry=false",
         f"-s3.config={config}",
         f"-bucket={BUCKET}",
+        *extra_args,
     ]
     (data_dir / "data").mkdir(exist_ok=True, mode=0o700)
     log = open(data_dir / "weed.log", "wb")
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    env = dict(os.environ)
+    if gomaxprocs is not None and "GOMAXPROCS" not in env:  # the environment's wins
+        env["GOMAXPROCS"] = str(gomaxprocs)
+    proc = subprocess.Popen(
+        argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
+    )
     server = S3Server(
         endpoint_url=f"http://{host}:{s3}",
         bucket=BUCKET,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import socket
 import stat
 import urllib.error
 import urllib.request
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from conversion_jobs import storage
+from conversion_jobs.storage import s3put
 
 
 def _file(tmp_path: Path, data: bytes) -> Path:
@@ -180,6 +182,38 @@ def test_s3__the_source_put_bypasses_the_boto3_client(s3_store, tmp_path):
     finally:
         target.backend.object_parameters = kept  # the store outlives this test
     assert calls == ["put", "put"]
+
+
+def test_s3__source_puts_reuse_one_kept_alive_connection(s3_store, tmp_path):
+    """``s3put``'s own connections: sequential source PUTs reuse one kept-alive connection
+    (no connection per request), small and large (streamed) bodies alike."""
+    target = storage.store()
+    target._conditional_writes()
+    connections = target._signed_put()._connections
+    for data in (b"small " * 100, os.urandom(3 * s3put.INLINE_BODY)):
+        sha, _size = storage.sha256_file(_file(tmp_path, data))
+        assert storage.put_source(_file(tmp_path, data), sha) == (storage.source_key(sha), True)
+        with storage.open_object(storage.source_key(sha)) as body:
+            assert body.read() == data
+    assert len(connections._idle) == 1
+    assert connections._idle[0].sock is not None
+
+
+def test_s3__a_source_put_on_a_dead_kept_alive_connection_is_retried(s3_store, tmp_path):
+    """A kept-alive connection the server (or the network) has closed fails the request on
+    it; the PUT is sent again on a new connection, and the source is stored once."""
+    target = storage.store()
+    target._conditional_writes()
+    connections = target._signed_put()._connections
+    assert connections._idle
+    for conn in connections._idle:
+        conn.sock.shutdown(socket.SHUT_RDWR)  # dead, and the pool does not know it
+    data = uuid.uuid4().bytes * 64
+    sha, _size = storage.sha256_file(_file(tmp_path, data))
+    assert storage.put_source(_file(tmp_path, data), sha) == (storage.source_key(sha), True)
+    assert storage.put_source(_file(tmp_path, data), sha) == (storage.source_key(sha), False)
+    with storage.open_object(storage.source_key(sha)) as body:
+        assert body.read() == data
 
 
 @pytest.mark.parametrize("key", ["../etc/passwd", "/abs", "pages/../x", "a//b", "", "a b"])
