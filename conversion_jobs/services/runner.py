@@ -9,6 +9,7 @@ a ``CheckpointBatch`` (``checkpoints.py``); database calls are retried across a 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -42,6 +43,7 @@ from conversion_jobs.services.checkpoints import (
 from conversion_jobs.services.db_retry import DB_ERRORS, db_retry, db_retry_until
 from conversion_jobs.services.heartbeat import Heartbeat
 from conversion_jobs.services.leases import Lease, LeaseLost, job_state_under_lease
+from conversion_jobs.services.tidying import tidy_later, tidy_wait
 from conversion_jobs.services.zipresult import zip_result_digest, zip_result_key
 from conversion_jobs.states import State
 
@@ -105,6 +107,9 @@ def conversion_job_execute(*, job_id: uuid.UUID, generation: int) -> str:
     lease = claim.lease
     heartbeat = Heartbeat(lease)
     heartbeat.start()
+    # The end of this process's previous attempt (its work dir's removal, the spare child) ran
+    # while this claim did; it is over before this attempt has a file or a converter.
+    tidy_wait()
     # One directory per attempt straight under WORK_DIR (no per-job parent: one mkdir and one
     # rmdir fewer per job; recovery.work_dirs_remove_stale reads the name).
     workdir = Path(settings.QUIRE["WORK_DIR"]) / f"{job_id}.{lease.attempt_id}-{lease.token.hex}"
@@ -121,11 +126,18 @@ def conversion_job_execute(*, job_id: uuid.UUID, generation: int) -> str:
         if claim.job.password_sealed is not None and outcome in _TERMINAL_OUTCOMES:
             db_retry(sealed_passwords_wipe, job_id=job_id)
         # This attempt's converter child and its process group end here (or, reused within a
-        # tenant, it is kept reset), then its work dir goes; only then a spare child is started.
+        # tenant, it is kept reset); then its work dir goes and a spare child is started, after
+        # the task returns (tidying.py: the next attempt of this process waits for them).
         converters.release(spare=False)
         converters.begin_attempt(tenant=None)
-        shutil.rmtree(workdir, ignore_errors=True)
-        converters.warm()
+        tidy_later(functools.partial(_tidy, workdir))
+
+
+def _tidy(workdir: Path) -> None:
+    """The end of an attempt that runs on the tidying thread: its work dir goes, then a spare
+    converter child is started if there is none."""
+    shutil.rmtree(workdir, ignore_errors=True)
+    converters.warm()
 
 
 #: What ``_run`` returns when the job is now terminal (its sealed password is wiped at once).
