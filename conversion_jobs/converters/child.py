@@ -299,11 +299,20 @@ def _stream(request: dict, limits: Limits, watch: _Watch) -> Iterator[dict]:
     """``pages``: args ``page_op`` (a PAGE_OPS name), ``items`` ([page, dest] pairs) and the
     page op's other arguments. Yields one outcome per page, each carrying its ``page``; a
     structured error answers that page and the next page goes on. The watchdog's deadline is
-    renewed for every page."""
+    renewed for every page. With ``prepare`` ({"op", "args"}: the document's prepare, which
+    answers its ``page_count``), that runs first and its outcome is the first answer; the pages
+    follow only if it succeeded, those beyond the count left out (the parent drops them too)."""
     args = dict(request["args"])
     op, items = args.pop("page_op"), args.pop("items")
     if op not in PAGE_OPS:
         raise RuntimeError(f"not a page operation: {op}")
+    prepare = args.pop("prepare", None)
+    if prepare is not None:
+        prepared = _run_op(prepare["op"], prepare["args"], fault=None, limits=limits)
+        yield prepared
+        if not prepared["ok"]:
+            return
+        items = [item for item in items if item[0] <= prepared["result"]["page_count"]]
     for page, dest in items:
         watch.busy_until = time.monotonic() + float(request["timeout_s"]) + WATCHDOG_GRACE_S
         page_args = {**args, "page": page, "dest": dest}

@@ -202,6 +202,15 @@ def _selected_pages(options: dict[str, Any], page_count: int) -> list[int]:
     return list(range(first, min(last, page_count) + 1))
 
 
+def _first_pages(options: dict[str, Any]) -> tuple[int, ...]:
+    """The pages a first run asks for first, before the page count is known: its selected
+    range's first ``2 * READ_AHEAD_PAGES`` (those beyond the document are dropped by the
+    converter), which is what ``_convert`` would request once it knows the count."""
+    first, last = options.get("pages") or (1, None)
+    stop = first + 2 * converters.READ_AHEAD_PAGES
+    return tuple(range(first, stop if last is None else min(last + 1, stop)))
+
+
 def _options_for_attempt(options: dict[str, Any], lease: Lease) -> dict[str, Any]:
     """The options given to the converter. A test fault (honoured only with
     QUIRE_ENABLE_TEST_FAULTS=1, see converters/isolation.py) may say ``until_attempt`` or
@@ -243,6 +252,11 @@ def _convert(
     # The converter reads a copy in the attempt's work directory, never the store itself.
     source = workdir / "source"
     storage.download(job.source_key, source)
+    # A small text page comes back from the child as bytes and rides in its checkpoint row.
+    inline_max = settings.QUIRE["INLINE_PAGE_MAX_BYTES"] if job.output == "text" else 0
+    # A first run converts its selected pages from the first on: the prepare asks for them in
+    # its own request (a resumed attempt first reads which pages are done, so it does not).
+    first = _first_pages(job.options) if lease.first_run else ()
     started = time.monotonic()
     prepared = converter.prepare(
         source=source,
@@ -251,6 +265,7 @@ def _convert(
         limits=limits,
         should_stop=stop,
         options=options,
+        first=converters.FirstPages(pages=first, output=job.output, inline_max_bytes=inline_max),
     )
     metrics.CONVERSION_DURATION.labels(
         input=job.source_media_type, engine=engine_label(converter)
@@ -266,9 +281,7 @@ def _convert(
         if checkpoints.get(page) is None
         or checkpoints[page].state not in (PageState.DONE, PageState.FAILED)
     ]
-    # A small text page comes back from the child as bytes and rides in its checkpoint row.
-    inline_max = settings.QUIRE["INLINE_PAGE_MAX_BYTES"] if job.output == "text" else 0
-    if len(pages) != 1:
+    if len(pages) != 1 and not prepared.first_requested:
         # The child starts on the first pages (exactly what the first page call would ask for)
         # while the count is recorded: that round trip no longer delays the pages.
         converter.request_pages(
@@ -281,6 +294,7 @@ def _convert(
             should_stop=stop,
             inline_max_bytes=inline_max,
         )
+    if len(pages) != 1:
         # Progress needs the count now. With one page to convert the publish records it (no
         # UPDATE of its own), or a terminal failure first.
         _record_page_count(lease, unrecorded)
