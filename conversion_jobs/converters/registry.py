@@ -73,7 +73,8 @@ def _prepare_in_session(
             op,
             args,
             page_op,
-            [(p, str(_page_dest(session.inside(), p, first.output))) for p in first.pages],
+            first.pages,
+            (str(session.inside()), _SUFFIX[first.output]),
             _page_args(
                 session=session,
                 output=first.output,
@@ -275,6 +276,7 @@ def _request_first(
 
 
 def _page_dest(dest_dir: Path, page: int, output: str) -> Path:
+    # The child names a prepare's first pages the same way (child._first_items).
     return dest_dir / f"page-{page:04d}{_SUFFIX[output]}"
 
 
