@@ -3,8 +3,9 @@
     .venv/bin/python bench/converter_cycle.py [--n 300] [--reuse attempt|tenant] [--sandbox on|off]
 
 Runs ``--n`` one-page PDF -> text attempts in this process the way the runner drives the
-converter layer (``begin_attempt``, ``prepare``, one ``convert_page`` with the inline text
-limit, ``release(spare=False)``, the work directory removed, ``warm()``), after 20 unmeasured
+converter layer (``begin_attempt``, ``prepare`` with the first pages, one ``convert_page``
+with the inline text limit, ``release(spare=False)``, the work directory removed, ``warm()``;
+synchronously: the runner does the last two on its tidying thread), after 20 unmeasured
 ones. Prints per attempt: wall time, CPU of this process (the worker's side), CPU of the fork
 server and every child it forked and reaped (the *zygote tree*: ``/proc/<zygote>/stat`` utime +
 stime + cutime + cstime) and the zygote tree's minor page faults (own + reaped children's;
@@ -55,6 +56,8 @@ def main() -> int:
     converter = converters.converter_for("application/pdf", "text")
     document = pdf_bytes(pages=1, text_of=lambda n: "one page of text")
     limits = Limits()
+    # As the runner's first run: the prepare carries the first pages (ADR 0017, session 6).
+    first = converters.FirstPages(pages=tuple(range(1, 33)), output="text", inline_max_bytes=65536)
 
     def attempt(i: int) -> None:
         workdir = scratch / f"attempt-{i}"
@@ -69,6 +72,7 @@ def main() -> int:
             limits=limits,
             should_stop=lambda: False,
             options={},
+            first=first,
         )
         page = converter.convert_page(
             prepared=prepared,

@@ -76,6 +76,19 @@ class Prepared:
     document: Path  # the file pages are taken from (the source, or the PDF LibreOffice made)
     media_type: str  # media type of `document`
     page_count: int
+    #: the prepare asked for ``first``'s pages (those up to the count): the first
+    #: ``convert_page`` calls find them due, no ``request_pages`` is needed
+    first_requested: bool = False
+
+
+@dataclass(frozen=True)
+class FirstPages:
+    """The pages a caller will ask for first, known before the page count (``prepare``'s
+    ``first``): in order, as ``convert_page`` will be called with them."""
+
+    pages: tuple[int, ...]
+    output: str
+    inline_max_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -104,9 +117,12 @@ class Converter(Protocol):
         limits: Limits,
         should_stop: Callable[[], bool],
         options: dict | None = None,
+        first: FirstPages | None = None,
     ) -> Prepared:
         """Open the document (``options``: the job's options for this attempt, e.g. its
-        password)."""
+        password). ``first``: the pages the caller will ask for first, if it knows them before
+        the page count; a converter may start on them with the prepare (those beyond the count
+        are dropped)."""
         ...
 
     def convert_page(

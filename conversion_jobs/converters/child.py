@@ -297,15 +297,35 @@ def _answer(request: dict, limits: Limits | None) -> dict:
     return _run_op(op, args, fault=request.get("fault"), limits=limits)
 
 
+def _first_items(low: int, high: int, folder: str, suffix: str, *, count: int) -> list:
+    """A prepare's first pages ``low``..``high`` up to ``count``, as [page, dest] items named as
+    the parent names pages (registry._page_dest): one short request whatever the range."""
+    return [
+        [page, f"{folder}/page-{page:04d}{suffix}"] for page in range(low, min(high, count) + 1)
+    ]
+
+
 def _stream(request: dict, limits: Limits, watch: _Watch) -> Iterator[dict]:
     """``pages``: args ``page_op`` (a PAGE_OPS name), ``items`` ([page, dest] pairs) and the
     page op's other arguments. Yields one outcome per page, each carrying its ``page``; a
     structured error answers that page and the next page goes on. The watchdog's deadline is
-    renewed for every page."""
+    renewed for every page. With ``prepare`` ({"op", "args"}: the document's prepare, which
+    answers its ``page_count``), that runs first and its outcome is the first answer; the pages
+    (``first``: [low, high, folder, suffix] instead of ``items``) follow only if it succeeded,
+    those beyond the count left out (the parent drops them too)."""
     args = dict(request["args"])
     op, items = args.pop("page_op"), args.pop("items")
     if op not in PAGE_OPS:
         raise RuntimeError(f"not a page operation: {op}")
+    prepare, first = args.pop("prepare", None), args.pop("first", None)
+    if prepare is not None:
+        prepared = _run_op(prepare["op"], prepare["args"], fault=None, limits=limits)
+        yield prepared
+        if not prepared["ok"]:
+            return
+        if first is not None:
+            items = _first_items(*first, count=prepared["result"]["page_count"])
+        items = [item for item in items if item[0] <= prepared["result"]["page_count"]]
     for page, dest in items:
         watch.busy_until = time.monotonic() + float(request["timeout_s"]) + WATCHDOG_GRACE_S
         page_args = {**args, "page": page, "dest": dest}

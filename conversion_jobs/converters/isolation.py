@@ -36,7 +36,7 @@ import shutil
 import signal
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import IO
@@ -262,6 +262,61 @@ class ChildSession:
         if not self.ahead:
             self._ahead_since = time.monotonic()
         self.ahead += [page for page, _dest in items]
+
+    def prepare_reading_ahead(
+        self,
+        op: str,
+        args: dict,
+        page_op: str,
+        pages: Sequence[int],
+        dest: tuple[str, str],
+        page_args: dict,
+        *,
+        timeout_s: float,
+        page_timeout_s: float,
+        should_stop: Callable[[], bool],
+        fault: dict | None = None,
+    ) -> dict:
+        """``call(op, args)`` — a document's prepare, whose result has its ``page_count`` — and
+        ``read_ahead(page_op, items, page_args)`` in one request and one round trip: the child
+        answers the prepare, then converts ``pages`` (consecutive; those up to the count, both
+        sides drop the others) only if the prepare succeeded. The request names the range, not
+        each page: page N goes to ``<dest[0]>/page-NNNN<dest[1]>`` (the child builds the names).
+        Returns the prepare's result; a structured prepare error is raised as ``call`` raises
+        it, with no page due. ``timeout_s`` bounds the prepare's answer, ``page_timeout_s`` each
+        page (``next_page``)."""
+        if list(pages) != list(range(pages[0], pages[0] + len(pages))):
+            raise ValueError("the first pages must be consecutive")
+        if self.closed:
+            raise ConverterCrashed("the converter session is closed")
+        if self.ahead:
+            self.close()
+            raise ConverterCrashed("the converter session had unread pages")
+        try:
+            if should_stop():
+                raise ConversionStopped()
+            request = {
+                **page_args,
+                "page_op": page_op,
+                "items": [],
+                "prepare": {"op": op, "args": args},
+                "first": [pages[0], pages[-1], *dest],
+            }
+            limit = max(timeout_s, page_timeout_s)  # the child's watchdog covers both steps
+            self._send(self._request("pages", request, timeout_s=limit, fault=fault))
+            outcome = self._receive(timeout_s=timeout_s, should_stop=should_stop)
+            if "page" in outcome:
+                raise ConverterCrashed("the converter answered a page for a prepare")
+        except BaseException:
+            self.close()
+            raise
+        self._ahead_since = self.last_used = time.monotonic()
+        if not outcome["ok"]:
+            self.errored = True
+            raise error_from_code(outcome["code"], outcome.get("detail"))
+        result = outcome["result"]
+        self.ahead = [page for page in pages if page <= int(result["page_count"])]
+        return result
 
     def next_page(self, page: int, *, timeout_s: float, should_stop: Callable[[], bool]) -> dict:
         """The answer for ``page``, which must be the next one due from ``read_ahead``. The

@@ -17,6 +17,7 @@ from .base import (
     OUTPUTS,
     PDF,
     Converter,
+    FirstPages,
     Limits,
     PageArtifact,
     Prepared,
@@ -50,20 +51,70 @@ def _prepare_in_session(
     limits: Limits,
     should_stop: Callable[[], bool],
     password: str | None = None,
+    first: FirstPages | None = None,
+    page_op: str = "",
+    options: dict | None = None,
 ) -> dict:
-    """Prepare in a fresh child that then stays open for this document's pages."""
+    """Prepare in a fresh child that then stays open for this document's pages. With
+    ``first`` (``page_op`` converts them), the first pages are asked for in the prepare's own
+    request (``ChildSession.prepare_reading_ahead``): the first ``convert_page`` finds its page
+    due, one round trip fewer per attempt."""
     session = open_session(document=Path(source), scratch_dir=workdir, limits=limits)
     secret = {"password": password} if password is not None else {}
+    args = {"path": str(session.document), **secret}
     try:
-        return session.call(
+        if first is None:
+            return session.call(
+                op, args, timeout_s=limits.prepare_timeout_s, should_stop=should_stop
+            )
+        fault = test_fault_from(options)
+        if fault:
+            session.fault_records_to = workdir
+        return session.prepare_reading_ahead(
             op,
-            {"path": str(session.document), **secret},
+            args,
+            page_op,
+            first.pages,
+            (str(session.inside()), _SUFFIX[first.output]),
+            _page_args(
+                session=session,
+                output=first.output,
+                options=options,
+                limits=limits,
+                password=password,
+                inline_max_bytes=first.inline_max_bytes,
+            ),
             timeout_s=limits.prepare_timeout_s,
+            page_timeout_s=limits.page_timeout_s,
             should_stop=should_stop,
+            fault=fault,
         )
     except BaseException:
         forget(session)
         raise
+
+
+def _page_args(
+    *,
+    session: ChildSession,
+    output: str,
+    options: dict | None,
+    limits: Limits,
+    password: str | None,
+    inline_max_bytes: int,
+) -> dict:
+    """The arguments of a page request but its pages (``read_ahead``'s ``args``)."""
+    dpi = int((options or {}).get("dpi") or DEFAULT_DPI)
+    # a fresh child (after a failed page) opens the document again: the password goes along
+    secret = {"password": password} if password is not None else {}
+    extra = {"inline_max_bytes": inline_max_bytes} if inline_max_bytes > 0 else {}
+    return {
+        "path": str(session.document),
+        "output": output,
+        "dpi": max(1, min(dpi, limits.max_dpi)),
+        **secret,
+        **extra,
+    }
 
 
 #: Pages asked of the child in one read-ahead request (it answers each as it is done).
@@ -144,9 +195,6 @@ def _request_pages(
     """The session that will answer ``page``, with ``page`` and the next pages of ``lookahead``
     requested of it as needed: ``session`` (``page`` already due from it, half of its read-ahead
     or less left) or the thread's session of the document, or a fresh one."""
-    dpi = int((options or {}).get("dpi") or DEFAULT_DPI)
-    # a fresh child (after a failed page) opens the document again: the password goes along
-    secret = {"password": password} if password is not None else {}
     fault = test_fault_from(options)
     if session is None:
         # The session of this document (the child keeps it open); a fresh child if an earlier
@@ -169,18 +217,18 @@ def _request_pages(
     if wanted:
         if fault:
             session.fault_records_to = dest_dir
-        extra = {"inline_max_bytes": inline_max_bytes} if inline_max_bytes > 0 else {}
         # The child writes in its private directory; each page is handed out when read.
         session.read_ahead(
             op,
             [(p, str(_page_dest(session.inside(), p, output))) for p in wanted],
-            {
-                "path": str(session.document),
-                "output": output,
-                "dpi": max(1, min(dpi, limits.max_dpi)),
-                **secret,
-                **extra,
-            },
+            _page_args(
+                session=session,
+                output=output,
+                options=options,
+                limits=limits,
+                password=password,
+                inline_max_bytes=inline_max_bytes,
+            ),
             timeout_s=limits.page_timeout_s,
             should_stop=should_stop,
             fault=fault,
@@ -228,6 +276,7 @@ def _request_first(
 
 
 def _page_dest(dest_dir: Path, page: int, output: str) -> Path:
+    # The child names a prepare's first pages the same way (child._first_items).
     return dest_dir / f"page-{page:04d}{_SUFFIX[output]}"
 
 
@@ -242,9 +291,11 @@ class PdfConverter:
         return True
 
     def prepare(
-        self, *, source, media_type, workdir, limits, should_stop, options=None
+        self, *, source, media_type, workdir, limits, should_stop, options=None, first=None
     ) -> Prepared:
         _check_magic(source, media_type)
+        if first is not None and (first.output not in self.outputs or not first.pages):
+            first = None
         result = _prepare_in_session(
             op="pdf_prepare",
             source=source,
@@ -252,8 +303,16 @@ class PdfConverter:
             limits=limits,
             should_stop=should_stop,
             password=(options or {}).get("password"),
+            first=first,
+            page_op="pdf_page",
+            options=options,
         )
-        return Prepared(document=Path(source), media_type=PDF, page_count=result["page_count"])
+        return Prepared(
+            document=Path(source),
+            media_type=PDF,
+            page_count=result["page_count"],
+            first_requested=first is not None,
+        )
 
     def convert_page(
         self,
@@ -322,7 +381,7 @@ class ImageConverter:
         return True
 
     def prepare(
-        self, *, source, media_type, workdir, limits, should_stop, options=None
+        self, *, source, media_type, workdir, limits, should_stop, options=None, first=None
     ) -> Prepared:
         _check_magic(source, media_type)
         result = _prepare_in_session(
@@ -411,7 +470,7 @@ class OfficeConverter:
         return soffice_available()
 
     def prepare(
-        self, *, source, media_type, workdir, limits, should_stop, options=None
+        self, *, source, media_type, workdir, limits, should_stop, options=None, first=None
     ) -> Prepared:
         _check_magic(source, media_type)
         options = options or {}

@@ -9,6 +9,7 @@ a ``CheckpointBatch`` (``checkpoints.py``); database calls are retried across a 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -43,6 +44,7 @@ from conversion_jobs.services.checkpoints import (
 from conversion_jobs.services.db_retry import DB_ERRORS, db_retry, db_retry_until
 from conversion_jobs.services.heartbeat import Heartbeat
 from conversion_jobs.services.leases import Lease, LeaseLost, job_state_under_lease
+from conversion_jobs.services.tidying import tidy_later, tidy_wait
 from conversion_jobs.services.zipresult import zip_result_digest, zip_result_key
 from conversion_jobs.states import State
 
@@ -106,6 +108,9 @@ def conversion_job_execute(*, job_id: uuid.UUID, generation: int) -> str:
     lease = claim.lease
     heartbeat = Heartbeat(lease)
     heartbeat.start()
+    # The end of this process's previous attempt (its work dir's removal, the spare child) ran
+    # while this claim did; it is over before this attempt has a file or a converter.
+    tidy_wait()
     # One directory per attempt straight under WORK_DIR (no per-job parent: one mkdir and one
     # rmdir fewer per job; recovery.work_dirs_remove_stale reads the name).
     workdir = Path(settings.QUIRE["WORK_DIR"]) / f"{job_id}.{lease.attempt_id}-{lease.token.hex}"
@@ -122,11 +127,18 @@ def conversion_job_execute(*, job_id: uuid.UUID, generation: int) -> str:
         if claim.job.password_sealed is not None and outcome in _TERMINAL_OUTCOMES:
             db_retry(sealed_passwords_wipe, job_id=job_id)
         # This attempt's converter child and its process group end here (or, reused within a
-        # tenant, it is kept reset), then its work dir goes; only then a spare child is started.
+        # tenant, it is kept reset); then its work dir goes and a spare child is started, after
+        # the task returns (tidying.py: the next attempt of this process waits for them).
         converters.release(spare=False)
         converters.begin_attempt(tenant=None)
-        shutil.rmtree(workdir, ignore_errors=True)
-        converters.warm()
+        tidy_later(functools.partial(_tidy, workdir))
+
+
+def _tidy(workdir: Path) -> None:
+    """The end of an attempt that runs on the tidying thread: its work dir goes, then a spare
+    converter child is started if there is none."""
+    shutil.rmtree(workdir, ignore_errors=True)
+    converters.warm()
 
 
 #: What ``_run`` returns when the job is now terminal (its sealed password is wiped at once).
@@ -191,6 +203,15 @@ def _selected_pages(options: dict[str, Any], page_count: int) -> list[int]:
     return list(range(first, min(last, page_count) + 1))
 
 
+def _first_pages(options: dict[str, Any]) -> tuple[int, ...]:
+    """The pages a first run asks for first, before the page count is known: its selected
+    range's first ``2 * READ_AHEAD_PAGES`` (those beyond the document are dropped by the
+    converter), which is what ``_convert`` would request once it knows the count."""
+    first, last = options.get("pages") or (1, None)
+    stop = first + 2 * converters.READ_AHEAD_PAGES
+    return tuple(range(first, stop if last is None else min(last + 1, stop)))
+
+
 def _options_for_attempt(options: dict[str, Any], lease: Lease) -> dict[str, Any]:
     """The options given to the converter. A test fault (honoured only with
     QUIRE_ENABLE_TEST_FAULTS=1, see converters/isolation.py) may say ``until_attempt`` or
@@ -232,6 +253,11 @@ def _convert(
     # The converter reads a copy in the attempt's work directory, never the store itself.
     source = workdir / "source"
     storage.download(job.source_key, source)
+    # A small text page comes back from the child as bytes and rides in its checkpoint row.
+    inline_max = settings.QUIRE["INLINE_PAGE_MAX_BYTES"] if job.output == "text" else 0
+    # A first run converts its selected pages from the first on: the prepare asks for them in
+    # its own request (a resumed attempt first reads which pages are done, so it does not).
+    first = _first_pages(job.options) if lease.first_run else ()
     started = time.monotonic()
     prepared = converter.prepare(
         source=source,
@@ -240,6 +266,7 @@ def _convert(
         limits=limits,
         should_stop=stop,
         options=options,
+        first=converters.FirstPages(pages=first, output=job.output, inline_max_bytes=inline_max),
     )
     metrics.CONVERSION_DURATION.labels(
         input=job.source_media_type, engine=engine_label(converter)
@@ -255,9 +282,7 @@ def _convert(
         if checkpoints.get(page) is None
         or checkpoints[page].state not in (PageState.DONE, PageState.FAILED)
     ]
-    # A small text page comes back from the child as bytes and rides in its checkpoint row.
-    inline_max = settings.QUIRE["INLINE_PAGE_MAX_BYTES"] if job.output == "text" else 0
-    if len(pages) != 1:
+    if len(pages) != 1 and not prepared.first_requested:
         # The child starts on the first pages (exactly what the first page call would ask for)
         # while the count is recorded: that round trip no longer delays the pages.
         converter.request_pages(
@@ -270,6 +295,7 @@ def _convert(
             should_stop=stop,
             inline_max_bytes=inline_max,
         )
+    if len(pages) != 1:
         # Progress needs the count now. With one page to convert the publish records it (no
         # UPDATE of its own), or a terminal failure first.
         _record_page_count(lease, unrecorded)

@@ -26,6 +26,7 @@ from conversion_jobs.services.checkpoints import (
     is_inline_result,
 )
 from conversion_jobs.services.runner import conversion_job_execute
+from conversion_jobs.services.tidying import tidy_wait
 from tests.polling import wait_for
 
 CHILD_NAME = zygote.CHILD_NAME  # forked by the zygote: its cmdline is the zygote's
@@ -126,7 +127,10 @@ def work_dir_entries() -> list[Path]:
     """Everything in WORK_DIR except the skeleton of live converter sandboxes (their ``work``
     and ``tmp`` directories, account files and the mount points bwrap makes in the sandbox's
     /tmp for what lies under the host's /tmp: ``work``, a checkout). A private directory or a
-    file left by a converter child in a sandbox counts."""
+    file left by a converter child in a sandbox counts. An attempt's work dir goes on this
+    process's tidying thread after the attempt returns: this waits for it, as the next attempt
+    does."""
+    tidy_wait()
     root = Path(settings.QUIRE["WORK_DIR"])
     if not root.exists():
         return []

@@ -1,0 +1,60 @@
+"""The end of an attempt after its task returns (ADR 0017, session 6; services/tidying.py): the
+attempt's work dir is removed and the spare child started on the process's tidying thread, and
+the process's next attempt starts converting only once that is done."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+from django.conf import settings
+
+from conversion_jobs.models import ConversionJob
+from conversion_jobs.services.tidying import tidy_later
+from conversion_jobs.states import State
+from tests import testdocs
+from tests.integration.execution.jobkit import (
+    Worker,
+    execute,
+    submit,
+    unique_text,
+    work_dir_entries,
+)
+from tests.polling import wait_for
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("fast_quire")]
+
+
+def _pdf(tmp_path: Path, name: str) -> Path:
+    return testdocs.make_pdf(tmp_path / f"{name}.pdf", pages=1, text_of=unique_text(name))
+
+
+def _work_dirs(job: ConversionJob) -> list[Path]:
+    return sorted(Path(settings.QUIRE["WORK_DIR"]).glob(f"{job.id}.*"))
+
+
+def test_next_attempt__waits_for_the_previous_attempts_tidying(tmp_path: Path) -> None:
+    first = submit(_pdf(tmp_path, "first"), output="text")
+    second = submit(_pdf(tmp_path, "second"), output="text")
+    assert execute(first) == "succeeded"
+    gate = threading.Event()
+    tidy_later(gate.wait)  # the tidying thread is busy (after the first attempt's own tidying)
+    worker = Worker(second.id, second.generation)
+    worker.start()
+    try:
+        # The second attempt claims (its claim overlaps the tidying) and then waits: no work
+        # dir, no page, while anything handed to the tidying thread before it is still to run.
+        wait_for(
+            lambda: ConversionJob.objects.get(id=second.id).state == State.RUNNING,
+            timeout=10,
+            what="the second job claimed",
+        )
+        assert worker.is_alive()
+        assert _work_dirs(second) == []
+        assert ConversionJob.objects.get(id=second.id).pages_done == 0
+    finally:
+        gate.set()
+    assert worker.result() == "succeeded"
+    assert _work_dirs(first) == [] and _work_dirs(second) == []
+    assert work_dir_entries() == []
