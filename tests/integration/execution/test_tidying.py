@@ -11,7 +11,7 @@ import pytest
 from django.conf import settings
 
 from conversion_jobs.models import ConversionJob
-from conversion_jobs.services.tidying import tidy_later
+from conversion_jobs.services.tidying import tidy_later, tidy_wait
 from conversion_jobs.states import State
 from tests import testdocs
 from tests.integration.execution.jobkit import (
@@ -56,5 +56,6 @@ def test_next_attempt__waits_for_the_previous_attempts_tidying(tmp_path: Path) -
     finally:
         gate.set()
     assert worker.result() == "succeeded"
+    tidy_wait()  # the second attempt's own tidying runs after its task returned
     assert _work_dirs(first) == [] and _work_dirs(second) == []
     assert work_dir_entries() == []
