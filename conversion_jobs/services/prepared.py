@@ -52,13 +52,13 @@ def prepared_cursor() -> Iterator[Any]:
         return
     db.close_if_health_check_failed()
     db.ensure_connection()
+    db.validate_thread_sharing()
     kept = _kept_cursor(db)
     if kept is _BUSY:  # the kept one is in use further up this thread's stack: a cursor of its own
         raw = _new_cursor(db)
     else:
         raw = kept if kept is not None else _keep(db, _new_cursor(db))
         db._quire_prepared_busy = True
-    db.validate_thread_sharing()
     wrapped = _logged_cursor_class()(raw, db) if db.queries_logged else db.make_cursor(raw)
     try:
         yield wrapped
