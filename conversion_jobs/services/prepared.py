@@ -45,23 +45,67 @@ def prepared_cursor() -> Iterator[Any]:
     """A server-binding cursor on the default connection, as ``connection.cursor()`` would make
     it otherwise. On another database (SQLite, the standalone profile) Django's own cursor: the
     statements that run on both (the acceptance's) use only ``%(name)s`` placeholders."""
-    db = connections[DEFAULT_DB_ALIAS]  # the proxy's every attribute is a thread-local lookup
+    db: Any = connections[DEFAULT_DB_ALIAS]  # the proxy's every attribute is a thread-local lookup
     if db.vendor != "postgresql":
         with db.cursor() as cursor:
             yield cursor
         return
-    cursor_class, register_tzloader, timestamptz, text = _postgres_parts()
     db.close_if_health_check_failed()
     db.ensure_connection()
+    db.validate_thread_sharing()
+    kept = _kept_cursor(db)
+    if kept is _BUSY:  # the kept one is in use further up this thread's stack: a cursor of its own
+        raw = _new_cursor(db)
+    else:
+        raw = kept if kept is not None else _keep(db, _new_cursor(db))
+        db._quire_prepared_busy = True
+    wrapped = _logged_cursor_class()(raw, db) if db.queries_logged else db.make_cursor(raw)
+    try:
+        yield wrapped
+    finally:
+        if kept is _BUSY:
+            with db.wrap_database_errors:
+                raw.close()
+        else:
+            db._quire_prepared_busy = False
+
+
+_BUSY = object()
+
+
+def _kept_cursor(db: Any) -> Any:
+    """The cursor kept for this connection, ``_BUSY`` if it is in use, or None: none yet, or
+    Django reconnected since (``DatabaseWrapper.connection`` is a new object), or the session's
+    time zone changed. Keeping one cursor keeps psycopg's ``Transformer`` with it: the dumpers
+    found for each parameter type by the first statement serve the next ones, instead of a
+    lookup per parameter per statement (ADR 0017, session 6, branch ``accept2``). Django's
+    connections are per thread, and so is the cursor."""
+    kept = getattr(db, "_quire_prepared", None)
+    if kept is None:
+        return None
+    if db._quire_prepared_busy:
+        return _BUSY
+    connection, raw, timezone = kept
+    if connection is not db.connection or timezone is not db.timezone or raw.closed:
+        db._quire_prepared = None
+        return None
+    return raw
+
+
+def _keep(db: Any, raw: Any) -> Any:
+    db._quire_prepared = (db.connection, raw, db.timezone)
+    db._quire_prepared_busy = False
+    return raw
+
+
+def _new_cursor(db: Any) -> Any:
+    cursor_class, register_tzloader, timestamptz, text = _postgres_parts()
     with db.wrap_database_errors:
         raw = cursor_class(db.connection)
         # As DatabaseWrapper.create_cursor: the session's time zone for timestamptz results.
         if db.timezone != db.connection.adapters.get_loader(timestamptz, text).timezone:
             register_tzloader(db.timezone, raw)
-    db.validate_thread_sharing()
-    wrapped = _logged_cursor_class()(raw, db) if db.queries_logged else db.make_cursor(raw)
-    with wrapped as cursor:
-        yield cursor
+    return raw
 
 
 @functools.cache

@@ -32,6 +32,7 @@ from django.db.models import F
 
 from conversion_jobs.models import ConversionOutbox
 from conversion_jobs.observability import metrics, tracing
+from conversion_jobs.services.prepared import prepared_cursor
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +42,12 @@ log = logging.getLogger(__name__)
 IDLE_RECONNECT_S = 5.0
 
 
+#: Server-bound and prepared once per connection (``prepared.prepared_cursor``): the array's
+#: cast keeps one statement whatever integer width psycopg picks for the batch's ids.
 _MARK_SQL = (
     "UPDATE conversion_outbox SET published_at = CURRENT_TIMESTAMP,"
-    " publish_attempts = publish_attempts + 1 WHERE id = ANY(%s) AND published_at IS NULL"
+    " publish_attempts = publish_attempts + 1"
+    " WHERE id = ANY(%(ids)s::bigint[]) AND published_at IS NULL"
 )
 
 
@@ -293,8 +297,8 @@ class BackgroundPublisher:
     def _mark_published(self, ids: list[int]) -> None:
         try:
             if connection.vendor == "postgresql":  # one statement, no ORM compile
-                with connection.cursor() as cursor:
-                    cursor.execute(_MARK_SQL, [ids])
+                with prepared_cursor() as cursor:
+                    cursor.execute(_MARK_SQL, {"ids": ids})
             else:
                 ConversionOutbox.objects.filter(id__in=ids, published_at__isnull=True).update(
                     published_at=_now_sql(), publish_attempts=F("publish_attempts") + 1

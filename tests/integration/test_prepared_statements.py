@@ -92,3 +92,58 @@ def test_prepared__with_query_logging_on_the_statements_are_logged_with_their_pa
     assert any(q.startswith("SELECT (SELECT fingerprint FROM") for q in logged), logged
     assert any(q.startswith("WITH job AS ( INSERT INTO conv") for q in logged), logged
     assert any("logged" in q for q in logged), logged  # the key, with the statements' values
+
+
+def _raw(cursor) -> object:
+    return cursor.cursor  # Django's CursorWrapper around psycopg's cursor
+
+
+def test_prepared__one_cursor_is_kept_per_connection_and_replaced_when_it_reconnects():
+    """The kept cursor serves every statement on its connection (its dumpers are found once);
+    after Django closes and reopens the connection a new cursor serves the new one; a cursor
+    still in use further up the stack is not shared: a nested one gets its own, and the outer
+    one's result is intact."""
+    with prepared_cursor() as first:
+        first.execute("SELECT %(n)s::int", {"n": 1})
+        assert first.fetchone() == (1,)
+    with prepared_cursor() as again:
+        assert _raw(again) is _raw(first)
+        again.execute("SELECT %(a)s::int, %(b)s::text", {"a": 2, "b": "x"})
+        with prepared_cursor() as inner:
+            assert _raw(inner) is not _raw(again)
+            inner.execute("SELECT %(n)s::int", {"n": 3})
+            assert inner.fetchone() == (3,)
+        assert _raw(inner).closed
+        assert again.fetchone() == (2, "x")
+
+    old = connection.connection
+    connection.close()
+    with prepared_cursor() as fresh:
+        assert connection.connection is not old
+        assert _raw(fresh) is not _raw(first)
+        fresh.execute("SELECT %(n)s::int", {"n": 4})
+        assert fresh.fetchone() == (4,)
+    with prepared_cursor() as kept:
+        assert _raw(kept) is _raw(fresh)
+
+
+def test_prepared__the_kept_cursor_serves_the_next_statement_after_an_error(
+    tmp_path, no_broker_publish
+):
+    first = _accept(tmp_path, key="twice")
+    with prepared_cursor() as cursor:
+        kept = _raw(cursor)
+    with pytest.raises(IntegrityError):
+        with prepared_cursor() as cursor:
+            cursor.execute(
+                "INSERT INTO idempotency_record (tenant, key, fingerprint, job_id, created_at)"
+                " VALUES (%(tenant)s, %(key)s, '', %(job)s, now())",
+                {"tenant": "tenant-a", "key": "twice", "job": first},
+            )
+    with prepared_cursor() as cursor:
+        assert _raw(cursor) is kept
+        cursor.execute(
+            "SELECT count(*) FROM idempotency_record WHERE key = %(key)s", {"key": "twice"}
+        )
+        assert cursor.fetchone() == (1,)
+    _accept(tmp_path, key="after")
