@@ -16,6 +16,10 @@ from conversion_jobs.models import ConversionJob
 from conversion_jobs.services.transitions import job_insert_params
 from conversion_jobs.states import State
 
+#: The parameters are built only for Postgres's acceptance statement (SQLite's acceptance goes
+#: through the ORM), and the equality they hold is with the Postgres backend's preparation.
+pytestmark = pytest.mark.postgres
+
 
 def _by_fields(job: ConversionJob) -> dict[str, Any]:
     return {

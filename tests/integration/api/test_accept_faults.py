@@ -37,6 +37,7 @@ def test_submit__fault_after_job_insert_leaves_no_row(pdf_file, no_broker_publis
     assert retry.status_code == 202
 
 
+@pytest.mark.postgres  # on SQLite every acceptance is one ORM transaction (and the fault fires)
 @pytest.mark.django_db(transaction=True)
 def test_submit__fresh_source_is_accepted_in_one_autocommitted_statement(
     pdf_file, no_broker_publish
