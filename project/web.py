@@ -51,6 +51,7 @@ from uvicorn_worker import UvicornWorker
 
 from conversion_jobs.db import health_check_by_socket
 
+log = logging.getLogger(__name__)
 access_logger = logging.getLogger("quire.access")
 
 MIB = 1024 * 1024
@@ -322,12 +323,27 @@ def _next_batch(chunks: Iterator[bytes]) -> bytes | None:
     return b"".join(batch) if batch else None
 
 
+class DownloadCut(Exception):
+    """A download's stored bytes could not be read after its response started (a PNG result's
+    page deleted meanwhile, say): the server can only close the connection short of its
+    ``Content-Length``. Raised in place of the store's error, whose message names the object's
+    path or key (the job id): the server logs this one's traceback instead."""
+
+
 async def _batches_on_thread(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:
     """``chunks`` as an async iterator, a batch per hop onto the request's thread; the next
     batch is read only when the server asks for it, after the client drained the last one
-    (uvicorn's ``send`` waits while the transport is paused)."""
+    (uvicorn's ``send`` waits while the transport is paused). A read that fails is logged by
+    its error's class only and ends the body with ``DownloadCut``."""
     next_batch = sync_to_async(_next_batch, thread_sensitive=True)
-    while (batch := await next_batch(chunks)) is not None:
+    while True:
+        try:
+            batch = await next_batch(chunks)
+        except Exception as exc:
+            log.warning("download cut short", extra={"error": type(exc).__name__})
+            raise DownloadCut("a stored object of this download could not be read") from None
+        if batch is None:
+            return
         yield batch
 
 

@@ -314,3 +314,9 @@ def test_png_result__a_page_deleted_while_a_client_reads_cuts_the_connection(
     )
     assert (again.status_code, again.json()["code"]) == (500, "result_incomplete")
     assert requests.get(f"{base}/health/live", timeout=5).status_code == 200
+    # The cut is logged by its error's class; the vanished object's path or key (the store's
+    # own error message names it) reaches no log line. (The access log has the request path.)
+    log = web.log.read_text(errors="replace")
+    assert "download cut short" in log and "DownloadCut" in log
+    key = last.artifact_key or ""
+    assert key and key not in log and "No such file" not in log
