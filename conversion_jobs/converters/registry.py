@@ -280,15 +280,94 @@ def _page_dest(dest_dir: Path, page: int, output: str) -> Path:
     return dest_dir / f"page-{page:04d}{_SUFFIX[output]}"
 
 
-class PdfConverter:
+class _ChildPages:
+    """``convert_page`` and ``request_pages`` of a converter whose pages its document's child
+    session converts with ``page_op``; a converter says which outputs it can make now
+    (``_check_output``) and what else its page requests carry (``_page_args_for``)."""
+
+    page_op: str
+    outputs: frozenset[str]
+
+    def _check_output(self, media_type: str, output: str) -> None:
+        if output not in self.outputs:
+            raise UnsupportedConversion(f"{media_type} -> {output}")
+
+    def _page_args_for(self, output: str, options: dict | None, inline_max_bytes: int) -> dict:
+        """The page requests' ``password`` and ``inline_max_bytes`` (none by default)."""
+        return {}
+
+    def convert_page(
+        self,
+        *,
+        prepared,
+        page,
+        output,
+        options,
+        dest_dir,
+        limits,
+        should_stop,
+        lookahead=(),
+        inline_max_bytes=0,
+    ) -> PageArtifact:
+        self._check_output(prepared.media_type, output)
+        return _page_call(
+            op=self.page_op,
+            prepared=prepared,
+            page=page,
+            output=output,
+            options=options,
+            dest_dir=dest_dir,
+            limits=limits,
+            should_stop=should_stop,
+            lookahead=lookahead,
+            **self._page_args_for(output, options, inline_max_bytes),
+        )
+
+    def request_pages(
+        self,
+        *,
+        prepared,
+        pages,
+        output,
+        options,
+        dest_dir,
+        limits,
+        should_stop,
+        inline_max_bytes=0,
+    ) -> None:
+        try:
+            self._check_output(prepared.media_type, output)
+        except UnsupportedConversion:
+            return  # the first convert_page raises it
+        _request_first(
+            op=self.page_op,
+            prepared=prepared,
+            pages=pages,
+            output=output,
+            options=options,
+            dest_dir=dest_dir,
+            limits=limits,
+            should_stop=should_stop,
+            **self._page_args_for(output, options, inline_max_bytes),
+        )
+
+
+class PdfConverter(_ChildPages):
     """PDF -> text (pypdfium2 text layer) or png (pypdfium2 render at options.dpi)."""
 
     name = "pdfium"
     media_types = frozenset({PDF})
     outputs = frozenset({"text", "png"})
+    page_op = "pdf_page"
 
     def available(self) -> bool:
         return True
+
+    def _page_args_for(self, output: str, options: dict | None, inline_max_bytes: int) -> dict:
+        return {
+            "password": (options or {}).get("password"),
+            "inline_max_bytes": inline_max_bytes if output == "text" else 0,
+        }
 
     def prepare(
         self, *, source, media_type, workdir, limits, should_stop, options=None, first=None
@@ -314,71 +393,22 @@ class PdfConverter:
             first_requested=first is not None,
         )
 
-    def convert_page(
-        self,
-        *,
-        prepared,
-        page,
-        output,
-        options,
-        dest_dir,
-        limits,
-        should_stop,
-        lookahead=(),
-        inline_max_bytes=0,
-    ) -> PageArtifact:
-        if output not in self.outputs:
-            raise UnsupportedConversion(f"{prepared.media_type} -> {output}")
-        return _page_call(
-            op="pdf_page",
-            prepared=prepared,
-            page=page,
-            output=output,
-            options=options,
-            dest_dir=dest_dir,
-            limits=limits,
-            should_stop=should_stop,
-            lookahead=lookahead,
-            password=(options or {}).get("password"),
-            inline_max_bytes=inline_max_bytes if output == "text" else 0,
-        )
 
-    def request_pages(
-        self,
-        *,
-        prepared,
-        pages,
-        output,
-        options,
-        dest_dir,
-        limits,
-        should_stop,
-        inline_max_bytes=0,
-    ) -> None:
-        if output in self.outputs:
-            _request_first(
-                op="pdf_page",
-                prepared=prepared,
-                pages=pages,
-                output=output,
-                options=options,
-                dest_dir=dest_dir,
-                limits=limits,
-                should_stop=should_stop,
-                password=(options or {}).get("password"),
-                inline_max_bytes=inline_max_bytes if output == "text" else 0,
-            )
-
-
-class ImageConverter:
+class ImageConverter(_ChildPages):
     """PNG / JPEG / TIFF, one page per frame -> png, pdf (img2pdf), text (tesseract)."""
 
     name = "image"
     media_types = IMAGE_TYPES
     outputs = frozenset({"text", "png", "pdf"})
+    page_op = "image_page"
 
     def available(self) -> bool:
         return True
+
+    def _check_output(self, media_type: str, output: str) -> None:
+        super()._check_output(media_type, output)
+        if output == "text" and not tesseract_available():
+            raise UnsupportedConversion("OCR (tesseract) is not installed")
 
     def prepare(
         self, *, source, media_type, workdir, limits, should_stop, options=None, first=None
@@ -395,59 +425,6 @@ class ImageConverter:
             document=Path(source), media_type=media_type, page_count=result["page_count"]
         )
 
-    def convert_page(
-        self,
-        *,
-        prepared,
-        page,
-        output,
-        options,
-        dest_dir,
-        limits,
-        should_stop,
-        lookahead=(),
-        inline_max_bytes=0,
-    ) -> PageArtifact:
-        if output not in self.outputs:
-            raise UnsupportedConversion(f"{prepared.media_type} -> {output}")
-        if output == "text" and not tesseract_available():
-            raise UnsupportedConversion("OCR (tesseract) is not installed")
-        return _page_call(
-            op="image_page",
-            prepared=prepared,
-            page=page,
-            output=output,
-            options=options,
-            dest_dir=dest_dir,
-            limits=limits,
-            should_stop=should_stop,
-            lookahead=lookahead,
-        )
-
-    def request_pages(
-        self,
-        *,
-        prepared,
-        pages,
-        output,
-        options,
-        dest_dir,
-        limits,
-        should_stop,
-        inline_max_bytes=0,
-    ) -> None:
-        if output in self.outputs and (output != "text" or tesseract_available()):
-            _request_first(
-                op="image_page",
-                prepared=prepared,
-                pages=pages,
-                output=output,
-                options=options,
-                dest_dir=dest_dir,
-                limits=limits,
-                should_stop=should_stop,
-            )
-
 
 def engine_label(converter: Converter) -> str:
     """The converter's name for metrics; LibreOffice's says whether its engine is warm."""
@@ -456,7 +433,7 @@ def engine_label(converter: Converter) -> str:
     return converter.name
 
 
-class OfficeConverter:
+class OfficeConverter(_ChildPages):
     """Office documents -> PDF with LibreOffice headless (private profile per call), then as PDF.
 
     Per-page ``pdf`` is that page split out of LibreOffice's PDF with pypdf.
@@ -465,6 +442,7 @@ class OfficeConverter:
     name = "libreoffice"
     media_types = OFFICE_TYPES
     outputs = frozenset({"text", "png", "pdf"})
+    page_op = "pdf_page"  # the pages of the PDF LibreOffice made
 
     def available(self) -> bool:
         return soffice_available()
@@ -515,57 +493,6 @@ class OfficeConverter:
                 )
                 session.hand_out(Path(result["document"]), document)
         return Prepared(document=document, media_type=PDF, page_count=result["page_count"])
-
-    def convert_page(
-        self,
-        *,
-        prepared,
-        page,
-        output,
-        options,
-        dest_dir,
-        limits,
-        should_stop,
-        lookahead=(),
-        inline_max_bytes=0,
-    ) -> PageArtifact:
-        if output not in self.outputs:
-            raise UnsupportedConversion(f"{prepared.media_type} -> {output}")
-        return _page_call(
-            op="pdf_page",
-            prepared=prepared,
-            page=page,
-            output=output,
-            options=options,
-            dest_dir=dest_dir,
-            limits=limits,
-            should_stop=should_stop,
-            lookahead=lookahead,
-        )
-
-    def request_pages(
-        self,
-        *,
-        prepared,
-        pages,
-        output,
-        options,
-        dest_dir,
-        limits,
-        should_stop,
-        inline_max_bytes=0,
-    ) -> None:
-        if output in self.outputs:
-            _request_first(
-                op="pdf_page",
-                prepared=prepared,
-                pages=pages,
-                output=output,
-                options=options,
-                dest_dir=dest_dir,
-                limits=limits,
-                should_stop=should_stop,
-            )
 
 
 CONVERTERS: tuple[Converter, ...] = (PdfConverter(), ImageConverter(), OfficeConverter())
