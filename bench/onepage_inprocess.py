@@ -170,6 +170,9 @@ def _run(what: str, n: int, warm: int) -> None:
     if what == "job":
         converters.sandbox.configure(work_dir=settings.QUIRE["WORK_DIR"])
         converters.warm()
+    if os.environ.get("BENCH_SETUP_SQL"):  # an experiment's schema change, e.g. a trigger off
+        with connection.cursor() as cursor:
+            cursor.execute(os.environ["BENCH_SETUP_SQL"])
     jobs = [make() for _ in range(n + warm)]
     for job in jobs[:warm]:
         run(job)
@@ -185,11 +188,49 @@ def _run(what: str, n: int, warm: int) -> None:
     def cpu() -> float:
         return time.process_time() if what == "statements" else tree_cpu_s(os.getpid())
 
+    counted: dict[str, int] = {}
+    if os.environ.get("BENCH_COUNT_STATEMENTS"):
+
+        def count(execute, sql, params, many, context):  # type: ignore[no-untyped-def]
+            head = " ".join(str(sql).split())[:90]
+            counted[head] = counted.get(head, 0) + 1
+            return execute(sql, params, many, context)
+
+        connection.execute_wrappers.append(count)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()"
+        )
+        (x0,) = cursor.fetchone()
     load = load_average()
     s0, w0, c0, p0 = wal_syncs(), time.perf_counter(), cpu(), _ticks_s(backend)
+    if os.environ.get("BENCH_CPROFILE"):  # this process's own profile (cProfile, CPU clock)
+        import cProfile
+
+        profiler = cProfile.Profile(time.process_time)
+        profiler.enable()
     for job in jobs[warm:]:
         run(job)
+    if os.environ.get("BENCH_CPROFILE"):
+        profiler.disable()
+        profiler.dump_stats(os.environ["BENCH_CPROFILE"])
     w1, c1, p1, s1 = time.perf_counter(), cpu(), _ticks_s(backend), wal_syncs()
+    if counted:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_stat_clear_snapshot()")
+            cursor.execute(
+                "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()"
+            )
+            (x1,) = cursor.fetchone()
+            cursor.execute(
+                "SELECT generic_plans, custom_plans, left(regexp_replace(statement, '\\s+', ' ',"
+                " 'g'), 60) FROM pg_prepared_statements"
+            )
+            for generic, custom, text in cursor.fetchall():
+                print(f"  prepared: generic {generic} custom {custom}  {text}")
+        print(f"commits per job (pg_stat_database, lagging): {(x1 - x0) / n:.2f}")
+        for head, times in sorted(counted.items(), key=lambda kv: -kv[1]):
+            print(f"  {times / n:6.2f}/job  {head}")
     who = "this process" if what == "statements" else "worker tree"
     print(
         f"{what}: N={n}  wall {1000 * (w1 - w0) / n:.2f} ms/job  {who} CPU "
