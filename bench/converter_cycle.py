@@ -4,7 +4,8 @@
 
 Runs ``--n`` one-page PDF -> text attempts in this process the way the runner drives the
 converter layer (``begin_attempt``, ``prepare`` with the first pages, one ``convert_page``
-with the inline text limit, ``release(spare=False)``, the work directory removed, ``warm()``;
+with the inline text limit, ``release(spare=False)``, the work directory emptied for the next
+attempt (``--workdir new``: removed), ``warm()``;
 synchronously: the runner does the last two on its tidying thread), after 20 unmeasured
 ones. Prints per attempt: wall time, CPU of this process (the worker's side), CPU of the fork
 server and every child it forked and reaped (the *zygote tree*: ``/proc/<zygote>/stat`` utime +
@@ -43,10 +44,18 @@ def main() -> int:
     parser.add_argument("--n", type=int, default=300)
     parser.add_argument("--reuse", choices=("attempt", "tenant"), default="attempt")
     parser.add_argument("--sandbox", choices=("on", "off"), default="on")
+    parser.add_argument(
+        "--workdir",
+        choices=("reuse", "new"),
+        default="reuse",
+        help="reuse: the last attempt's emptied work dir renamed, as the runner does since "
+        "session 7; new: a directory made and removed per attempt (before)",
+    )
     args = parser.parse_args()
 
     from conversion_jobs import converters
     from conversion_jobs.converters import Limits, sandbox, sessions, zygote
+    from conversion_jobs.converters.isolation import empty_directory
     from tests.testdocs import pdf_bytes
 
     os.environ[sandbox.MODE_ENV] = args.sandbox
@@ -59,9 +68,15 @@ def main() -> int:
     # As the runner's first run: the prepare carries the first pages (ADR 0017, session 6).
     first = converters.FirstPages(pages=tuple(range(1, 33)), output="text", inline_max_bytes=65536)
 
+    emptied: list[Path] = []
+
     def attempt(i: int) -> None:
         workdir = scratch / f"attempt-{i}"
-        workdir.mkdir(mode=0o700)
+        if emptied:  # as runner._workdir_make
+            os.rename(emptied.pop(), workdir)
+            os.utime(workdir)
+        else:
+            workdir.mkdir(mode=0o700)
         source = workdir / "source"
         source.write_bytes(document)
         converters.begin_attempt(tenant="bench-tenant")
@@ -88,7 +103,10 @@ def main() -> int:
             raise AssertionError(page)
         converters.release(spare=False)
         converters.begin_attempt(tenant=None)
-        shutil.rmtree(workdir)
+        if args.workdir == "reuse" and empty_directory(workdir):  # as runner._tidy
+            emptied.append(workdir)
+        else:
+            shutil.rmtree(workdir)
         converters.warm()
 
     try:

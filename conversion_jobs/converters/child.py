@@ -186,8 +186,9 @@ def _start_watchdog(watch: _Watch, *, parent_pid: int) -> None:
 
 def _reset() -> None:
     """Forget the attempt that ended (converter reuse within a tenant, sessions.py): close the
-    open document and leave its private directory, which the parent then removes. The next
-    ``setup`` gives the next attempt a new one."""
+    open document and leave its private directory, which the parent has emptied (and removes
+    if the child is not kept). The next ``setup`` gives the next attempt that directory again,
+    empty, or a new one."""
     pdfops = sys.modules.get("conversion_jobs.converters.pdfops")
     if pdfops is not None:
         pdfops.close_document()

@@ -77,6 +77,9 @@ class ChildSession:
         self.spawned_at = self.last_used = time.monotonic()
         self.limits: Limits | None = None
         self.private: Path | None = None
+        #: a kept child's private directory, emptied when it was kept: its next ``setup``
+        #: takes it again instead of making a new one (``empty_directory``)
+        self.emptied: Path | None = None
         self.closed = False
         #: converter reuse within a tenant (sessions.py): whose attempts it served, how many,
         #: and whether any request failed (a failed session is never reused)
@@ -120,11 +123,13 @@ class ChildSession:
         attempt) as the first step of the next request, in the same round trip: no request
         ever runs before its setup, and a session costs one round trip less."""
         root = self.proc.sandbox_root
-        name = f".isolated-{uuid.uuid4().hex}"
-        private = root.work / name if root is not None else Path(scratch_dir) / name
-        private.mkdir(parents=True, mode=0o700)
-        if root is not None and os.geteuid() == 0:
-            os.chown(private, root.uid, root.gid)
+        private, self.emptied = self.emptied, None
+        if private is None or not private.is_dir():
+            name = f".isolated-{uuid.uuid4().hex}"
+            private = root.work / name if root is not None else Path(scratch_dir) / name
+            private.mkdir(parents=True, mode=0o700)
+            if root is not None and os.geteuid() == 0:
+                os.chown(private, root.uid, root.gid)
         self.private, self.limits = private, limits
         setup: dict = {"directory": str(private), "limits": asdict(limits)}
         if self.reset_due:
@@ -464,8 +469,9 @@ class ChildSession:
         for stream in (self.proc.stdin, self.proc.stdout, self._stderr):
             if stream is not None:
                 stream.close()
-        if self.private is not None:
-            shutil.rmtree(self.private, ignore_errors=True)
+        for directory in (self.private, self.emptied):
+            if directory is not None:
+                shutil.rmtree(directory, ignore_errors=True)
 
     def __enter__(self) -> ChildSession:
         return self
@@ -565,3 +571,23 @@ def _group_exists(pgid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def empty_directory(path: Path) -> bool:
+    """Remove everything in ``path`` but keep the directory itself, for the next attempt of
+    this process to take it (a rename, or the same path) instead of a new one: on the work
+    disk, a directory made and removed per attempt costs the kernel's inode allocator far more
+    than emptying it (ADR 0017, session 7). True only if the directory is there and empty
+    afterwards; on False the caller removes it as before and the next attempt makes a new one.
+    Symbolic links are removed, never followed."""
+    try:
+        with os.scandir(path) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path)
+                else:
+                    os.unlink(entry.path)
+        with os.scandir(path) as entries:
+            return next(entries, None) is None
+    except OSError:
+        return False

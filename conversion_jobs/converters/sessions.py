@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import atexit
 import os
-import shutil
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from .base import CHILD_IDLE_EXIT_S, Limits
 from .errors import ConversionError
-from .isolation import ChildSession
+from .isolation import ChildSession, empty_directory
 from .zygote import current_zygote, stop_zygote
 
 MAX_IDLE_S = CHILD_IDLE_EXIT_S / 2
@@ -114,11 +113,14 @@ def _keep(session: ChildSession) -> bool:
         return False
     # The child's reset (close the document, forget the directory) rides on its next setup,
     # which travels with the next attempt's first request: no round trip of its own, and
-    # nothing of this attempt is visible to that request. The directory goes now.
-    session.reset_due = True
+    # nothing of this attempt is visible to that request. The directory is emptied now (its
+    # files go before this returns) and kept for that setup; if it cannot be emptied the
+    # child is not kept.
     if session.private is not None:
-        shutil.rmtree(session.private, ignore_errors=True)
-        session.private, session.document = None, None
+        if not empty_directory(session.private):
+            return False
+        session.emptied, session.private, session.document = session.private, None, None
+    session.reset_due = True
     session.tenant, session.attempts = tenant, session.attempts + 1
     with _lock:
         stale, _kept = _kept, session

@@ -145,11 +145,20 @@ def _is_uuid(name: str) -> bool:
     return True
 
 
+#: An emptied work dir waiting for its worker process's next attempt is
+#: ``<WORK_DIR>/.spare-work-<hex>`` (``runner._tidy``: the ended attempt's name is gone with its
+#: files). One left by a crashed process, or by a process idle for long, is removed here; a
+#: worker whose spare went makes a new directory.
+SPARE_WORKDIR_PREFIX = ".spare-work-"
+
+
 def work_dirs_remove_stale(*, older_than_s: float | None = None) -> int:
     """Remove attempt work directories whose attempt is no longer running (a crashed worker's
     leftovers). A directory is ``<WORK_DIR>/<job_id>.<attempt_id>-<token>`` (before session 5
     ``<WORK_DIR>/<job_id>/<attempt_id>-<token>``, still recognised); it is live while its
-    attempt row is unfinished. Young directories are left alone (their claim may be committing)."""
+    attempt row is unfinished. Young directories are left alone (their claim may be committing).
+    Spare work dirs (``SPARE_WORKDIR_PREFIX``, empty) go once older than the same cutoff; they
+    are not counted."""
     root = Path(settings.QUIRE["WORK_DIR"])
     if not root.exists():
         return 0
@@ -161,6 +170,15 @@ def work_dirs_remove_stale(*, older_than_s: float | None = None) -> int:
         # (``.sandbox/<pid>-…``) also live here, and an idle worker's must never be taken for a
         # dead attempt's.
         job, dot, attempt = entry.name.partition(".")
+        if entry.name.startswith(SPARE_WORKDIR_PREFIX):
+            # rmdir by name, never rmtree: a spare is empty, and a worker that renames it into
+            # its attempt's name at this moment keeps it (the name is gone: ENOENT).
+            try:
+                if entry.stat().st_mtime < cutoff:
+                    entry.rmdir()
+            except OSError:
+                pass
+            continue
         if dot and _is_uuid(job):
             attempt_dirs = [(entry, attempt)]
         elif _is_uuid(entry.name) and entry.is_dir():

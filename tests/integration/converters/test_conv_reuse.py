@@ -53,6 +53,7 @@ def _attempt(tmp_path: Path, name: str, *, tenant: str, options=None) -> dict:
     session = sessions.session_for(document=prepared.document, scratch_dir=workdir, limits=FAST)
     probe = session.call("probe", {}, timeout_s=10, should_stop=never)
     private, document, pid = session.private, session.document, session.pgid
+    files = sorted(str(p.relative_to(private)) for p in private.rglob("*") if not p.is_dir())
     sessions.release()
     sessions.begin_attempt(tenant=None)
     # pid: as this host sees it (a sandboxed child has other pids inside)
@@ -60,6 +61,7 @@ def _attempt(tmp_path: Path, name: str, *, tenant: str, options=None) -> dict:
         "pid": pid,
         "probe": probe,
         "private": private,
+        "files": files,
         "document": document,
         "failure": failure,
     }
@@ -78,10 +80,13 @@ def test_same_tenant_reuses__nothing_of_the_previous_attempt_is_visible(tmp_path
     first = _attempt(tmp_path, "a1", tenant="tenant-pseudonym-a")
     second = _attempt(tmp_path, "a2", tenant="tenant-pseudonym-a")
     assert second["pid"] == first["pid"]
-    # The earlier attempt's directory is gone and the child never looks at it again: a new
-    # private directory, the earlier document no longer open.
-    assert not first["private"].exists()
-    assert second["probe"]["cwd"] != first["probe"]["cwd"]
+    # The earlier attempt's files are gone and the child never looks at them again: its
+    # private directory was emptied when the child was kept and is taken again (ADR 0017,
+    # session 7: no directory made and removed per attempt), the earlier document is closed.
+    assert first["files"] == [first["document"].name]
+    assert second["files"] == [second["document"].name]
+    assert second["private"] == first["private"]
+    assert second["probe"]["cwd"] == str(second["private"])
     assert second["probe"]["open_document"] == str(second["document"])
     assert not first["document"].exists()
     assert str(tmp_path / "a1") not in str(second["probe"])
@@ -127,7 +132,7 @@ def test_attempt_mode_never_reuses(tmp_path, reuse):
 def test_kept_child__forgets_the_previous_attempt_in_its_next_setup(tmp_path, reuse):
     """The kept child's reset rides on the next attempt's setup (ADR 0017, session 4): by the
     time that setup has answered, before any document of the new attempt is opened, the
-    earlier document is closed and the child works in a new directory."""
+    earlier document is closed and the child works in its emptied directory."""
     first = _attempt(tmp_path, "k1", tenant="tenant-pseudonym-a")
     assert first["probe"]["open_document"] is not None
     sessions.begin_attempt(tenant="tenant-pseudonym-a")
@@ -139,9 +144,11 @@ def test_kept_child__forgets_the_previous_attempt_in_its_next_setup(tmp_path, re
         probe = session.call("probe", {}, timeout_s=10, should_stop=never)
         assert session.pgid == first["pid"]  # the same child, reused
         assert probe["open_document"] is None
-        assert probe["cwd"] != first["probe"]["cwd"]
+        assert probe["cwd"] == str(session.private)
         assert str(tmp_path / "k1") not in str(probe)
-        assert not first["private"].exists()
+        # The reused private directory holds this attempt's document only.
+        assert [p.name for p in session.private.iterdir()] == [session.document.name]
+        assert not first["document"].exists()
     finally:
         sessions.release()
         sessions.begin_attempt(tenant=None)

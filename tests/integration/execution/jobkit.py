@@ -145,11 +145,31 @@ def work_dir_entries() -> list[Path]:
     # A warm engine outlives attempts (ADR 0019; what it keeps is tested on its own): its
     # private directory, and with the sandbox off ``.engines``, are not an attempt's leftovers.
     kept = [root / ".engines", engines.host_private()]
+    # Empty directories held for this process's next attempt (ADR 0017, session 7): the spare
+    # work dir and a kept converter child's emptied private directory. Only the directory
+    # itself is skipped: anything in it counts.
+    skeleton |= set(held_empty_dirs())
     return sorted(
         p
         for p in root.rglob("*")
         if p not in skeleton and not any(k is not None and (p == k or k in p.parents) for k in kept)
     )
+
+
+def held_empty_dirs() -> list[Path]:
+    """This process's spare work dir and its kept converter child's emptied private directory
+    (either may be absent)."""
+    from conversion_jobs.converters import sessions
+    from conversion_jobs.services import runner
+
+    held = []
+    spare = runner._spare_workdir
+    if spare is not None and spare[0] == os.getpid():
+        held.append(spare[1])
+    kept = sessions._kept
+    if kept is not None and kept.emptied is not None:
+        held.append(kept.emptied)
+    return held
 
 
 def result_files(job_id: uuid.UUID) -> list[str]:

@@ -4,8 +4,10 @@ the process's next attempt starts converting only once that is done."""
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 from django.conf import settings
@@ -58,4 +60,57 @@ def test_next_attempt__waits_for_the_previous_attempts_tidying(tmp_path: Path) -
     assert worker.result() == "succeeded"
     tidy_wait()  # the second attempt's own tidying runs after its task returned
     assert _work_dirs(first) == [] and _work_dirs(second) == []
+    assert work_dir_entries() == []
+
+
+def test_next_attempt__takes_the_previous_attempts_emptied_work_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tidying empties the attempt's work dir and renames it to a spare; the process's next
+    attempt renames the spare into its own name (one inode, no mkdir / rmdir per attempt) and
+    finds nothing of the previous attempt in it."""
+    from conversion_jobs.services import runner
+    from conversion_jobs.services.recovery import SPARE_WORKDIR_PREFIX
+
+    first = submit(_pdf(tmp_path, "first"), output="text")
+    second = submit(_pdf(tmp_path, "second"), output="text")
+    assert execute(first) == "succeeded"
+    tidy_wait()
+    assert _work_dirs(first) == []  # the attempt's name is gone with its files
+    spare = runner._spare_workdir
+    assert spare is not None and spare[0] == os.getpid()
+    assert spare[1].name.startswith(SPARE_WORKDIR_PREFIX)
+    assert list(spare[1].iterdir()) == []
+    inode = spare[1].stat().st_ino
+
+    seen: dict[str, Any] = {}
+    make = runner._workdir_make
+
+    def watched(workdir: Path) -> Path:
+        made = make(workdir)
+        seen.update(inode=made.stat().st_ino, entries=list(made.iterdir()), name=made.name)
+        return made
+
+    monkeypatch.setattr(runner, "_workdir_make", watched)
+    assert execute(second) == "succeeded"
+    assert seen["inode"] == inode and seen["entries"] == []
+    assert seen["name"].startswith(f"{second.id}.")
+    assert not spare[1].exists()
+    assert work_dir_entries() == []
+
+
+def test_next_attempt__makes_a_work_dir_when_its_spare_is_gone(tmp_path: Path) -> None:
+    """The stale-work-dir sweep may remove an idle process's spare: the next attempt makes a
+    new directory."""
+    from conversion_jobs.services import runner
+
+    first = submit(_pdf(tmp_path, "first"), output="text")
+    second = submit(_pdf(tmp_path, "second"), output="text")
+    assert execute(first) == "succeeded"
+    tidy_wait()
+    spare = runner._spare_workdir
+    assert spare is not None
+    spare[1].rmdir()
+    assert execute(second) == "succeeded"
+    assert ConversionJob.objects.get(id=second.id).state == State.SUCCEEDED
     assert work_dir_entries() == []

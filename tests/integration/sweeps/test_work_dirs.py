@@ -51,3 +51,31 @@ def test_work_dirs_remove_stale__both_layouts_dead_removed_live_and_young_kept(s
     assert not dead_nested.parent.exists()  # the older layout's job directory goes too
     assert live_flat.is_dir() and young_flat.is_dir()
     assert root.is_dir()
+
+
+def test_work_dirs_remove_stale__old_spare_removed_young_spare_kept(settings):
+    from conversion_jobs.services.recovery import SPARE_WORKDIR_PREFIX
+
+    root = Path(settings.QUIRE["WORK_DIR"])
+    old_spare = aged(root / f"{SPARE_WORKDIR_PREFIX}{uuid.uuid4().hex}")
+    young_spare = root / f"{SPARE_WORKDIR_PREFIX}{uuid.uuid4().hex}"
+    young_spare.mkdir(parents=True)
+
+    assert work_dirs_remove_stale(older_than_s=60) == 0  # spares are not counted
+    assert not old_spare.exists()
+    assert young_spare.is_dir()
+
+
+def test_work_dirs_remove_stale__a_spare_with_files_is_never_emptied(settings):
+    """A spare is removed by name only when empty (``rmdir``): were a worker to rename it into
+    an attempt's name and write into it at that moment, no file of the attempt could go."""
+    from conversion_jobs.services.recovery import SPARE_WORKDIR_PREFIX
+
+    root = Path(settings.QUIRE["WORK_DIR"])
+    spare = root / f"{SPARE_WORKDIR_PREFIX}{uuid.uuid4().hex}"
+    spare.mkdir(parents=True)
+    (spare / "source").write_bytes(b"x")
+    aged(spare)
+
+    work_dirs_remove_stale(older_than_s=60)
+    assert (spare / "source").exists()
