@@ -169,10 +169,11 @@ def _workdir_make(workdir: Path) -> Path:
     if spare is not None and spare[0] == os.getpid():
         try:
             os.rename(spare[1], workdir)  # fails if the sweep removed it meanwhile
-            os.utime(workdir)
-            return workdir
         except OSError:
             shutil.rmtree(spare[1], ignore_errors=True)
+        else:
+            os.utime(workdir)
+            return workdir
     workdir.mkdir(parents=True, mode=0o700)
     return workdir
 
