@@ -95,6 +95,18 @@ def _job_response(job: ConversionJob, *, status: int, **headers: str) -> Respons
     return response
 
 
+def _rendered_job_response(job: ConversionJob, *, status: int, **headers: str) -> HttpResponse:
+    """:func:`_job_response` rendered at once, for the lean submission path: the bytes DRF's
+    JSON renderer makes of it (the same renderer, negotiated as ``application/json``), the
+    same headers in the same order, without a ``Response`` to render later."""
+    body = _NEGOTIATED.accepted_renderer.render(job_representation(job), "application/json", {})
+    response = HttpResponse(body, status=status, content_type="application/json")
+    response["ETag"] = f'"v{job.state_version}"'
+    for name, value in headers.items():
+        response[name.replace("_", "-")] = value
+    return response
+
+
 class JobCollectionView(QuireView):
     required_scopes = {"GET": "jobs:read", "POST": "jobs:submit"}
 
@@ -109,7 +121,7 @@ class JobCollectionView(QuireView):
         summary="Submit a document for conversion",
         operation_id="jobs_submit",
     )
-    def post(self, request: Request) -> Response:
+    def post(self, request: Request) -> HttpResponseBase:
         response = self._submit(
             request._request,
             content_type=request.content_type,
@@ -153,7 +165,9 @@ class JobCollectionView(QuireView):
             content_type = request.META.get(
                 "CONTENT_TYPE", request.META.get("HTTP_CONTENT_TYPE", "")
             )
-            response = self._submit(request, content_type=content_type, parsed=None)
+            response = self._submit(
+                request, content_type=content_type, parsed=None, answer=_rendered_job_response
+            )
             if response is None:
                 return None  # not a small plain form: DRF parses it
         except Exception as exc:
@@ -169,10 +183,12 @@ class JobCollectionView(QuireView):
         *,
         content_type: str,
         parsed: Callable[[], tuple[Any, Any]] | None,
-    ) -> Response | None:
+        answer: Callable[..., HttpResponseBase] = _job_response,
+    ) -> HttpResponseBase | None:
         """Stage the upload, accept the job, answer 202 / 200. ``parsed``: the upload and the
         form as DRF's parsers read them, for a body that is not a small plain form; without it
-        such a body returns None (before anything was staged)."""
+        such a body returns None (before anything was staged). ``answer`` builds the 202 / 200
+        (a DRF ``Response``, or for the lean path the same answer rendered at once)."""
         handler = StagingUploadHandler(request, max_bytes=settings.QUIRE["MAX_UPLOAD_BYTES"])
         request.upload_handlers = [handler]
         try:
@@ -214,15 +230,13 @@ class JobCollectionView(QuireView):
         faults.hit("accept.after_commit")
         if acceptance.created:
             metrics.ADMISSIONS.labels(result="accepted", reason="").inc()
-            return _job_response(
-                acceptance.job, status=202, Location=f"/api/v1/jobs/{acceptance.job.id}"
-            )
+            return answer(acceptance.job, status=202, Location=f"/api/v1/jobs/{acceptance.job.id}")
         if acceptance.replayed:
             metrics.ADMISSIONS.labels(result="replayed", reason="").inc()
             metrics.IDEMPOTENT_REPLAYS.inc()
-            return _job_response(acceptance.job, status=200, Idempotent_Replayed="true")
+            return answer(acceptance.job, status=200, Idempotent_Replayed="true")
         metrics.ADMISSIONS.labels(result="duplicate", reason="").inc()
-        return _job_response(acceptance.job, status=200)
+        return answer(acceptance.job, status=200)
 
     @extend_schema(
         parameters=[
