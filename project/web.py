@@ -8,7 +8,7 @@
   server gives itself as ``application/problem+json`` with a stable code.
 * :class:`QuireASGIHandler` - Django's ASGI handler, with the sync parts of every request
   (middleware, DRF views, ORM) on a fixed set of ``WEB_THREADS`` long-lived threads per process
-  instead of a new thread per request.
+  instead of a new thread per request; the API's own views without the admin's middleware.
 * :class:`Liveness` - ``/health/live`` answered on the event loop, never behind a busy thread.
 * :class:`AccessLog` - one content-free line per request.
 
