@@ -31,7 +31,19 @@ _SECRET_ATTRS = re.compile(
 _STANDARD = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
 
 
+#: Any of ``_PATTERNS`` (each with its own flags): one scan finds that a message - an access
+#: line, say - has nothing to redact, instead of one scan per pattern (ADR 0017, session 7).
+_ANY = re.compile(
+    "|".join(
+        f"(?{'i' if p.flags & re.IGNORECASE else '-i'}:{p.pattern.removeprefix('(?i)')})"
+        for p, _ in _PATTERNS
+    )
+)
+
+
 def redact(text: str) -> str:
+    if _ANY.search(text) is None:
+        return text
     for pattern, replacement in _PATTERNS:
         text = pattern.sub(replacement, text)
     return text

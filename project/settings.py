@@ -73,6 +73,16 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
+#: What only the admin needs (its session, its CSRF-protected forms, its user and messages): the
+#: web's handler (project.web.QuireASGIHandler) runs the API's own views through
+#: ``MIDDLEWARE`` without these, the admin and everything else through all of it (ADR 0017,
+#: session 7). An API request neither reads nor writes a session or a CSRF cookie.
+ADMIN_ONLY_MIDDLEWARE = (
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+)
 CSRF_FAILURE_VIEW = "conversion_jobs.api.problems.csrf_failure"
 X_FRAME_OPTIONS = "DENY"
 

@@ -8,7 +8,7 @@
   server gives itself as ``application/problem+json`` with a stable code.
 * :class:`QuireASGIHandler` - Django's ASGI handler, with the sync parts of every request
   (middleware, DRF views, ORM) on a fixed set of ``WEB_THREADS`` long-lived threads per process
-  instead of a new thread per request.
+  instead of a new thread per request; the API's own views without the admin's middleware.
 * :class:`Liveness` - ``/health/live`` answered on the event loop, never behind a busy thread.
 * :class:`AccessLog` - one content-free line per request.
 
@@ -39,6 +39,7 @@ from queue import SimpleQueue
 from typing import Any
 
 from asgiref.sync import ThreadSensitiveContext, iscoroutinefunction, sync_to_async
+from django.conf import settings
 from django.core import signals
 from django.core.exceptions import RequestAborted
 from django.core.handlers.asgi import ASGIHandler, get_script_prefix
@@ -46,6 +47,7 @@ from django.core.handlers.base import BaseHandler
 from django.db import connection
 from django.http import HttpRequest, HttpResponseBase, StreamingHttpResponse
 from django.urls import Resolver404, get_resolver, set_script_prefix
+from rest_framework.views import APIView
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from uvicorn_worker import UvicornWorker
 
@@ -197,7 +199,7 @@ class QuireASGIHandler(ASGIHandler):
     sync calls still run on one thread (Django's thread-sensitivity contract), persistent
     database connections work as under gthread, and an awaiting request holds nothing."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, lean_api: bool = True) -> None:
         super().__init__()
         count = max(1, int(os.environ.get("WEB_THREADS", "4")))
         self.threads = [_SyncThread(f"quire-sync-{n}") for n in range(count)]
@@ -207,6 +209,16 @@ class QuireASGIHandler(ASGIHandler):
         # (ADR 0017 addendum: ~10 hops, each a context copy and two thread hand-overs).
         self.sync_handler = BaseHandler()
         self.sync_handler.load_middleware(is_async=False)
+        # The API's own views get the chain without the admin's middleware (sessions, CSRF,
+        # users, messages: ``ADMIN_ONLY_MIDDLEWARE``), ≈ 0.1 ms of the web's CPU per request
+        # (ADR 0017, session 7); the admin and every other path keep the whole chain.
+        self.api_handler = self.sync_handler
+        if lean_api:
+            self.api_handler = BaseHandler()
+            _load_sync_middleware(
+                self.api_handler,
+                [m for m in settings.MIDDLEWARE if m not in settings.ADMIN_ONLY_MIDDLEWARE],
+            )
         self._sync_response = sync_to_async(self._started_then_respond, thread_sensitive=True)
 
     def _started_then_respond(self, request: HttpRequest) -> HttpResponseBase:
@@ -221,7 +233,8 @@ class QuireASGIHandler(ASGIHandler):
         download) is still closed after its body was sent, on its thread."""
         signals.request_started.send(sender=self.__class__, scope=request.scope)  # type: ignore[attr-defined]
         health_check_by_socket(connection)  # no SELECT 1 per request (conversion_jobs/db.py)
-        response = self.sync_handler.get_response(request)
+        handler = self.api_handler if _api_view(request.path_info) else self.sync_handler
+        response = handler.get_response(request)
         if not response.streaming:
             response._handler_class = self.__class__  # type: ignore[attr-defined]  # as Django's
             response.close()
@@ -347,22 +360,54 @@ async def _batches_on_thread(chunks: Iterator[bytes]) -> AsyncIterator[bytes]:
         yield batch
 
 
+#: What a path resolves to (``_route``): an async view, one of the API's own sync views, or
+#: anything else (another view, or nothing: its 404 comes from the whole chain).
+ROUTE_ASYNC, ROUTE_API, ROUTE_OTHER = "async", "api", "other"
+
+
 def _async_view(path: str) -> bool:
     """Whether ``path`` resolves to an async view (it must stay on the event loop); a path that
     resolves to nothing goes the sync way (its 404 comes from the same middleware)."""
-    return _resolves_to_async_view(get_resolver(), path)
+    return _route(get_resolver(), path) == ROUTE_ASYNC
+
+
+def _api_view(path: str) -> bool:
+    """Whether ``path`` resolves to one of the API's own DRF views (``conversion_jobs.api``):
+    bearer tokens, no session, no forms; they run without ``ADMIN_ONLY_MIDDLEWARE``."""
+    return _route(get_resolver(), path) == ROUTE_API
 
 
 @functools.lru_cache(maxsize=4096)
-def _resolves_to_async_view(resolver: Any, path: str) -> bool:
+def _route(resolver: Any, path: str) -> str:
     """Memoised per URL configuration and path: the answer never changes for them, and
     resolving on the event loop for every request was ≈ 2.5 % of the web's CPU per accepted
     job (ADR 0017, session 6). Bounded: paths with ids in them only cost their own miss."""
     try:
         match = resolver.resolve(path)
     except Resolver404:
-        return False
-    return iscoroutinefunction(match.func)
+        return ROUTE_OTHER
+    if iscoroutinefunction(match.func):
+        return ROUTE_ASYNC
+    view_class = getattr(match.func, "cls", None)
+    if (
+        isinstance(view_class, type)
+        and issubclass(view_class, APIView)
+        and view_class.__module__.startswith("conversion_jobs.api.")
+    ):
+        return ROUTE_API
+    return ROUTE_OTHER
+
+
+def _load_sync_middleware(handler: BaseHandler, middleware: list[str]) -> None:
+    """``handler.load_middleware(is_async=False)`` over ``middleware`` instead of
+    ``settings.MIDDLEWARE`` (Django reads the setting; it is swapped for the call, once, while
+    the process starts)."""
+    whole = settings.MIDDLEWARE
+    settings.MIDDLEWARE = middleware
+    try:
+        handler.load_middleware(is_async=False)
+    finally:
+        settings.MIDDLEWARE = whole
 
 
 class Liveness:

@@ -30,7 +30,7 @@ from rest_framework.views import APIView
 
 from conversion_jobs import converters, faults, selectors, storage
 from conversion_jobs.api import waiting
-from conversion_jobs.api.auth import HasScope, Principal
+from conversion_jobs.api.auth import BearerJWTAuthentication, HasScope, Principal
 from conversion_jobs.api.representation import (
     event_representation,
     job_representation,
@@ -95,6 +95,18 @@ def _job_response(job: ConversionJob, *, status: int, **headers: str) -> Respons
     return response
 
 
+def _rendered_job_response(job: ConversionJob, *, status: int, **headers: str) -> HttpResponse:
+    """:func:`_job_response` rendered at once, for the lean submission path: the bytes DRF's
+    JSON renderer makes of it (the same renderer, negotiated as ``application/json``), the
+    same headers in the same order, without a ``Response`` to render later."""
+    body = _NEGOTIATED.accepted_renderer.render(job_representation(job), "application/json", {})
+    response = HttpResponse(body, status=status, content_type="application/json")
+    response["ETag"] = f'"v{job.state_version}"'
+    for name, value in headers.items():
+        response[name.replace("_", "-")] = value
+    return response
+
+
 class JobCollectionView(QuireView):
     required_scopes = {"GET": "jobs:read", "POST": "jobs:submit"}
 
@@ -109,22 +121,89 @@ class JobCollectionView(QuireView):
         summary="Submit a document for conversion",
         operation_id="jobs_submit",
     )
-    def post(self, request: Request) -> Response:
-        handler = StagingUploadHandler(
-            request._request, max_bytes=settings.QUIRE["MAX_UPLOAD_BYTES"]
+    def post(self, request: Request) -> HttpResponseBase:
+        response = self._submit(
+            request._request,
+            content_type=request.content_type,
+            parsed=lambda: (request.FILES.get("file"), request.data),
         )
-        request._request.upload_handlers = [handler]
+        assert response is not None  # noqa: S101 - with ``parsed`` there is always an answer
+        return response
+
+    def dispatch(self, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
+        """DRF's dispatch, except for the common submission: a POST that DRF would negotiate
+        to JSON, with a valid token carrying ``jobs:submit`` and a small body in the plain
+        multipart shape, is answered without DRF's per-request machinery (ADR 0017, session 7).
+        Anything else - no or a bad token, a missing scope, another ``Accept``, a query
+        string, a larger or unusual body - goes through DRF as before, which gives every error
+        its answer; the lean path's own errors (after authentication) are answered by the
+        same exception handler and finalized by DRF's ``finalize_response``."""
+        if request.method == "POST":
+            response = self._lean_post(request)
+            if response is not None:
+                return response
+        return super().dispatch(request, *args, **kwargs)
+
+    def _lean_post(self, request: HttpRequest) -> HttpResponseBase | None:
+        """The submission without DRF's ``Request``, authenticators, permission classes and
+        content negotiation, with exactly their outcome; None: DRF must answer."""
+        if not _lean_submit_applies(self, request):
+            return None
         try:
-            if not request.content_type.startswith("multipart/form-data"):
+            authenticated = BearerJWTAuthentication().authenticate(request)  # type: ignore[arg-type]
+            if authenticated is None:
+                return None
+            request.user = authenticated[0]  # type: ignore[assignment]  # as DRF's Request sets it
+            HasScope().has_permission(request, self)  # type: ignore[arg-type]
+        except QuireError:
+            return None  # DRF answers it (401, 403, 503), the same way as without this path
+        self.args, self.kwargs = (), {}
+        self.request = request  # type: ignore[assignment]  # ``principal`` reads its user
+        self.headers = self.default_response_headers
+        response: HttpResponseBase | None
+        try:
+            content_type = request.META.get(
+                "CONTENT_TYPE", request.META.get("HTTP_CONTENT_TYPE", "")
+            )
+            response = self._submit(
+                request, content_type=content_type, parsed=None, answer=_rendered_job_response
+            )
+            if response is None:
+                return None  # not a small plain form: DRF parses it
+        except Exception as exc:
+            response = self.get_exception_handler()(exc, self.get_exception_handler_context())
+            if response is None:
+                raise
+            response.exception = True  # type: ignore[union-attr]  # as DRF marks it
+        return self.finalize_response(_NEGOTIATED, response)  # type: ignore[arg-type]
+
+    def _submit(
+        self,
+        request: HttpRequest,
+        *,
+        content_type: str,
+        parsed: Callable[[], tuple[Any, Any]] | None,
+        answer: Callable[..., HttpResponseBase] = _job_response,
+    ) -> HttpResponseBase | None:
+        """Stage the upload, accept the job, answer 202 / 200. ``parsed``: the upload and the
+        form as DRF's parsers read them, for a body that is not a small plain form; without it
+        such a body returns None (before anything was staged). ``answer`` builds the 202 / 200
+        (a DRF ``Response``, or for the lean path the same answer rendered at once)."""
+        handler = StagingUploadHandler(request, max_bytes=settings.QUIRE["MAX_UPLOAD_BYTES"])
+        request.upload_handlers = [handler]
+        try:
+            if not content_type.startswith("multipart/form-data"):
                 raise InvalidRequest("send multipart/form-data with a file part")
             # A small body in the plain shape is split directly; anything else goes through
             # DRF's and Django's multipart parsers (uploads.small_form; ADR 0017, session 6).
             form: Any
-            small = small_form(request._request, handler)
+            small = small_form(request, handler)
             if small is not None:
                 form, upload = small
+            elif parsed is None:
+                return None
             else:
-                upload, form = request.FILES.get("file"), request.data
+                upload, form = parsed()
             if not isinstance(upload, StagedFile):
                 raise InvalidRequest("the file part is required")
             output = form.get("output")
@@ -151,15 +230,13 @@ class JobCollectionView(QuireView):
         faults.hit("accept.after_commit")
         if acceptance.created:
             metrics.ADMISSIONS.labels(result="accepted", reason="").inc()
-            return _job_response(
-                acceptance.job, status=202, Location=f"/api/v1/jobs/{acceptance.job.id}"
-            )
+            return answer(acceptance.job, status=202, Location=f"/api/v1/jobs/{acceptance.job.id}")
         if acceptance.replayed:
             metrics.ADMISSIONS.labels(result="replayed", reason="").inc()
             metrics.IDEMPOTENT_REPLAYS.inc()
-            return _job_response(acceptance.job, status=200, Idempotent_Replayed="true")
+            return answer(acceptance.job, status=200, Idempotent_Replayed="true")
         metrics.ADMISSIONS.labels(result="duplicate", reason="").inc()
-        return _job_response(acceptance.job, status=200)
+        return answer(acceptance.job, status=200)
 
     @extend_schema(
         parameters=[
@@ -188,6 +265,30 @@ class JobCollectionView(QuireView):
             limit=limit,
         )
         return Response({"jobs": [job_representation(j) for j in jobs], "next_cursor": next_cursor})
+
+
+#: What DRF's content negotiation decides for a view whose only renderer is JSON when the
+#: request has no ``Accept`` or one of these: the lean submission path answers only those.
+_LEAN_ACCEPT = (None, "*/*", "application/json")
+_NEGOTIATED = SimpleNamespace(
+    accepted_renderer=JSONRenderer(), accepted_media_type="application/json"
+)
+
+
+def _lean_submit_applies(view: APIView, request: HttpRequest) -> bool:
+    """Whether DRF would treat this request as the lean path assumes: JSON chosen by
+    negotiation (no ``?format=``: no query string at all), the view configured as shipped
+    (bearer tokens, ``HasScope``, the JSON renderer, no throttles or versioning)."""
+    return (
+        not request.META.get("QUERY_STRING")
+        and request.META.get("HTTP_ACCEPT") in _LEAN_ACCEPT
+        and view.renderer_classes == [JSONRenderer]
+        and view.authentication_classes == [BearerJWTAuthentication]
+        and view.permission_classes == [HasScope]
+        and not view.throttle_classes
+        and view.versioning_class is None
+        and view.content_negotiation_class is DefaultContentNegotiation
+    )
 
 
 def _etag_version(header: str | None) -> int | None:

@@ -99,3 +99,30 @@ def test_redact_filter__end_to_end_through_a_handler(caplog):
         caplog.handler.removeFilter(caplog.handler.filters[-1])
     assert "contract" not in caplog.text
     assert "xyz.abc" not in caplog.text
+
+
+def test_redact__one_scan_decides_as_every_pattern_would():
+    """``_ANY`` (one scan) finds something exactly when one of the patterns would: a message it
+    passes unchanged is one no pattern rewrites."""
+    from conversion_jobs.logging import _ANY, _PATTERNS
+
+    messages = [
+        "POST /api/v1/jobs 202 12.3ms 1083B",
+        "GET /api/v1/jobs?cursor&limit 200 3.1ms 20B",
+        "GET /api/v1/jobs/report.PDF 404 1.0ms 90B",
+        "authorization: BEARER abc",
+        "eyJa.eyJb.c",
+        "EYJa.eyJb.c",
+        'Content-Disposition: form-data; FILENAME="x"',
+        "PASSWORD=hunter2",
+        "postgres://quire:pw@db/quire",
+        "POSTGRES://quire:pw@db/quire",
+        "AMQP://u:p@h/v",
+        "plain text with a dot. and 1.5 numbers",
+    ]
+    for message in messages:
+        rewritten = message
+        for pattern, replacement in _PATTERNS:
+            rewritten = pattern.sub(replacement, rewritten)
+        assert (_ANY.search(message) is not None) == any(p.search(message) for p, _ in _PATTERNS)
+        assert redact(message) == rewritten
