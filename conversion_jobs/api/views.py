@@ -154,7 +154,8 @@ class JobCollectionView(QuireView):
             if authenticated is None:
                 return None
             request.user = authenticated[0]  # type: ignore[assignment]  # as DRF's Request sets it
-            HasScope().has_permission(request, self)  # type: ignore[arg-type]
+            if not HasScope().has_permission(request, self):  # type: ignore[arg-type]
+                return None  # refused without an exception: DRF answers it, as it would
         except QuireError:
             return None  # DRF answers it (401, 403, 503), the same way as without this path
         self.args, self.kwargs = (), {}
