@@ -312,3 +312,40 @@ def test_child_exited__without_a_pidfd_reads_proc(tmp_path, monkeypatch):
         time.sleep(0.01)
     assert proc.exited()
     session.close()
+
+
+def _statm_fds(pid: int) -> set[int]:
+    found = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") == f"/proc/{pid}/statm":
+                found.add(int(name))
+        except OSError:
+            pass
+    return found
+
+
+def test_child_rss__read_from_one_open_statm_that_close_closes(tmp_path):
+    """``ChildSession.rss_bytes`` opens the child's ``/proc/<pid>/statm`` once and reads it
+    again after each attempt (ADR 0017, session 8): one file however often it is read, 0 once
+    the child is gone, and ``close`` closes it."""
+    from conversion_jobs.converters.isolation import ChildSession
+
+    session = ChildSession()
+    session.setup(limits=LIMITS, scratch_dir=tmp_path)
+    pid = session.pgid
+    first = session.rss_bytes()
+    assert first > 1_000_000  # an interpreter with pypdfium2 loaded
+    assert len(_statm_fds(pid)) == 1
+    session.call(
+        "probe", {}, timeout_s=10, should_stop=never
+    )  # a request: the same file, read again
+    assert session.rss_bytes() > 0
+    assert len(_statm_fds(pid)) == 1
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while session.rss_bytes() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert session.rss_bytes() == 0
+    session.close()
+    assert _statm_fds(pid) == set()
