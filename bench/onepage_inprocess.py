@@ -204,6 +204,7 @@ def _run(what: str, n: int, warm: int) -> None:
         (x0,) = cursor.fetchone()
     load = load_average()
     s0, w0, c0, p0 = wal_syncs(), time.perf_counter(), cpu(), _ticks_s(backend)
+    own0 = time.process_time()
     if os.environ.get("BENCH_CPROFILE"):  # this process's own profile (cProfile, CPU clock)
         import cProfile
 
@@ -215,6 +216,7 @@ def _run(what: str, n: int, warm: int) -> None:
         profiler.disable()
         profiler.dump_stats(os.environ["BENCH_CPROFILE"])
     w1, c1, p1, s1 = time.perf_counter(), cpu(), _ticks_s(backend), wal_syncs()
+    own1 = time.process_time()
     if counted:
         with connection.cursor() as cursor:
             cursor.execute("SELECT pg_stat_clear_snapshot()")
@@ -232,9 +234,10 @@ def _run(what: str, n: int, warm: int) -> None:
         for head, times in sorted(counted.items(), key=lambda kv: -kv[1]):
             print(f"  {times / n:6.2f}/job  {head}")
     who = "this process" if what == "statements" else "worker tree"
+    own = "" if what == "statements" else f" (this process {1000 * (own1 - own0) / n:.3f})"
     print(
         f"{what}: N={n}  wall {1000 * (w1 - w0) / n:.2f} ms/job  {who} CPU "
-        f"{1000 * (c1 - c0) / n:.3f} ms/job  postgres backend CPU {1000 * (p1 - p0) / n:.3f} "
+        f"{1000 * (c1 - c0) / n:.3f}{own} ms/job  postgres backend CPU {1000 * (p1 - p0) / n:.3f} "
         f"ms/job  server WAL flushes {(s1 - s0) / n:.2f}/job  load at start {load}"
     )
 

@@ -6,6 +6,7 @@ from ``QUIRE_PSEUDONYM_KEY``; rotating it breaks linkage with older pseudonyms b
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 
@@ -13,8 +14,15 @@ from django.conf import settings
 
 
 def pseudonym(kind: str, value: str) -> str:
-    key = str(settings.QUIRE["PSEUDONYM_KEY"]).encode()
-    digest = hmac.new(key, f"{kind}:{value}".encode(), hashlib.sha256).hexdigest()
+    return _pseudonym(str(settings.QUIRE["PSEUDONYM_KEY"]), kind, value)
+
+
+@functools.lru_cache(maxsize=4096)
+def _pseudonym(key: str, kind: str, value: str) -> str:
+    """Remembered per key, kind and value: the worker names every attempt's tenant (converter
+    reuse) and a worker process sees few tenants; an HMAC per attempt was ≈ 30 µs of its CPU
+    (ADR 0017, session 8). A rotated key is another cache key."""
+    digest = hmac.new(key.encode(), f"{kind}:{value}".encode(), hashlib.sha256).hexdigest()
     return f"{kind[0]}_{digest[:24]}"
 
 

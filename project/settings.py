@@ -237,7 +237,7 @@ QUIRE: dict[str, Any] = {
     # Converter reuse (DESIGN §14): "attempt" (a fresh child per attempt) or "tenant" (a child
     # may serve up to N consecutive attempts of one tenant; converters/sessions.py).
     "CONVERTER_REUSE": env_str("QUIRE_CONVERTER_REUSE", "attempt"),
-    "CONVERTER_REUSE_MAX_ATTEMPTS": env_int("QUIRE_CONVERTER_REUSE_MAX_ATTEMPTS", 20),
+    "CONVERTER_REUSE_MAX_ATTEMPTS": env_int("QUIRE_CONVERTER_REUSE_MAX_ATTEMPTS", 200),
     "CONVERTER_REUSE_MAX_RSS_MB": env_int("QUIRE_CONVERTER_REUSE_MAX_RSS_MB", 512),
     # The claim's commit does not wait for its WAL flush; the attempt's next synchronous commit
     # makes it durable (services/transitions.py _CLAIM_ASYNC_COMMIT, ADR 0017 session 5).

@@ -51,7 +51,7 @@ class ReuseSettings:
     #: ``attempt``: a fresh child per attempt; ``tenant``: a child may serve consecutive
     #: attempts of one tenant
     mode: str = "attempt"
-    max_attempts: int = 20
+    max_attempts: int = 200
     max_rss_bytes: int = 512 * 1024 * 1024
 
 

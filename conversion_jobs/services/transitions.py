@@ -65,7 +65,7 @@ from conversion_jobs.services.checkpoints import (
 )
 from conversion_jobs.services.dispatch import outbox_publish_after_commit
 from conversion_jobs.services.leases import Lease, lease_ttl
-from conversion_jobs.services.prepared import prepared_cursor
+from conversion_jobs.services.prepared import Byteas, Int4s, Int8s, Texts, prepared_cursor
 from conversion_jobs.states import TERMINAL_STATES, TRANSITIONS, State
 
 Fn = TypeVar("Fn", bound=Callable[..., Any])
@@ -680,13 +680,13 @@ _UPSERT_DONE_PAGES = """
 def _done_pages_params(checkpoints: list[PageCheckpoint]) -> dict[str, Any]:
     """The ``p_*`` arrays ``_UPSERT_DONE_PAGES`` reads, one element per page."""
     return {
-        "p_number": [c.page_number for c in checkpoints],
-        "p_attempts": [c.attempts for c in checkpoints],
-        "p_key": [c.artifact_key for c in checkpoints],
-        "p_sha": [c.artifact_sha256 for c in checkpoints],
-        "p_size": [c.artifact_size for c in checkpoints],
-        "p_media": [c.media_type for c in checkpoints],
-        "p_content": [c.content for c in checkpoints],
+        "p_number": Int4s([c.page_number for c in checkpoints]),
+        "p_attempts": Int4s([c.attempts for c in checkpoints]),
+        "p_key": Texts([c.artifact_key for c in checkpoints]),
+        "p_sha": Texts([c.artifact_sha256 for c in checkpoints]),
+        "p_size": Int8s([c.artifact_size for c in checkpoints]),
+        "p_media": Texts([c.media_type for c in checkpoints]),
+        "p_content": Byteas([c.content for c in checkpoints]),
     }
 
 

@@ -110,8 +110,7 @@ class FilesystemStore(ArtifactStore):
         return open(self.path_of(key), "rb")
 
     def download(self, key: str, dest: Path) -> None:
-        shutil.copyfile(self.path_of(key), dest)
-        os.chmod(dest, FILE_MODE)
+        copy_out(self.path_of(key), dest)
 
     def exists(self, key: str) -> bool:
         return self.path_of(key).is_file()
@@ -190,3 +189,27 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def copy_out(source: Path, dest: Path) -> None:
+    """``source``'s bytes in ``dest`` (created or truncated, ``FILE_MODE``): what
+    ``shutil.copyfile`` and a ``chmod`` did, without their path-based checks (two ``samefile``
+    stats, a FIFO test per side, a ``chmod`` by name): two opens, one ``sendfile`` for a small
+    object, two closes. ≈ 45 -> ≈ 20 µs for a one-page PDF, once per attempt (the runner's
+    source copy; ADR 0017, session 8). Objects are immutable once stored, so the size read at
+    the start is the size to copy."""
+    src = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        dst = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
+        try:
+            os.fchmod(dst, FILE_MODE)  # an existing file keeps its mode through open()
+            remaining = os.fstat(src).st_size
+            while remaining > 0:
+                sent = os.sendfile(dst, src, None, remaining)
+                if not sent:
+                    break
+                remaining -= sent
+        finally:
+            os.close(dst)
+    finally:
+        os.close(src)

@@ -17,7 +17,7 @@ from conversion_jobs import storage
 from conversion_jobs.db import violated_constraint
 from conversion_jobs.models import ConversionJob
 from conversion_jobs.services.acceptance import StagedUpload, conversion_job_accept
-from conversion_jobs.services.prepared import prepared_cursor
+from conversion_jobs.services.prepared import Byteas, Int4s, Int8s, Texts, prepared_cursor
 from tests import testdocs
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
@@ -147,3 +147,54 @@ def test_prepared__the_kept_cursor_serves_the_next_statement_after_an_error(
         )
         assert cursor.fetchone() == (1,)
     _accept(tmp_path, key="after")
+
+
+_ARRAYS = {
+    "i4": Int4s([1, -7, 2_147_483_647, None]),
+    "i8": Int8s([0, 9_007_199_254_740_993, None]),
+    "t": Texts(["page", "", "Zürich ✓", None]),
+    "b": Byteas([b"\x00\xff\n", b"", None]),
+    "e": Int4s([]),
+}
+
+
+def test_prepared__fixed_type_arrays_arrive_as_the_lists_they_are():
+    """``Int4s``, ``Int8s``, ``Texts`` and ``Byteas`` (the publish's page arrays) are dumped
+    by ``prepared.py``'s own binary dumpers: Postgres reads each element back as it was,
+    NULLs, empty strings and bytes, non-ASCII text and an empty array included."""
+    with prepared_cursor() as cursor:
+        cursor.execute(
+            "SELECT %(i4)b::int[], %(i8)b::bigint[], %(t)b::text[], %(b)b::bytea[],"
+            " cardinality(%(e)b::int[])",
+            _ARRAYS,
+        )
+        i4, i8, texts, blobs, empty = cursor.fetchone()
+    assert i4 == [1, -7, 2_147_483_647, None]
+    assert i8 == [0, 9_007_199_254_740_993, None]
+    assert texts == ["page", "", "Zürich ✓", None]
+    assert [bytes(b) if b is not None else None for b in blobs] == [b"\x00\xff\n", b"", None]
+    assert empty == 0
+
+
+def test_prepared__fixed_type_arrays_are_prepared_with_the_array_types():
+    """The statement's parameter types are the arrays' own (``int4[]``, ``int8[]``,
+    ``text[]``, ``bytea[]``) whatever the values: one prepared statement, never one per value
+    size, as psycopg's list dumper could choose ``int2[]`` for small numbers."""
+    sql = "SELECT cardinality(%(i4)b::int[]) + cardinality(%(i8)b::bigint[]) + 1 AS fixed_types"
+    with prepared_cursor() as cursor:
+        cursor.execute(sql, {"i4": Int4s([1]), "i8": Int8s([2])})
+        cursor.execute(sql, {"i4": Int4s([70_000]), "i8": Int8s([1 << 40])})
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT parameter_types::text[] FROM pg_prepared_statements"
+            " WHERE statement LIKE '%%AS fixed_types%%'"
+        )
+        assert cursor.fetchall() == [(["integer[]", "bigint[]"],)]
+
+
+def test_prepared__fixed_type_arrays_are_logged_as_lists():
+    """With query logging on, the statement is logged with the arrays rendered as array
+    literals (the client-side rendering sees plain lists)."""
+    with CaptureQueriesContext(connection) as captured, prepared_cursor() as cursor:
+        cursor.execute("SELECT %(t)b::text[]", {"t": Texts(["a", "b"])})
+    assert captured.captured_queries[-1]["sql"] == "SELECT '{a,b}'::text[]"

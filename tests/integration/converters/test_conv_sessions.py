@@ -258,3 +258,94 @@ def test_setup__a_request_before_any_setup_is_refused_by_the_child(tmp_path):
     with ChildSession() as session:
         with pytest.raises(ConverterCrashed, match="a request before setup"):  # its stderr
             session.call("probe", {}, timeout_s=10, should_stop=never)
+
+
+def _pidfds() -> set[int]:
+    found = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") == "anon_inode:[pidfd]":
+                found.add(int(name))
+        except OSError:
+            pass
+    return found
+
+
+def test_child_exited__a_pidfd_sees_the_zombie_and_the_reap_closes_it(tmp_path):
+    """``ForkedProcess.exited`` polls a pidfd instead of reading ``/proc`` (ADR 0017, session
+    8): false while the child runs, true once it is killed and not yet reaped (a zombie of the
+    zygote), and the pidfd is closed when the child is reaped."""
+    from conversion_jobs.converters.isolation import ChildSession
+
+    before = _pidfds()
+    session = ChildSession()
+    proc = session.proc
+    pidfds = _pidfds() - before
+    assert proc._ended is not None and len(pidfds) == 1  # this kernel has pidfds: under test
+    assert not proc.exited()
+    os.kill(proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while not proc.exited() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert proc.exited()
+    assert proc.returncode is None  # not reaped: the zygote still holds it as a zombie
+    session.close()
+    assert proc.returncode is not None
+    assert proc._ended is None
+    assert not pidfds & _pidfds()
+
+
+def test_child_exited__without_a_pidfd_reads_proc(tmp_path, monkeypatch):
+    """Where ``pidfd_open`` fails (an old kernel, a seccomp filter) ``exited`` reads
+    ``/proc/<pid>/stat`` as before."""
+    from conversion_jobs.converters import zygote
+    from conversion_jobs.converters.isolation import ChildSession
+
+    monkeypatch.setattr(zygote, "_pidfd", lambda pid: None)
+    session = ChildSession()
+    proc = session.proc
+    assert proc._ended is None
+    assert not proc.exited()
+    os.kill(proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while not proc.exited() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert proc.exited()
+    session.close()
+
+
+def _statm_fds(pid: int) -> set[int]:
+    found = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") == f"/proc/{pid}/statm":
+                found.add(int(name))
+        except OSError:
+            pass
+    return found
+
+
+def test_child_rss__read_from_one_open_statm_that_close_closes(tmp_path):
+    """``ChildSession.rss_bytes`` opens the child's ``/proc/<pid>/statm`` once and reads it
+    again after each attempt (ADR 0017, session 8): one file however often it is read, 0 once
+    the child is gone, and ``close`` closes it."""
+    from conversion_jobs.converters.isolation import ChildSession
+
+    session = ChildSession()
+    session.setup(limits=LIMITS, scratch_dir=tmp_path)
+    pid = session.pgid
+    first = session.rss_bytes()
+    assert first > 1_000_000  # an interpreter with pypdfium2 loaded
+    assert len(_statm_fds(pid)) == 1
+    session.call(
+        "probe", {}, timeout_s=10, should_stop=never
+    )  # a request: the same file, read again
+    assert session.rss_bytes() > 0
+    assert len(_statm_fds(pid)) == 1
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while session.rss_bytes() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert session.rss_bytes() == 0
+    session.close()
+    assert _statm_fds(pid) == set()

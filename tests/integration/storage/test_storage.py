@@ -367,3 +367,23 @@ def test_results__redirect_to_a_short_lived_presigned_url_when_configured(
         assert fetched.read().startswith(b"\x89PNG")
     cached = client.get(f"/api/v1/jobs/{job.id}/result", HTTP_IF_NONE_MATCH=response["ETag"])
     assert cached.status_code == 304
+
+
+def test_store__download_replaces_an_existing_file_and_copies_large_objects(backend, tmp_path):
+    """A download truncates what ``dest`` held, and copies an object of several MB whole (the
+    filesystem backend's ``copy_out``: ``sendfile`` until the size read at the start is
+    copied, and the file gets the store's mode, as its ``chmod`` gave it)."""
+    big = os.urandom(3 * 1024 * 1024 + 17)
+    key = storage.result_key(job_id=uuid.uuid4(), generation=1, ext="bin")
+    storage.put_file(key, _file(tmp_path, big))
+    dest = tmp_path / "dest"
+    dest.write_bytes(b"x" * (4 * 1024 * 1024))  # longer than the object
+    dest.chmod(0o644)
+    storage.download(key, dest)
+    assert dest.read_bytes() == big
+    if backend == "filesystem":
+        assert stat.S_IMODE(dest.stat().st_mode) == 0o600
+    small = storage.result_key(job_id=uuid.uuid4(), generation=1, ext="txt")
+    storage.put_file(small, _file(tmp_path, b"hi"))
+    storage.download(small, dest)
+    assert dest.read_bytes() == b"hi"
