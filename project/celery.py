@@ -32,6 +32,19 @@ class QuireConsumer(Consumer):
             step for step in Consumer.Blueprint.default_steps if step != DELAYED_DELIVERY_STEP
         ]
 
+    def connection_for_write(self, url=None, heartbeat=None):  # type: ignore[no-untyped-def]
+        """The connection of the ``Events`` bootstep, this method's only caller: monitoring
+        events (``-E``: received / started / succeeded per task, for Flower) are published
+        without publisher confirms. With the broker's ``confirm_publish`` the consumer's event
+        loop stopped for a broker round trip per event, three per job, between handing tasks
+        to the pool (ADR 0017, session 8). Task messages and every other publish keep their
+        confirms; an event lost in a broker crash costs a monitor one line, never a job."""
+        return self.ensure_connected(
+            self.app.connection_for_write(
+                url=url, heartbeat=heartbeat, transport_options={"confirm_publish": False}
+            )
+        )
+
     def on_decode_error(self, message, exc):  # type: ignore[no-untyped-def]
         from conversion_jobs.observability import metrics
 

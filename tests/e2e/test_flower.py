@@ -122,3 +122,27 @@ def test_flower__sees_worker_and_finished_task_behind_basic_auth(cluster, start,
 
     harness.wait_until(task_seen, timeout=30, what="flower to show the finished task")
     assert worker.popen.poll() is None
+
+
+def _worker_channels() -> list[tuple[str, bool]]:
+    """(connection name, in confirm mode) of every channel the worker user has open."""
+    out = harness.rabbitmqctl(
+        "list_channels", "-p", harness.VHOST, "user", "confirm", "connection", "--no-table-headers"
+    )
+    rows = [line.split("\t") for line in out.splitlines() if line.strip()]
+    return [(row[2], row[1] == "true") for row in rows if row[0] == harness.USERS["worker"][0]]
+
+
+def test_worker_events__published_without_confirms(cluster, start, submit):
+    """The worker's task events (``-E``, what Flower shows) go out on a channel without
+    publisher confirms: a confirm per event stopped the consumer's event loop for a broker
+    round trip three times per job (ADR 0017, session 8). The events still arrive: the test
+    above sees the finished task in Flower."""
+    start("worker")
+    job = submit(pages=1)
+    harness.wait_until(
+        lambda: ConversionJob.objects.get(id=job.id).state == "succeeded", timeout=60, what="job"
+    )
+    channels = _worker_channels()
+    assert channels
+    assert not any(confirm for _, confirm in channels), channels
