@@ -43,11 +43,16 @@ IDLE_RECONNECT_S = 5.0
 
 
 #: Server-bound and prepared once per connection (``prepared.prepared_cursor``): the array's
-#: cast keeps one statement whatever integer width psycopg picks for the batch's ids.
+#: cast keeps one statement whatever integer width psycopg picks for the batch's ids. Its commit
+#: does not wait for its WAL flush (``set_config(..., true)``: this statement's own transaction,
+#: run only when a row matches): a mark lost with a Postgres crash leaves the row for the
+#: outbox sweep, whose second message the claim's CAS ignores, exactly as a crash between the
+#: confirm and the mark always did (ADR 0017, session 8).
 _MARK_SQL = (
     "UPDATE conversion_outbox SET published_at = CURRENT_TIMESTAMP,"
     " publish_attempts = publish_attempts + 1"
     " WHERE id = ANY(%(ids)s::bigint[]) AND published_at IS NULL"
+    " AND set_config('synchronous_commit', 'off', true) IS NOT NULL"
 )
 
 

@@ -65,3 +65,27 @@ def test_claim__a_lost_claim_never_publishes_and_is_dispatched_again(
     again = transitions.claim(job_id=job.id, generation=1, worker="w2")
     assert again is not None and again.lease.token != lost.lease.token
     assert transitions.publish_succeeded(lease=again.lease, result=result) is True
+
+
+def _commit_mode_of_a_mark(ids: list[int]) -> str:
+    """``synchronous_commit`` as the background publisher's mark leaves its transaction."""
+    from conversion_jobs.services import publisher
+
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute(publisher._MARK_SQL, {"ids": ids})
+            cursor.execute("SHOW synchronous_commit")
+            (mode,) = cursor.fetchone()
+        transaction.set_rollback(True)
+    return str(mode)
+
+
+def test_publisher_mark__commits_without_waiting_for_the_flush(
+    make_job: Callable[..., ConversionJob],
+) -> None:
+    """A mark lost with a crash leaves the row to the outbox sweep (a duplicate message the
+    claim's CAS ignores), so its commit need not wait; a mark that matches nothing changes
+    nothing, not even the commit mode."""
+    row = ConversionOutbox.objects.create(job=make_job(), generation=1)
+    assert _commit_mode_of_a_mark([row.id]) == "off"
+    assert _commit_mode_of_a_mark([-1]) == "on"
