@@ -645,24 +645,36 @@ def accept_file(
     output: str = "text",
     options: dict | None = None,
     idempotency_key: str | None = None,
+    inline: bool | None = None,
 ) -> object:
     """Accept the file ``path`` through the service layer (as tests/e2e/conftest.py ``submit``):
     copied into the artifact store's staging (filesystem or S3, per this process's settings),
-    hashed, ``conversion_job_accept`` (whose on_commit fast path publishes it). Returns the job."""
+    hashed, ``conversion_job_accept`` (whose on_commit fast path publishes it). Returns the job.
+    ``inline``: hand the bytes over in memory, as the upload handler does for a small upload
+    (an inline source); None: as the handler would decide (``QUIRE_INLINE_SOURCE_MAX_BYTES``)."""
     import hashlib
     import shutil
+
+    from django.conf import settings
 
     from conversion_jobs import storage
     from conversion_jobs.services.acceptance import StagedUpload, conversion_job_accept
 
-    fh, staged = storage.stage()
-    with fh, open(path, "rb") as data:
-        shutil.copyfileobj(data, fh)
     raw = path.read_bytes()
+    sha = hashlib.sha256(raw).hexdigest()
+    if inline is None:
+        inline = len(raw) <= settings.QUIRE.get("INLINE_SOURCE_MAX_BYTES", 0)
+    if inline:
+        upload = StagedUpload(path=None, sha256=sha, size=len(raw), content=raw)
+    else:
+        fh, staged = storage.stage()
+        with fh, open(path, "rb") as data:
+            shutil.copyfileobj(data, fh)
+        upload = StagedUpload(path=staged, sha256=sha, size=len(raw))
     accepted = conversion_job_accept(
         tenant=tenant,
         actor="bench",
-        upload=StagedUpload(path=staged, sha256=hashlib.sha256(raw).hexdigest(), size=len(raw)),
+        upload=upload,
         output=output,
         raw_options=options or {},
         idempotency_key=idempotency_key,

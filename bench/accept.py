@@ -29,6 +29,10 @@ What runs:
   then VACUUM ANALYZE), phase 3 again on a fresh server: ratio to the empty tables, target >= 0.9.
   It runs last (the seed stays).
 
+The 10 KB document is an inline source (stored in Postgres with the acceptance, ADR 0017
+session 10); ``BENCH_SOURCE=stored`` sets ``QUIRE_INLINE_SOURCE_MAX_BYTES=0`` on every Quire web
+so the store's put is measured (the S3 / filesystem ratio of phase 5 is a stored-path figure).
+
 Every Quire phase starts from an empty job table (``TRUNCATE conversion_job CASCADE``; the
 history phase truncates before it seeds): no worker runs, so a phase leaves thousands of live
 jobs, which each web process's admission snapshot counts (at most every 0.25 s, ADR 0004).
@@ -339,6 +343,8 @@ def main() -> int:
         WEB_CONCURRENCY=workers,
         WEB_THREADS=threads,
     )
+    if os.environ.get("BENCH_SOURCE", "inline") == "stored":
+        env["QUIRE_INLINE_SOURCE_MAX_BYTES"] = "0"
     env.pop("DJANGO_SETTINGS_MODULE", None)
     try:
         with c.throwaway_vhost(user=publisher, password=password) as broker_url:

@@ -12,6 +12,10 @@ started and the fast path's publish is a no-op, so the figure is the request pat
 Compare two checkouts by running each in turn (``PYTHONPATH`` and the script of the same one):
 
     .venv/bin/python bench/accept_inproc.py [--n 1600] [--clients 16]
+
+The 10 KB document is an inline source by default (ADR 0017 session 10); ``BENCH_SOURCE=stored``
+sets ``QUIRE_INLINE_SOURCE_MAX_BYTES=0`` so the store's put (and the pre-check read) is measured
+instead. Also printed: the CPU of the Postgres backends serving the run, per request.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+#: the checkout measured: this one, or ``BENCH_TREE`` (another checkout measured by this script,
+#: run from that checkout's directory, for an A/B with the same measurement)
+ROOT = Path(os.environ.get("BENCH_TREE") or Path(__file__).resolve().parent.parent)
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
@@ -56,6 +62,8 @@ def main() -> None:
         WEB_THREADS=os.environ.get("WEB_THREADS", "8"),
         DJANGO_SETTINGS_MODULE="project.settings",
     )
+    if os.environ.get("BENCH_SOURCE", "inline") == "stored":
+        os.environ["QUIRE_INLINE_SOURCE_MAX_BYTES"] = "0"
     c.run([sys.executable, "manage.py", "migrate", "--noinput", "-v0"], env=dict(os.environ))
 
     import django
@@ -131,16 +139,29 @@ def main() -> None:
     async def run() -> None:
         await asyncio.gather(*(client(args.warm // args.clients) for _ in range(args.clients)))
         statuses.clear()
+        backends = _backends()
+        pg_before = sum(c.proc_cpu_s(pid) for pid in backends)
         before, started = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         await asyncio.gather(*(client(args.n // args.clients) for _ in range(args.clients)))
         after, ended = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        pg = sum(c.proc_cpu_s(pid) for pid in backends) - pg_before
         cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+        switches = (after.ru_nvcsw - before.ru_nvcsw) + (after.ru_nivcsw - before.ru_nivcsw)
         done = sum(statuses.values())
         print(
-            f"{ROOT.name}: {cpu / done * 1000:.3f} ms CPU per request,"
+            f"{ROOT.name} ({os.environ.get('BENCH_SOURCE', 'inline')}):"
+            f" {cpu / done * 1000:.3f} ms CPU per request,"
+            f" PG backends {pg / done * 1000:.3f} ms, {switches / done:.0f} ctx switches,"
             f" {done / (ended - started):.0f} requests/s, answers {statuses},"
             f" load {os.getloadavg()[0]:.1f}"
         )
+
+    def _backends() -> list[int]:
+        pids = c.sql_scalar(
+            c.PG_ADMIN_URL,
+            f"SELECT array_agg(pid) FROM pg_stat_activity WHERE datname = '{DB_NAME}'",  # noqa: S608
+        )
+        return list(pids or [])
 
     import uvloop
 

@@ -4,6 +4,9 @@ and three audit events each (and a refused cancellation request for one in sixte
 by ``INSERT … SELECT generate_series`` in a handful of statements, then ``ANALYZE``.
 
 Every other job is expired and purged by retention (no checkpoint row, as retention leaves it);
+one job in eight of the others has an inline source (``inline_source``, 1 KB each: ADR 0017
+session 10; production's are up to ``QUIRE_INLINE_SOURCE_MAX_BYTES`` and TOASTed out of line,
+so the heap the joins touch is the same);
 ``finished_at`` is spread over the last 60 days, so retention's cutoffs select a realistic part.
 The rows satisfy every constraint; the audit hashes are placeholders (``verify_audit`` would
 report these chains: benchmark databases only).
@@ -29,7 +32,8 @@ _STATEMENTS = [
         error_code, error_retryable, error_detail, created_at, updated_at, finished_at,
         expired_at, purged_at, audit_seq, audit_head)
     SELECT md5('job' || i || %(salt)s)::uuid, 'history-' || (i %% {tenants}), 'succeeded', 1, 3,
-           'sources/' || left(h, 2) || '/' || h || h, h || h, 10000, 'application/pdf', 1, 1, 0,
+           CASE WHEN i %% 8 = 1 THEN 'inline:' ELSE '' END
+           || 'sources/' || left(h, 2) || '/' || h || h, h || h, 10000, 'application/pdf', 1, 1, 0,
            'text', '{{"dpi": null, "pages": null, "allow_partial": true}}'::jsonb,
            md5('options'), 1, 1, 5, NULL, t - interval '2 seconds', NULL, '',
            'results/' || md5('job' || i || %(salt)s)::uuid || '/result.g1.txt', h || h, 40,
@@ -54,6 +58,11 @@ _STATEMENTS = [
            'text/plain; charset=utf-8', NULL, 1, finished_at,
            convert_to('Page 1 of a finished job ' || id, 'UTF8')
     FROM conversion_job WHERE worker_marker(tenant) AND expired_at IS NULL
+    """,
+    """
+    INSERT INTO inline_source (job_id, content)
+    SELECT id, decode(repeat(source_sha256, 32), 'hex')
+    FROM conversion_job WHERE worker_marker(tenant) AND source_key LIKE 'inline:%%'
     """,
     """
     INSERT INTO conversion_outbox (job_id, generation, traceparent, created_at, published_at,

@@ -270,13 +270,18 @@ def phase_plain(
     return phase
 
 
+#: ``--source``: the jobs' sources inline in Postgres (True) or in the artifact store (False)
+SOURCE_INLINE = {"inline": True, "stored": False}
+_source_inline = True
+
+
 def _accept_all(*, pdfs: list[Path], threads: int, tenant: str) -> float:
     from django.db import connection
 
     def batch(paths: list[Path]) -> None:
         try:
             for path in paths:
-                c.accept_file(path, tenant=tenant)
+                c.accept_file(path, tenant=tenant, inline=_source_inline)
         finally:
             connection.close()
 
@@ -583,7 +588,15 @@ def main() -> int:
         help="py-spy every Quire process of each phase (worker trees, sweeper, beat) into "
         "DIR/<phase>/: raw collapsed stacks (speedscope reads them) and a top-frames summary",
     )
+    parser.add_argument(
+        "--source",
+        choices=sorted(SOURCE_INLINE),
+        default="inline",
+        help="the jobs' sources: inline in Postgres (ADR 0017 session 10) or in the store",
+    )
     args = parser.parse_args()
+    global _source_inline
+    _source_inline = SOURCE_INLINE[args.source]
     procs, concurrency = (int(x) for x in args.layout.split("x"))
     modes = [m for m in args.reuse.split(",") if m]
     if unknown := set(modes) - set(TARGETS):

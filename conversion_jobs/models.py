@@ -310,6 +310,32 @@ class PageCheckpoint(models.Model):
         return f"page {self.page_number} of job {self.job_id} ({self.state})"
 
 
+class InlineSource(models.Model):
+    """A small source's bytes, stored with its job in the acceptance's own statement (no
+    staging file, no store put; ADR 0017 session 10). The job's ``source_key`` is then
+    ``inline:`` + its sha256 (:func:`conversion_jobs.storage.inline_source_key`). One row per
+    job (replays and content-identity duplicates answer from the existing job and write none);
+    deleted with the job (``ON DELETE CASCADE`` on Postgres) and by the retention purge."""
+
+    job = models.OneToOneField(
+        ConversionJob,
+        on_delete=models.CASCADE,
+        primary_key=True,
+        related_name="inline_source",
+        # The constraint is migration 0012's own, with ON DELETE CASCADE on Postgres.
+        db_constraint=False,
+    )
+    #: The source's bytes (at most ``QUIRE_INLINE_SOURCE_MAX_BYTES``). On Postgres the column's
+    #: storage is EXTERNAL: documents are compressed formats already, not worth compressing again.
+    content = models.BinaryField()
+
+    class Meta:
+        db_table = "inline_source"
+
+    def __str__(self) -> str:
+        return f"inline source of job {self.job_id}"
+
+
 class CancellationOutcome(models.TextChoices):
     #: queued / retry_wait -> cancelled at once.
     CANCELLED = "cancelled"

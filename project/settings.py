@@ -248,6 +248,10 @@ QUIRE: dict[str, Any] = {
     # Text pages up to this size live in their checkpoint row (written with the batch, no file,
     # no fsync of their own); 0 turns it off.
     "INLINE_PAGE_MAX_BYTES": env_int("QUIRE_INLINE_PAGE_MAX_BYTES", 65536),
+    # An upload up to this size is kept in the web's memory and stored in Postgres in the
+    # acceptance's own statement (table inline_source: no staging file, no store put, no
+    # fsyncs); 0 turns it off. Workers must be upgraded first (docs/OPERABILITY.md).
+    "INLINE_SOURCE_MAX_BYTES": env_int("QUIRE_INLINE_SOURCE_MAX_BYTES", 65536),
     # A text result made of inline pages is joined in the web's memory when downloaded: above
     # this many bytes it is assembled into a stored file instead (streamed, never held whole).
     "INLINE_RESULT_MAX_BYTES": env_int("QUIRE_INLINE_RESULT_MAX_BYTES", 4 * 1024 * 1024),

@@ -1,7 +1,10 @@
 """Streams the multipart ``file`` part to a staged file while hashing it (the artifact store's
 staging area on the filesystem backend, the web's work directory on S3).
 
-Nothing is buffered in memory and nothing past the size limit is stored: the handler refuses an
+An upload up to ``QUIRE_INLINE_SOURCE_MAX_BYTES`` stays in memory instead (no staging file): its
+bytes go to Postgres with the acceptance (ADR 0017 session 10); a larger one spills to a staged
+file the moment it crosses that size. Nothing larger is buffered in memory and nothing past the
+size limit is stored: the handler refuses an
 oversized ``Content-Length`` before reading, and stops (deleting the partial file) the moment a
 chunked or lying upload crosses the limit.
 """
@@ -42,9 +45,13 @@ class StagedFile(UploadedFile):
 class StagingUploadHandler(FileUploadHandler):
     chunk_size = 256 * 1024
 
-    def __init__(self, request: Any = None, *, max_bytes: int) -> None:
+    def __init__(self, request: Any = None, *, max_bytes: int, inline_max: int = 0) -> None:
         super().__init__(request)
         self.max_bytes = max_bytes
+        self.inline_max = inline_max
+        self._parts = 0
+        #: the upload so far while it is no larger than ``inline_max``; None once spilled
+        self._buffer: bytearray | None = None
         self._fh: Any = None
         self._path: Path | None = None
         self._digest = hashlib.sha256()
@@ -63,10 +70,13 @@ class StagingUploadHandler(FileUploadHandler):
         super().new_file(field_name, *args, **kwargs)
         # One file part, named "file": anything else is refused before a byte of it is written
         # (otherwise 100 parts could each stage up to the size limit).
-        if field_name != FILE_FIELD or self.staged:
+        if field_name != FILE_FIELD or self._parts:
             raise UnexpectedFilePart()
-        self._fh, self._path = storage.stage()
-        self.staged.append(self._path)
+        self._parts += 1
+        if self.inline_max > 0:
+            self._buffer = bytearray()
+        else:
+            self._stage()
         self._digest = hashlib.sha256()
         self._size = 0
         raise StopFutureHandlers()
@@ -78,22 +88,39 @@ class StagingUploadHandler(FileUploadHandler):
             raise PayloadTooLarge(
                 f"the upload limit is {self.max_bytes} bytes", limit=self.max_bytes
             )
-        self._fh.write(raw_data)
         self._digest.update(raw_data)
+        if self._buffer is not None:
+            if self._size <= self.inline_max:
+                self._buffer += raw_data
+                return None
+            self._stage()  # past the inline size: what was kept in memory goes first
+            self._fh.write(self._buffer)
+            self._buffer = None
+        self._fh.write(raw_data)
         return None
 
+    def _stage(self) -> None:
+        self._fh, self._path = storage.stage()
+        self.staged.append(self._path)
+
     def file_complete(self, file_size: int) -> StagedFile:
-        self._fh.close()
-        if self._path is None:  # Django calls new_file() before file_complete()
+        sha256 = self._digest.hexdigest()
+        if self._buffer is not None:
+            content = bytes(self._buffer)
+            self._buffer = None
+            return StagedFile(
+                StagedUpload(path=None, sha256=sha256, size=self._size, content=content)
+            )
+        if self._fh is None or self._path is None:  # Django calls new_file() first
             raise RuntimeError("file_complete without new_file")
-        return StagedFile(
-            StagedUpload(path=self._path, sha256=self._digest.hexdigest(), size=self._size)
-        )
+        self._fh.close()
+        return StagedFile(StagedUpload(path=self._path, sha256=sha256, size=self._size))
 
     def upload_interrupted(self) -> None:
         self.cleanup()
 
     def cleanup(self) -> None:
+        self._buffer = None
         if self._fh is not None and not self._fh.closed:
             self._fh.close()
         for path in self.staged:

@@ -190,7 +190,11 @@ class JobCollectionView(QuireView):
         form as DRF's parsers read them, for a body that is not a small plain form; without it
         such a body returns None (before anything was staged). ``answer`` builds the 202 / 200
         (a DRF ``Response``, or for the lean path the same answer rendered at once)."""
-        handler = StagingUploadHandler(request, max_bytes=settings.QUIRE["MAX_UPLOAD_BYTES"])
+        handler = StagingUploadHandler(
+            request,
+            max_bytes=settings.QUIRE["MAX_UPLOAD_BYTES"],
+            inline_max=settings.QUIRE["INLINE_SOURCE_MAX_BYTES"],
+        )
         request.upload_handlers = [handler]
         try:
             if not content_type.startswith("multipart/form-data"):

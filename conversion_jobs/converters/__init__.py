@@ -38,7 +38,7 @@ from .isolation import TEST_FAULTS_ENV, kill_process_group, run_isolated
 from .registry import READ_AHEAD_PAGES, capabilities, converter_for
 from .sandbox import SandboxUnavailable
 from .sessions import ReuseSettings, begin_attempt, configure_reuse, release, warm
-from .sniff import sniff_media_type
+from .sniff import sniff_media_type, sniff_media_type_bytes
 
 __all__ = [
     "OFFICE_TYPES",
@@ -76,5 +76,6 @@ __all__ = [
     "run_isolated",
     "sandbox",
     "sniff_media_type",
+    "sniff_media_type_bytes",
     "warm",
 ]

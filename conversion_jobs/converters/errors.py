@@ -33,6 +33,12 @@ class PasswordRequired(ConversionError):
     code = "password_required"
 
 
+class SourceMissing(ConversionError):
+    """The job's inline source is gone (its row was deleted); submit the document again."""
+
+    code = "source_missing"
+
+
 class InvalidInput(ConversionError):
     """The input is damaged or not what it claims to be."""
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import zipfile
 from pathlib import Path
+from typing import IO
 
 from .base import DOC, DOCX, JPEG, ODT, PDF, PNG, PPTX, RTF, TIFF, XLSX
 
@@ -32,6 +34,15 @@ def sniff_media_type(path: Path) -> str | None:
             head = fh.read(_HEAD_BYTES)
     except OSError:
         return None
+    return _sniff_head(head, path)
+
+
+def sniff_media_type_bytes(data: bytes) -> str | None:
+    """:func:`sniff_media_type` of a source held in memory (an inline upload)."""
+    return _sniff_head(data[:_HEAD_BYTES], io.BytesIO(data))
+
+
+def _sniff_head(head: bytes, whole: Path | IO[bytes]) -> str | None:
     if head.startswith(b"\x89PNG\r\n\x1a\n"):
         return PNG
     if head.startswith(b"\xff\xd8\xff"):
@@ -43,16 +54,16 @@ def sniff_media_type(path: Path) -> str | None:
     if head.startswith(_OLE2_MAGIC):
         return DOC
     if head.startswith(_ZIP_MAGICS):
-        return _sniff_zip(path)
+        return _sniff_zip(whole)
     # Checked last: a ZIP or TIFF may well contain a stored PDF in its first kilobyte.
     if b"%PDF-" in head[:_PDF_HEADER_WINDOW]:
         return PDF
     return None
 
 
-def _sniff_zip(path: Path) -> str | None:
+def _sniff_zip(whole: Path | IO[bytes]) -> str | None:
     try:
-        with zipfile.ZipFile(path) as zf:
+        with zipfile.ZipFile(whole) as zf:
             infos = zf.infolist()
             if len(infos) > _MAX_ZIP_ENTRIES:
                 return None

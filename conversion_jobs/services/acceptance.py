@@ -16,6 +16,7 @@ from conversion_jobs.db import violated_constraint
 from conversion_jobs.exceptions import (
     IdempotencyKeyReused,
     InvalidRequest,
+    QuireError,
     StorageUnavailable,
     UnsupportedMediaType,
     UnsupportedOutput,
@@ -32,11 +33,13 @@ from conversion_jobs.states import LIVE_STATES, State
 
 @dataclass(frozen=True)
 class StagedUpload:
-    """An upload already streamed to a local staged file and hashed."""
+    """An upload already hashed: streamed to a local staged file (``path``), or, no larger than
+    ``QUIRE_INLINE_SOURCE_MAX_BYTES``, kept in memory (``content``; ``path`` None)."""
 
-    path: Path
+    path: Path | None
     sha256: str
     size: int
+    content: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -161,13 +164,24 @@ def conversion_job_accept(
     existing job answers a replay or a content-identity duplicate. Raises a QuireError (nothing
     written) otherwise.
 
-    Two round trips on the way to a 202: the pre-check read (``_PRECHECK_SQL``), then the
-    insert (plus the admission snapshot's grouped count, at most every 0.25 s per process, and
-    the exact count near a limit). Races are settled by the unique constraints, never by the
-    read: a submit that loses one rolls its whole transaction back and answers from the
-    winner."""
+    A stored source: two round trips on the way to a 202, the pre-check read
+    (``_PRECHECK_SQL``), then the insert (plus the admission snapshot's grouped count, at most
+    every 0.25 s per process, and the exact count near a limit). An inline source on Postgres:
+    the insert alone, which also writes the bytes; its conflicts are the pre-check (the key's
+    binding is read first, then the content identity's job). Races are settled by the unique
+    constraints, never by a read: a submit that loses one rolls its whole statement back and
+    answers from the winner."""
+    inline = upload.content is not None
+    db = transaction.get_connection()
+    # No pre-check read for an inline source on Postgres: its statement settles duplicates.
+    fold = inline and db.vendor == "postgresql"
     try:
-        media_type = converters.sniff_media_type(upload.path)
+        if upload.content is not None:
+            media_type = converters.sniff_media_type_bytes(upload.content)
+        elif upload.path is not None:
+            media_type = converters.sniff_media_type(upload.path)
+        else:  # pragma: no cover - the upload handler makes one or the other
+            raise InvalidRequest("the file part is required")
         if media_type is None:
             raise UnsupportedMediaType()
         if output not in converters.capabilities().get(media_type, []):
@@ -185,26 +199,46 @@ def conversion_job_accept(
         fingerprint = request_fingerprint(
             source_sha256=upload.sha256, output=output, options=options
         )
-        seen = _precheck(
-            tenant=tenant, key=idempotency_key, sha=upload.sha256, output=output, digest=digest
-        )
-        if seen.key_job is not None:
-            if seen.key_fingerprint != fingerprint:
-                raise IdempotencyKeyReused()
-            return Acceptance(
-                job=ConversionJob.objects.get(id=seen.key_job), created=False, replayed=True
+        existing = None
+        if not fold:
+            existing = _precheck_answer(
+                tenant=tenant,
+                key=idempotency_key,
+                sha=upload.sha256,
+                output=output,
+                digest=digest,
+                fingerprint=fingerprint,
             )
-        if seen.duplicate is not None:
-            return _existing_answer(
-                tenant=tenant, key=idempotency_key, fingerprint=fingerprint, job_id=seen.duplicate
-            )
-        admission_admit(tenant=tenant)
+        if existing is not None:
+            return existing
         try:
-            source_key, uploaded = storage.put_source(upload.path, upload.sha256)
-        except storage.StorageError as exc:
-            raise StorageUnavailable() from exc
+            admission_admit(tenant=tenant)
+        except QuireError:
+            # A replay or a duplicate is answered even at the tenant's limit (it adds no job):
+            # the folded path reads what the pre-check would have, on refusal only.
+            if not fold:
+                raise
+            existing = _precheck_answer(
+                tenant=tenant,
+                key=idempotency_key,
+                sha=upload.sha256,
+                output=output,
+                digest=digest,
+                fingerprint=fingerprint,
+            )
+            if existing is None:
+                raise
+            return existing
+        if upload.content is not None or upload.path is None:
+            source_key, uploaded = storage.inline_source_key(upload.sha256), True
+        else:
+            try:
+                source_key, uploaded = storage.put_source(upload.path, upload.sha256)
+            except storage.StorageError as exc:
+                raise StorageUnavailable() from exc
     finally:
-        upload.path.unlink(missing_ok=True)
+        if upload.path is not None:
+            upload.path.unlink(missing_ok=True)
 
     job = ConversionJob(
         id=uuid7(),
@@ -229,15 +263,16 @@ def conversion_job_accept(
         idempotency_key=idempotency_key,
         fingerprint=fingerprint,
         details={"media_type": media_type, "size": upload.size, "output": output},
+        inline_content=upload.content,
     )
-    db = transaction.get_connection()
     try:
         if uploaded and db.vendor == "postgresql" and not db.in_atomic_block:
-            # An object we just uploaded needs no check (deleters leave objects younger than
-            # the grace alone), so the acceptance is the insert alone: one statement, which
-            # Postgres commits whole or not at all in autocommit, without a BEGIN and a COMMIT
-            # round trip around it (ADR 0017, session 6). The 202 still follows its commit.
-            transitions.job_insert_queued(new)
+            # An object we just uploaded (or an inline source, which is in the statement)
+            # needs no check (deleters leave objects younger than the grace alone), so the
+            # acceptance is the insert alone: one statement, which Postgres commits whole or
+            # not at all in autocommit, without a BEGIN and a COMMIT round trip around it (ADR
+            # 0017, session 6). The 202 still follows its commit.
+            inserted = transitions.job_insert_queued(new)
         else:
             with transaction.atomic():
                 # We reused an object a deleter (retention, the orphan sweep) may have judged
@@ -246,7 +281,7 @@ def conversion_job_accept(
                     source_lock(sha256=upload.sha256, exclusive=False)
                     if not _source_present(source_key):
                         raise StorageUnavailable("the stored source vanished; retry")
-                transitions.job_insert_queued(new)
+                inserted = transitions.job_insert_queued(new)
                 faults.hit("accept.after_job_insert")
     except IntegrityError as exc:
         # Everything this submit wrote is rolled back; answer from whoever won.
@@ -258,14 +293,68 @@ def conversion_job_accept(
             return replay
         if constraint != "job_content_identity_live_or_succeeded":
             raise
-        winner = _identity_match(tenant=tenant, sha256=upload.sha256, output=output, digest=digest)
-        if winner is None:  # it left the live/succeeded set meanwhile; the client retries
-            raise InvalidRequest("a concurrent identical job changed state; retry") from exc
-        return _existing_answer(
-            tenant=tenant, key=idempotency_key, fingerprint=fingerprint, job_id=winner
+        return _identity_conflict_answer(
+            tenant=tenant,
+            key=idempotency_key,
+            fingerprint=fingerprint,
+            sha256=upload.sha256,
+            output=output,
+            digest=digest,
+            cause=exc,
+        )
+    if not inserted:
+        return _identity_conflict_answer(
+            tenant=tenant,
+            key=idempotency_key,
+            fingerprint=fingerprint,
+            sha256=upload.sha256,
+            output=output,
+            digest=digest,
+            cause=None,
         )
     admission_accepted(tenant=tenant)
     return Acceptance(job=job, created=True, replayed=False)
+
+
+def _precheck_answer(
+    *, tenant: str, key: str | None, sha: str, output: str, digest: str, fingerprint: str
+) -> Acceptance | None:
+    """The answer the pre-check read gives (a replay, a duplicate), or None: insert."""
+    seen = _precheck(tenant=tenant, key=key, sha=sha, output=output, digest=digest)
+    if seen.key_job is not None:
+        if seen.key_fingerprint != fingerprint:
+            raise IdempotencyKeyReused()
+        return Acceptance(
+            job=ConversionJob.objects.get(id=seen.key_job), created=False, replayed=True
+        )
+    if seen.duplicate is not None:
+        return _existing_answer(
+            tenant=tenant, key=key, fingerprint=fingerprint, job_id=seen.duplicate
+        )
+    return None
+
+
+def _identity_conflict_answer(
+    *,
+    tenant: str,
+    key: str | None,
+    fingerprint: str,
+    sha256: str,
+    output: str,
+    digest: str,
+    cause: Exception | None,
+) -> Acceptance:
+    """The insert met a job with this content identity. With a key, its binding answers first
+    (a replay of its own job, or 422 for another payload: the same answers the pre-check read
+    gives); otherwise the identity's job does, and the key (if any) is bound to it."""
+    if key is not None:
+        replay = _replay(tenant=tenant, key=key, fingerprint=fingerprint)
+        if replay is not None:
+            return replay
+    winner = _identity_match(tenant=tenant, sha256=sha256, output=output, digest=digest)
+    if winner is None:  # it left the live/succeeded set meanwhile; the client retries
+        raise InvalidRequest("a concurrent identical job changed state; retry") from cause
+    return _existing_answer(tenant=tenant, key=key, fingerprint=fingerprint, job_id=winner)
 
 
 def _source_present(key: str) -> bool:

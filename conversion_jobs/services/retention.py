@@ -25,6 +25,7 @@ from conversion_jobs.models import (
     ConversionJob,
     ConversionOutbox,
     ExecutionAuditEvent,
+    InlineSource,
     PageCheckpoint,
 )
 from conversion_jobs.services.artifacts import source_delete_if_unused
@@ -85,7 +86,8 @@ def conversion_jobs_expire_if_past_retention(*, batch: int) -> int:
 
 
 def conversion_jobs_purge_files_if_expired(*, batch: int) -> int:
-    """Delete the files of expired jobs, then record ``purged_at``. Idempotent."""
+    """Delete the files of expired jobs (and an inline source's row), then record
+    ``purged_at``. Idempotent."""
     purged = 0
     jobs = list(
         ConversionJob.objects.filter(expired_at__isnull=False, purged_at__isnull=True).values_list(
@@ -95,8 +97,13 @@ def conversion_jobs_purge_files_if_expired(*, batch: int) -> int:
     for job_id, source_key, sha in jobs:
         storage.delete_prefix(f"results/{job_id}")
         storage.delete_prefix(f"pages/{job_id}")
-        # Sources are content-addressed and shared: delete only when no unexpired job uses it.
-        source_delete_if_unused(sha256=sha, key=source_key, live_only=True)
+        if storage.is_inline_source(source_key):
+            # The job's own copy (never shared): the row goes, the job row stays for its audit.
+            InlineSource.objects.filter(job_id=job_id).delete()
+        else:
+            # Sources are content-addressed and shared: delete only when no unexpired job
+            # uses it.
+            source_delete_if_unused(sha256=sha, key=source_key, live_only=True)
         purged += ConversionJob.objects.filter(id=job_id, purged_at__isnull=True).update(
             purged_at=Now()
         )

@@ -27,6 +27,7 @@ from conversion_jobs import converters, storage
 from conversion_jobs.converters import ConversionError, ConversionStopped, Limits
 from conversion_jobs.converters.base import PAGE_EXT, RESULT_EXT, ZIP
 from conversion_jobs.converters.engines import EngineSettings, configure
+from conversion_jobs.converters.errors import SourceMissing
 from conversion_jobs.converters.isolation import empty_directory
 from conversion_jobs.converters.registry import engine_label
 from conversion_jobs.models import ConversionJob, PageState
@@ -123,7 +124,9 @@ def conversion_job_execute(*, job_id: uuid.UUID, generation: int) -> str:
     converters.begin_attempt(tenant=pseudonym("tenant", claim.job.tenant))
     outcome = "lost"
     try:
-        outcome = _run(lease=lease, job=claim.job, heartbeat=heartbeat, workdir=workdir)
+        outcome = _run(
+            lease=lease, job=claim.job, source=claim.source, heartbeat=heartbeat, workdir=workdir
+        )
         return outcome
     finally:
         heartbeat.finish()
@@ -182,12 +185,24 @@ def _workdir_make(workdir: Path) -> Path:
 _TERMINAL_OUTCOMES = frozenset({"succeeded", "partial", "failed", "cancelled"})
 
 
-def _run(*, lease: Lease, job: ConversionJob, heartbeat: Heartbeat, workdir: Path) -> str:
+def _run(
+    *,
+    lease: Lease,
+    job: ConversionJob,
+    source: bytes | None,
+    heartbeat: Heartbeat,
+    workdir: Path,
+) -> str:
     #: the page count prepare found, while it is still to be recorded (see _convert)
     unrecorded: dict[str, int] = {}
     try:
         return _convert(
-            lease=lease, job=job, heartbeat=heartbeat, workdir=workdir, unrecorded=unrecorded
+            lease=lease,
+            job=job,
+            source_bytes=source,
+            heartbeat=heartbeat,
+            workdir=workdir,
+            unrecorded=unrecorded,
         )
     except (LeaseLost, ConversionStopped):
         return _stopped(lease=lease)
@@ -270,11 +285,13 @@ def _convert(
     *,
     lease: Lease,
     job: ConversionJob,
+    source_bytes: bytes | None,
     heartbeat: Heartbeat,
     workdir: Path,
     unrecorded: dict[str, int],
 ) -> str:
     """``job``: the row as the claim read it back (options, source, output never change).
+    ``source_bytes``: an inline source's bytes, as the claim read them with the row.
     ``unrecorded`` gets the page count when its recording is deferred to the publish."""
     options = _options_for_attempt(job.options, lease)
     if job.password_sealed is not None:
@@ -289,7 +306,14 @@ def _convert(
     stop = heartbeat.stop.is_set
     # The converter reads a copy in the attempt's work directory, never the store itself.
     source = workdir / "source"
-    storage.download(job.source_key, source)
+    if storage.is_inline_source(job.source_key):
+        if source_bytes is None:  # the row went with its job (retention) meanwhile
+            raise SourceMissing()
+        fd = os.open(source, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with open(fd, "wb") as fh:
+            fh.write(source_bytes)
+    else:
+        storage.download(job.source_key, source)
     # A small text page comes back from the child as bytes and rides in its checkpoint row.
     inline_max = settings.QUIRE["INLINE_PAGE_MAX_BYTES"] if job.output == "text" else 0
     # A first run converts its selected pages from the first on: the prepare asks for them in

@@ -33,6 +33,7 @@ from django.db.models import F, Q, QuerySet
 from django.db.models.functions import Coalesce, Now
 from django.utils import timezone
 
+from conversion_jobs import storage
 from conversion_jobs.models import (
     AttemptOutcome,
     CancellationOutcome,
@@ -42,6 +43,7 @@ from conversion_jobs.models import (
     ConversionOutbox,
     ExecutionAuditEvent,
     IdempotencyRecord,
+    InlineSource,
     PageCheckpoint,
     PageState,
     WorkerLease,
@@ -219,15 +221,21 @@ class NewJob:
     idempotency_key: str | None
     fingerprint: str
     details: dict[str, Any]
+    #: the source's bytes when it is stored inline (``inline_source``), else None
+    inline_content: bytes | None = None
 
 
-def job_insert_queued(new: NewJob) -> None:
+def job_insert_queued(new: NewJob) -> bool:
     """(none) -> QUEUED, generation 1: the job, its outbox row, its idempotency record (when a
-    key was sent) and its first audit event. On Postgres one statement (``_ACCEPT_SQL``), which
-    the caller runs inside its transaction or, when it is the whole acceptance, alone in
-    autocommit. A unique violation (a concurrent identical job or key) propagates: everything
-    the statement (or the caller's transaction) wrote rolls back and the caller answers from the
-    winner. Registers the fast-path publish for after commit."""
+    key was sent), its inline source (when it has one) and its first audit event. On Postgres
+    one statement (``_ACCEPT_SQL``), which the caller runs inside its transaction or, when it
+    is the whole acceptance, alone in autocommit. A unique violation (a concurrent identical job
+    or key) propagates: everything the statement (or the caller's transaction) wrote rolls back
+    and the caller answers from the winner — except that an inline job on Postgres that meets
+    a job with its content identity writes nothing and returns False (``ON CONFLICT DO
+    NOTHING``: the acceptance runs no pre-check read for it, so the conflict is its common
+    duplicate case, answered without an error). True: inserted; registers the fast-path
+    publish for after commit."""
     job = new.job
     now = timezone.now()
     job.created_at = job.updated_at = now
@@ -253,11 +261,19 @@ def job_insert_queued(new: NewJob) -> None:
             details=canonical_json(new.details),
             genesis=GENESIS,
         )
+        inline = new.inline_content is not None
+        if inline:
+            params["inline"] = new.inline_content
         with prepared_cursor() as cursor:  # prepared: parsed and planned once per connection
-            cursor.execute(_accept_sql(), params)
-            outbox_id = cursor.fetchone()[0]
+            cursor.execute(_accept_sql(inline), params)
+            row = cursor.fetchone()
+        if row is None:  # the inline statement met the content identity of another job
+            return False
+        outbox_id = row[0]
     else:
         job.save(force_insert=True)
+        if new.inline_content is not None:
+            InlineSource.objects.create(job=job, content=new.inline_content)
         outbox_id = ConversionOutbox.objects.create(
             job=job, generation=1, traceparent=job.traceparent
         ).id
@@ -269,6 +285,7 @@ def job_insert_queued(new: NewJob) -> None:
     outbox_publish_after_commit(
         outbox_id=outbox_id, job_id=job.id, generation=1, traceparent=job.traceparent
     )
+    return True
 
 
 def job_insert_params(job: ConversionJob) -> dict[str, Any]:
@@ -323,20 +340,27 @@ def _insert_fields() -> tuple[tuple[str, str, type | None, Any, Any], ...]:
 
 
 @functools.cache
-def _accept_sql() -> str:
+def _accept_sql(inline: bool) -> str:
     fields = ConversionJob._meta.concrete_fields
     return _ACCEPT_SQL.format(
         columns=", ".join(str(f.column) for f in fields),
         values=", ".join(f"%(j_{f.column})s" for f in fields),
+        conflict=" ON CONFLICT DO NOTHING" if inline else "",
+        inline=_ACCEPT_INLINE if inline else "",
     )
 
 
 #: (none) -> queued in one round trip: the job row, then what hangs off it. A unique violation
-#: (content identity, idempotency key) aborts the whole statement.
+#: (content identity, idempotency key) aborts the whole statement. The inline form (``{conflict}``
+#: and ``{inline}`` filled in) also writes the source's bytes, and a content-identity conflict
+#: of the job row writes nothing and returns no row: every other part selects from ``job``.
+#: (Postgres waits for an uncommitted conflicting row's transaction first, so "no row" means a
+#: committed job holds the identity.) The key's own conflict still aborts the statement.
 _ACCEPT_SQL = """
 WITH job AS (
-    INSERT INTO conversion_job ({columns}) VALUES ({values}) RETURNING id, traceparent, audit_head
-), outbox AS (
+    INSERT INTO conversion_job ({columns}) VALUES ({values}){conflict}
+    RETURNING id, traceparent, audit_head
+){inline}, outbox AS (
     INSERT INTO conversion_outbox (job_id, generation, traceparent, created_at, publish_attempts)
     SELECT id, 1, traceparent, %(now)s, 0 FROM job RETURNING id
 ), idempotency AS (
@@ -354,6 +378,10 @@ WITH job AS (
 SELECT id FROM outbox
 """
 
+_ACCEPT_INLINE = """, inline AS (
+    INSERT INTO inline_source (job_id, content) SELECT id, %(inline)s FROM job
+)"""
+
 
 # --- queued -> running: the claim --------------------------------------------------------------
 
@@ -364,6 +392,8 @@ class Claim:
 
     lease: Lease
     job: ConversionJob
+    #: the source's bytes when the job's source is inline (read by the claim itself), else None
+    source: bytes | None = None
 
 
 @edge(State.QUEUED, State.RUNNING)
@@ -385,15 +415,16 @@ def claim(*, job_id: uuid.UUID, generation: int, worker: str) -> Claim | None:
         reason = "stale" if current is not None and current > generation else "duplicate"
         metrics.DUPLICATE_DELIVERIES.labels(reason=reason).inc()
         return None
-    job, attempt_id = won
+    job, attempt_id, source = won
     metrics.CLAIMS.inc()
     lease = Lease(job_id, generation, token, attempt_id, job.attempts, now)
-    return Claim(lease, job)
+    return Claim(lease, job, source)
 
 
 #: queued -> running in one round trip. ``locked`` takes the row lock with the guard (after a
 #: wait it sees the newest row, so a claim that lost the race matches nothing and writes nothing);
-#: the attempt id is drawn first so the audit hash can cover it.
+#: the attempt id is drawn first so the audit hash can cover it. An inline source's bytes come
+#: back with the row (the join finds nothing for a stored one): no second read for them.
 _CLAIM_SQL = """
 WITH locked AS (
     SELECT id, attempts, audit_seq, audit_head FROM conversion_job
@@ -426,7 +457,8 @@ WITH locked AS (
            %(now)s, audit_prev, audit_head
     FROM moved
 )
-SELECT * FROM moved{commit}
+SELECT moved.*, s.content AS inline_source
+FROM moved LEFT JOIN inline_source s ON s.job_id = moved.id{commit}
 """
 
 #: The claim's own commit does not wait for its WAL flush (``QUIRE_CLAIM_ASYNC_COMMIT``; ADR
@@ -447,7 +479,7 @@ def _claim_postgres(
     token: uuid.UUID,
     now: datetime,
     expires: datetime,
-) -> tuple[ConversionJob, int] | None:
+) -> tuple[ConversionJob, int, bytes | None] | None:
     params: dict[str, Any] = {
         "job": job_id,
         "generation": generation,
@@ -483,7 +515,9 @@ def _claim_postgres(
         row = cursor.fetchone()
     if row is None:
         return None
-    return _job_from_row(_claim_names(), row)
+    job, attempt_id = _job_from_row(_claim_names(), row)
+    source = row[-1]
+    return job, attempt_id, None if source is None else bytes(source)
 
 
 @functools.cache
@@ -504,6 +538,7 @@ def _claim_names() -> tuple[str, ...]:
         *(f.column or "" for f in ConversionJob._meta.concrete_fields),
         "attempt_id",
         "audit_prev",
+        "inline_source",
     )
 
 
@@ -546,7 +581,7 @@ def _claim_orm(
     token: uuid.UUID,
     now: datetime,
     expires: datetime,
-) -> tuple[ConversionJob, int] | None:
+) -> tuple[ConversionJob, int, bytes | None] | None:
     with transaction.atomic():
         won = _move(
             ConversionJob.objects.filter(id=job_id, generation=generation),
@@ -581,7 +616,12 @@ def _claim_orm(
             attempt_id=attempt.id,
             details={"attempt": job.attempts},
         )
-    return job, attempt.id
+        source = (
+            InlineSource.objects.filter(job_id=job_id).values_list("content", flat=True).first()
+            if storage.is_inline_source(job.source_key)
+            else None
+        )
+    return job, attempt.id, None if source is None else bytes(source)
 
 
 # --- running -> succeeded | partial: the publish -------------------------------------------------

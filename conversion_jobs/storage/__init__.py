@@ -18,11 +18,14 @@ from django.conf import settings
 
 from .base import (
     CHUNK,
+    INLINE_SOURCE_PREFIX,
     ArtifactStore,
     ParsedKey,
     Put,
     StorageError,
     StoredObject,
+    inline_source_key,
+    is_inline_source,
     page_key,
     parse_key,
     result_key,
@@ -32,11 +35,14 @@ from .base import (
 
 __all__ = [
     "CHUNK",
+    "INLINE_SOURCE_PREFIX",
     "ArtifactStore",
     "ParsedKey",
     "Put",
     "StorageError",
     "StoredObject",
+    "inline_source_key",
+    "is_inline_source",
     "page_key",
     "parse_key",
     "result_key",

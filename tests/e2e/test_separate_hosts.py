@@ -17,7 +17,12 @@ import pytest
 from django.db import connection
 
 from conversion_jobs import storage
-from conversion_jobs.models import ConversionAttempt, ConversionJob, PageCheckpoint
+from conversion_jobs.models import (
+    ConversionAttempt,
+    ConversionJob,
+    InlineSource,
+    PageCheckpoint,
+)
 from conversion_jobs.services.checkpoints import is_inline_result
 from tests import testdocs
 from tests.conftest import token
@@ -134,8 +139,24 @@ def test_separate_hosts__submit_on_a_convert_on_b_recover_on_c_download_from_a(
         for h in (a, b, c)
     }
     host_a, host_b, host_c = clusters[a.name], clusters[b.name], clusters[c.name]
+    texts_one = [uuid.uuid4().hex for _ in range(2)]
+    one = testdocs.make_pdf(tmp_path / "one.pdf", pages=2, text_of=lambda n: texts_one[n - 1])
+    texts_many = [uuid.uuid4().hex for _ in range(PAGES)]
+    many = testdocs.make_pdf(
+        tmp_path / "many.pdf", pages=PAGES, text_of=lambda n: texts_many[n - 1]
+    )
+    # The small document's source is inline (it reaches host B in its claim, through Postgres
+    # alone); the larger one is stored in the bucket.
+    assert one.stat().st_size < many.stat().st_size
+    inline_max = str(one.stat().st_size)
     try:
-        host_a.start("web", QUIRE_BIND=f"{a.address}:8000", WEB_CONCURRENCY="2", **_roles("web", a))
+        host_a.start(
+            "web",
+            QUIRE_BIND=f"{a.address}:8000",
+            WEB_CONCURRENCY="2",
+            QUIRE_INLINE_SOURCE_MAX_BYTES=inline_max,
+            **_roles("web", a),
+        )
         host_a.start("sweeper", **_roles("sweeper", a))
         host_a.start("beat", **_roles("beat", a))
         base = f"http://{a.address}:8000"
@@ -147,20 +168,21 @@ def test_separate_hosts__submit_on_a_convert_on_b_recover_on_c_download_from_a(
         # PORT names each worker node apart (worker.<hostname>.<PORT>): the hosts share a name.
         worker_b = host_b.ready(host_b.worker(PORT="21", **_roles("worker", b)))
 
-        # 1. Submitted through A, converted on B, downloaded from A.
-        texts = [uuid.uuid4().hex for _ in range(2)]
-        pdf = testdocs.make_pdf(tmp_path / "one.pdf", pages=2, text_of=lambda n: texts[n - 1])
-        first = _submit(base, pdf)
+        # 1. Submitted through A, converted on B, downloaded from A; the source inline.
+        first = _submit(base, one)
         harness.wait_until(lambda: _state(first) == "succeeded", timeout=60, what="first job")
         attempt = ConversionAttempt.objects.get(job_id=first)
         assert host_b.owner_of(attempt.worker) is worker_b
         with _http(f"{base}/api/v1/jobs/{first}/result") as response:
-            assert response.read().decode().split("\f") == texts
+            assert response.read().decode().split("\f") == texts_one
+        first_job = ConversionJob.objects.get(id=first)
+        assert storage.is_inline_source(first_job.source_key)
+        assert InlineSource.objects.filter(job_id=first).exists()
+        assert not storage.exists(storage.source_key(first_job.source_sha256))
 
         # 2. Host B's worker killed mid-job; a worker on host C finishes it.
-        texts = [uuid.uuid4().hex for _ in range(PAGES)]
-        pdf = testdocs.make_pdf(tmp_path / "many.pdf", pages=PAGES, text_of=lambda n: texts[n - 1])
-        second = _submit(base, pdf, {"_test_fault": SLOW})
+        texts = texts_many
+        second = _submit(base, many, {"_test_fault": SLOW})
         harness.wait_until(
             lambda: PageCheckpoint.objects.filter(job_id=second, state="done").exists(),
             timeout=60,
@@ -200,7 +222,7 @@ def test_separate_hosts__submit_on_a_convert_on_b_recover_on_c_download_from_a(
         for host in (a, b, c):
             assert not (host.home / "var" / "storage").exists(), host.name
         job = ConversionJob.objects.get(id=second)
-        assert storage.exists(job.source_key)
+        assert not storage.is_inline_source(job.source_key) and storage.exists(job.source_key)
         # Small text pages ride in their checkpoint rows, and so does the result made of them.
         assert is_inline_result(job.result_key) and not storage.exists(
             (job.result_key or "").removeprefix("inline:")

@@ -18,10 +18,11 @@ def _client() -> APIClient:
 
 
 @pytest.mark.django_db(transaction=True)
-def test_submit__fault_after_job_insert_leaves_no_row(pdf_file, no_broker_publish):
-    """The insert's transaction (a reused source: checked under its lock in the same
-    transaction) fails after the insert: nothing of it stays. (A fresh source's acceptance is
-    the insert statement alone, in autocommit: all or nothing by itself.)"""
+def test_submit__fault_after_job_insert_leaves_no_row(pdf_file, settings_quire, no_broker_publish):
+    """The insert's transaction (a reused stored source: checked under its lock in the same
+    transaction) fails after the insert: nothing of it stays. (A fresh or inline source's
+    acceptance is the insert statement alone, in autocommit: all or nothing by itself.)"""
+    settings_quire(INLINE_SOURCE_MAX_BYTES=0)
     path = pdf_file()
     assert submit(_client(), path, output="png").status_code == 202  # the source is stored
     before = row_counts()
@@ -39,11 +40,14 @@ def test_submit__fault_after_job_insert_leaves_no_row(pdf_file, no_broker_publis
 
 @pytest.mark.postgres  # on SQLite every acceptance is one ORM transaction (and the fault fires)
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("inline_max", [65536, 0], ids=["inline", "stored"])
 def test_submit__fresh_source_is_accepted_in_one_autocommitted_statement(
-    pdf_file, no_broker_publish
+    pdf_file, settings_quire, no_broker_publish, inline_max
 ):
     """No transaction of its own around the insert: the fault point inside that transaction is
-    never reached, and the job, its outbox row, key and audit event are all committed."""
+    never reached, and the job, its outbox row, key and audit event are all committed (a
+    fresh stored source, or an inline one with its bytes)."""
+    settings_quire(INLINE_SOURCE_MAX_BYTES=inline_max)
     with faults.armed("accept.after_job_insert"):
         response = submit(_client(), pdf_file(), key="k1")
     assert response.status_code == 202

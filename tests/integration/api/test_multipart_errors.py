@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from conversion_jobs.models import InlineSource
 from tests import multipart, testdocs
 from tests.integration.api.conftest import problem, row_counts, staged_uploads, stored_objects
 
@@ -40,7 +41,8 @@ def test_submit__valid_hand_built_body_is_accepted(api, no_broker_publish):
     )
     response = api().generic("POST", "/api/v1/jobs", payload, content_type=multipart.CONTENT_TYPE)
     assert response.status_code == 202, response.content
-    assert len(stored_objects()) == 1
+    assert stored_objects() == []  # a small source: inline (ADR 0017 session 10)
+    assert InlineSource.objects.count() == 1
     assert staged_uploads() == []
 
 

@@ -46,17 +46,30 @@ def submit(
     tenant: str = "tenant-a",
     options: dict[str, Any] | None = None,
     fault: dict[str, Any] | None = None,
+    inline: bool = False,
 ) -> ConversionJob:
-    """Accept ``source`` (a copy: acceptance consumes the staged file) as a new job.
-    A test fault is written into the stored options, as a client could not send it."""
-    fh, staged = storage.stage()
-    with fh, open(source, "rb") as data:
-        shutil.copyfileobj(data, fh)
-    sha, size = storage.sha256_file(staged)
+    """Accept ``source`` (a copy: acceptance consumes the staged file) as a new job; with
+    ``inline``, from memory as the upload handler hands over a small upload (its bytes go to
+    ``inline_source``). A test fault is written into the stored options, as a client could not
+    send it."""
+    if inline:
+        content = source.read_bytes()
+        upload = StagedUpload(
+            path=None,
+            sha256=hashlib.sha256(content).hexdigest(),
+            size=len(content),
+            content=content,
+        )
+    else:
+        fh, staged = storage.stage()
+        with fh, open(source, "rb") as data:
+            shutil.copyfileobj(data, fh)
+        sha, size = storage.sha256_file(staged)
+        upload = StagedUpload(path=staged, sha256=sha, size=size)
     acceptance = conversion_job_accept(
         tenant=tenant,
         actor="tester",
-        upload=StagedUpload(path=staged, sha256=sha, size=size),
+        upload=upload,
         output=output,
         raw_options=options,
         idempotency_key=None,

@@ -13,7 +13,7 @@ import pytest
 from django.db import connection, transaction
 
 from conversion_jobs import storage
-from conversion_jobs.models import ConversionJob, PageCheckpoint
+from conversion_jobs.models import ConversionJob, InlineSource, PageCheckpoint
 from conversion_jobs.services.artifacts import (
     artifacts_remove_orphans,
     source_delete_if_unused,
@@ -125,9 +125,13 @@ def test_source_delete__an_object_younger_than_the_grace_is_kept(backend):
     assert not storage.exists(key)
 
 
+@pytest.mark.parametrize("inline", [False, True], ids=["stored", "inline"])
 def test_accept__store_unreachable_is_503_and_nothing_is_written(
-    api, pdf_file, settings, no_broker_publish
+    api, pdf_file, settings, no_broker_publish, inline
 ):
+    """A source above ``QUIRE_INLINE_SOURCE_MAX_BYTES`` needs the store: 503, nothing written.
+    One within it never touches the store (ADR 0017 session 10): 202."""
+    path = pdf_file()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed once we leave: nothing listens there
@@ -140,6 +144,11 @@ def test_accept__store_unreachable_is_503_and_nothing_is_written(
             "ENDPOINT_URL": f"http://127.0.0.1:{port}",
             "PREFIX": f"test-{uuid.uuid4().hex}",
         },
+        "INLINE_SOURCE_MAX_BYTES": path.stat().st_size - (0 if inline else 1),
     }
-    problem(submit(api(), pdf_file()), 503, "storage_unavailable")
+    if inline:
+        assert submit(api(), path).status_code == 202
+        assert row_counts()["jobs"] == InlineSource.objects.count() == 1
+        return
+    problem(submit(api(), path), 503, "storage_unavailable")
     assert row_counts()["jobs"] == 0
