@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Any
 
 import pytest
+from django.core.files.uploadhandler import StopFutureHandlers
 from django.core.management import call_command
 from django.db import connection, transaction
 
 from conversion_jobs import storage
 from conversion_jobs.models import ConversionJob, IdempotencyRecord, InlineSource
 from conversion_jobs.services import retention, transitions
+from tests import testdocs
 from tests.conftest import token
 from tests.integration.api.conftest import (
     problem,
@@ -232,7 +235,6 @@ def test_inline_sources_store__moves_every_source_to_the_store(
 
 def test_sniff_media_type_bytes__matches_the_file_sniff(tmp_path: Path, pdf_file):
     from conversion_jobs import converters
-    from tests import testdocs
 
     made = [
         pdf_file(),
@@ -249,3 +251,46 @@ def test_sniff_media_type_bytes__matches_the_file_sniff(tmp_path: Path, pdf_file
         ), path.name
     assert converters.sniff_media_type_bytes(b"") is None
     assert converters.sniff_media_type_bytes(b"PK\x03\x04broken") is None
+
+
+@pytest.mark.django_db
+def test_upload_handler__spills_to_a_staged_file_when_it_crosses_the_max(settings):
+    """Chunks up to the max stay in memory; the chunk that crosses it stages what was kept
+    first, then itself: the staged file and the digest are the whole upload."""
+    from conversion_jobs.api.uploads import StagingUploadHandler
+
+    def run(chunks: list[bytes]) -> Any:
+        handler = StagingUploadHandler(max_bytes=10_000, inline_max=100)
+        try:
+            handler.new_file("file", "upload", "", None)
+        except StopFutureHandlers:
+            pass
+        for chunk in chunks:
+            handler.receive_data_chunk(chunk, 0)
+        return handler, handler.file_complete(sum(map(len, chunks))).staged
+
+    handler, kept = run([b"a" * 60, b"b" * 40])
+    assert (kept.path, kept.content, kept.size) == (None, b"a" * 60 + b"b" * 40, 100)
+    assert kept.sha256 == hashlib.sha256(kept.content).hexdigest()
+    assert handler.staged == []
+
+    handler, spilled = run([b"a" * 60, b"b" * 60, b"c" * 5])
+    whole = b"a" * 60 + b"b" * 60 + b"c" * 5
+    assert spilled.content is None and spilled.path.read_bytes() == whole
+    assert (spilled.size, spilled.sha256) == (125, hashlib.sha256(whole).hexdigest())
+    handler.cleanup()
+    assert not spilled.path.exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_accept__a_body_through_djangos_parser_is_inline_too(
+    api, tmp_path, settings_quire, no_broker_publish
+):
+    """Larger than the small-form path takes (64 KiB body): Django's multipart parser feeds the
+    handler, which keeps it in memory below a raised max."""
+    path = tmp_path / "big.pdf"
+    path.write_bytes(testdocs.pdf_bytes(pages=1) + b"%" * 90_000)
+    settings_quire(INLINE_SOURCE_MAX_BYTES=100_000)
+    assert submit(api(), path).status_code == 202
+    assert bytes(InlineSource.objects.get().content) == path.read_bytes()
+    assert _source_objects() == [] and staged_uploads() == []
