@@ -14,10 +14,11 @@ from django.utils import timezone
 from conversion_jobs import converters, faults, passwords, storage
 from conversion_jobs.db import violated_constraint
 from conversion_jobs.exceptions import (
+    CapacityExceeded,
     IdempotencyKeyReused,
     InvalidRequest,
-    QuireError,
     StorageUnavailable,
+    TenantQuotaExceeded,
     UnsupportedMediaType,
     UnsupportedOutput,
 )
@@ -213,7 +214,7 @@ def conversion_job_accept(
             return existing
         try:
             admission_admit(tenant=tenant)
-        except QuireError:
+        except (TenantQuotaExceeded, CapacityExceeded):
             # A replay or a duplicate is answered even at the tenant's limit (it adds no job):
             # the folded path reads what the pre-check would have, on refusal only.
             if not fold:

@@ -294,3 +294,21 @@ def test_accept__a_body_through_djangos_parser_is_inline_too(
     assert submit(api(), path).status_code == 202
     assert bytes(InlineSource.objects.get().content) == path.read_bytes()
     assert _source_objects() == [] and staged_uploads() == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_accept__inline_replay_and_duplicate_answer_at_the_tenant_limit(
+    api, pdf_file, settings_quire, no_broker_publish
+):
+    """Without the pre-check read, admission runs first: its refusal reads what the pre-check
+    would have, so a replay or a duplicate (which adds no job) still answers 200."""
+    settings_quire(TENANT_QUOTA=1, ADMISSION_SNAPSHOT_S=0)
+    client, path = api(), pdf_file()
+    first = submit(client, path, key="k1")
+    assert first.status_code == 202
+    assert submit(client, path, key="k1")["Idempotent-Replayed"] == "true"
+    duplicate = submit(client, path)
+    assert (duplicate.status_code, duplicate.json()["id"]) == (200, first.json()["id"])
+    problem(submit(client, path, key="k2", output="png"), 429, "tenant_quota_exceeded")
+    problem(submit(client, pdf_file(salt="other")), 429, "tenant_quota_exceeded")
+    assert ConversionJob.objects.count() == InlineSource.objects.count() == 1
