@@ -3,7 +3,6 @@ session 10). The rollback of migration 0012 moves every inline source to the sto
 
 from __future__ import annotations
 
-import logging
 import uuid
 
 from django.db import transaction
@@ -12,8 +11,6 @@ from conversion_jobs import storage
 from conversion_jobs.exceptions import StorageUnavailable
 from conversion_jobs.models import ConversionJob, InlineSource
 from conversion_jobs.services.artifacts import source_lock
-
-log = logging.getLogger(__name__)
 
 
 def inline_sources_store(*, batch: int = 100) -> int:

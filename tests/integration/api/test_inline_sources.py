@@ -312,3 +312,30 @@ def test_accept__inline_replay_and_duplicate_answer_at_the_tenant_limit(
     problem(submit(client, path, key="k2", output="png"), 429, "tenant_quota_exceeded")
     problem(submit(client, pdf_file(salt="other")), 429, "tenant_quota_exceeded")
     assert ConversionJob.objects.count() == InlineSource.objects.count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_migration_0012__reverse_refuses_inline_sources_then_goes_after_the_command(
+    api, pdf_file, no_broker_publish
+):
+    from django.db.migrations.executor import MigrationExecutor
+
+    assert submit(api(), pdf_file()).status_code == 202
+    before = [("conversion_jobs", "0011_compact_state_checks")]
+    leaf = [("conversion_jobs", "0012_inline_source")]
+    try:
+        with pytest.raises(RuntimeError, match="inline_sources_store"):
+            MigrationExecutor(connection).migrate(before)
+        assert InlineSource.objects.count() == 1  # the refusal changed nothing
+
+        call_command("inline_sources_store")
+        executor = MigrationExecutor(connection)
+        executor.migrate(before)
+        assert "inline_source" not in connection.introspection.table_names()
+        job = ConversionJob.objects.get()
+        assert job.source_key == storage.source_key(job.source_sha256)
+    finally:
+        executor = MigrationExecutor(connection)
+        executor.loader.build_graph()
+        executor.migrate(leaf)
+    assert "inline_source" in connection.introspection.table_names()
