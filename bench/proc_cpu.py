@@ -64,15 +64,14 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def _reuse_mode(pid: int) -> str:
+def _environ(pid: int) -> dict[str, str]:
     try:
         with open(f"/proc/{pid}/environ", "rb") as fh:
-            for item in fh.read().split(b"\0"):
-                if item.startswith(b"QUIRE_CONVERTER_REUSE="):
-                    return item.split(b"=", 1)[1].decode()
+            items = fh.read().split(b"\0")
     except OSError:
-        pass
-    return "?"
+        return {}
+    pairs = (item.decode(errors="replace").split("=", 1) for item in items if b"=" in item)
+    return {k: v for k, v in pairs}
 
 
 def classify(pid: int, parent_kind: str, cmd: str, db: str) -> str:
@@ -80,18 +79,21 @@ def classify(pid: int, parent_kind: str, cmd: str, db: str) -> str:
         return "rabbitmq"
     if cmd.startswith("postgres:"):
         return "pg-backend" if f" {db} " in cmd else "pg-other"
-    if "celery" in cmd and " worker" in cmd:
-        if "quire.sweeps" in cmd:
-            return "q-sweeper"
+    if "celery" in cmd and (" worker" in cmd or " beat" in cmd):
         if "bench.noop_celery" in cmd:
             phase = "plain" if "bench.plain" in cmd else "noop"
         else:
-            phase = "q-" + _reuse_mode(pid)
+            env = _environ(pid)
+            if not env.get("DATABASE_URL", "").endswith(f"/{db}"):
+                return "other"  # another checkout's worker, beat or sweeper on this host
+            if " beat" in cmd:
+                return "q-beat"
+            if "quire.sweeps" in cmd:
+                return "q-sweeper"
+            phase = "q-" + env.get("QUIRE_CONVERTER_REUSE", "?")
         if parent_kind.startswith((phase + ":main", phase + ":pool")):
             return phase + ":pool"
         return phase + ":main"
-    if "celery" in cmd and " beat" in cmd:
-        return "q-beat"
     if parent_kind.endswith((":pool", ":conv")):
         return parent_kind.split(":")[0] + ":conv"
     if "throughput.py" in cmd:
