@@ -287,7 +287,12 @@ class S3Store(ArtifactStore):
         return body["Body"]  # type: ignore[no-any-return]
 
     def download(self, key: str, dest: Path) -> None:
-        """One streaming GET into ``dest`` (created 0600)."""
+        """One streaming GET into ``dest`` (created 0600): the signed GET of ``s3put`` (the
+        worker's per-job source read, session 10), or boto3's when object parameters ask for
+        what ``s3put`` does not send (customer-provided encryption keys)."""
+        if not any(k.startswith("SSECustomer") for k in self.backend.object_parameters):
+            self._signed_put().get_into(self._name(key), dest, mode=FILE_MODE)
+            return
         body = self.open(key)
         fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
         with _errors(), body, os.fdopen(fd, "wb") as out:

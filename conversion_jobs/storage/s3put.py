@@ -1,4 +1,5 @@
-"""The acceptance's source PUT without the boto3 client machinery (ADR 0018, sessions 5 and 6).
+"""The acceptance's source PUT and the worker's source GET without the boto3 client machinery
+(ADR 0018, sessions 5, 6 and 10).
 
 ``put_object`` through botocore costs about 1.8 ms of web CPU per 10 KB source: the event
 hooks, parameter validation, the request serializer, the endpoint ruleset and the retry handler
@@ -7,7 +8,8 @@ here, signed with AWS Signature Version 4 (``_SigV4``: botocore's ``S3SigV4Auth`
 which a unit test holds it to, with the derived signing key cached per day instead of four
 HMACs per request) and sent on a kept-alive ``http.client`` connection; django-storages / boto3
 keep everything else (configuration, multipart uploads, reads, deletes, listings, presigned
-URLs).
+URLs). The worker's whole-object GET of a stored source (``download``) is the other per-job
+call (session 10): the same signer and connections, the body streamed to the attempt's file.
 
 The connections are this module's own (ADR 0018, session 6): at most ``KEEP`` idle ones, reused
 last-in first-out, each used by one thread at a time. A body up to ``INLINE_BODY`` bytes is read
@@ -33,6 +35,8 @@ import datetime
 import hashlib
 import hmac
 import http.client
+import os
+import shutil
 import ssl
 import threading
 import time
@@ -65,6 +69,8 @@ BLOCK = 64 * 1024
 RETRIES = 2
 RETRY_PAUSE_S = 0.1
 RETRY_STATUSES = frozenset({500, 502, 503, 504})
+#: The SHA-256 of an empty payload, signed for a GET.
+EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 
 
 class HTTPStatusError(StorageError):
@@ -147,7 +153,8 @@ class _SigV4:
 
 
 class SignedPut:
-    """Conditional single PUTs of small files, signed like the client signs them."""
+    """Conditional single PUTs of small files and whole-object GETs, signed like the client
+    signs them."""
 
     def __init__(self, client: Any, *, bucket: str, connect_timeout: float, read_timeout: float):
         self._client = client
@@ -204,6 +211,28 @@ class SignedPut:
             now=datetime.datetime.now(datetime.UTC),
         )
         status = self._connections.put(target, signed, path, size)
+        if status >= 300:
+            raise HTTPStatusError(status)
+
+    def get_into(self, name: str, dest: Path, *, mode: int) -> None:
+        """GET ``name`` whole into ``dest`` (created with ``mode``, truncated first). Raises
+        FileNotFoundError (404: no such object), HTTPStatusError or StorageError."""
+        target = self._path + urllib.parse.quote(name, safe="/~")
+        credentials = self._client._request_signer._credentials
+        if credentials is None:
+            raise StorageError("object store: no credentials")
+        signed = self._signer.sign(
+            method="GET",
+            host=str(self._host),
+            path=target,
+            headers={"Host": str(self._host)},
+            payload_sha256=EMPTY_SHA256,
+            credentials=credentials.get_frozen_credentials(),
+            now=datetime.datetime.now(datetime.UTC),
+        )
+        status = self._connections.get(target, signed, dest, mode)
+        if status == 404:
+            raise FileNotFoundError("no such object")
         if status >= 300:
             raise HTTPStatusError(status)
 
@@ -269,6 +298,39 @@ class _Connections:
                         conn.request("PUT", target, body=body, headers=headers)
                 response = conn.getresponse()
                 response.read()
+            except (OSError, http.client.HTTPException) as exc:
+                conn.close()
+                if attempt == RETRIES:
+                    raise StorageError(f"object store: {type(exc).__name__}") from exc
+                continue
+            if response.will_close:
+                conn.close()
+            else:
+                self._give_back(conn)
+            if response.status not in RETRY_STATUSES or attempt == RETRIES:
+                return response.status
+        raise AssertionError("unreachable")
+
+    def get(self, target: str, headers: dict[str, str], dest: Path, mode: int) -> int:
+        """GET ``target``; a 200's body is streamed into ``dest`` (truncated on every try, so
+        a retried GET never leaves a first try's bytes). The answer's status. Connection
+        errors, a body cut short and 5xx answers are retried as a PUT's are."""
+        for attempt in range(RETRIES + 1):
+            if attempt:
+                time.sleep(0 if attempt == 1 else RETRY_PAUSE_S)
+            conn = self._take()
+            try:
+                if conn.sock is None:
+                    conn.connect()
+                    conn.sock.settimeout(self._read_timeout)  # type: ignore[attr-defined]
+                conn.request("GET", target, headers=headers)
+                response = conn.getresponse()
+                if response.status == 200:
+                    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+                    with os.fdopen(fd, "wb") as out:
+                        shutil.copyfileobj(response, out, BLOCK)  # IncompleteRead if cut short
+                else:
+                    response.read()
             except (OSError, http.client.HTTPException) as exc:
                 conn.close()
                 if attempt == RETRIES:

@@ -387,3 +387,41 @@ def test_store__download_replaces_an_existing_file_and_copies_large_objects(back
     storage.put_file(small, _file(tmp_path, b"hi"))
     storage.download(small, dest)
     assert dest.read_bytes() == b"hi"
+
+
+def test_s3__the_source_download_bypasses_the_boto3_client(s3_store, tmp_path):
+    """The worker's download is ``s3put``'s signed GET (no boto3 GetObject call): the server
+    accepts its signature, small and streamed bodies arrive whole over one kept-alive
+    connection, a missing object is FileNotFoundError, and a dead kept-alive connection is
+    retried; customer-key encryption parameters send it back to boto3."""
+    target = storage.store()
+    calls: list[str] = []
+    target._client.meta.events.register(
+        "before-call.s3.GetObject", lambda **kw: calls.append("get")
+    )
+    dest = tmp_path / "dest"
+    for data in (b"small " * 100, os.urandom(5 * s3put.BLOCK + 3)):
+        key = storage.result_key(job_id=uuid.uuid4(), generation=1, ext="bin")
+        storage.put_file(key, _file(tmp_path, data))
+        storage.download(key, dest)
+        assert dest.read_bytes() == data
+        assert stat.S_IMODE(dest.stat().st_mode) == 0o600
+    connections = target._signed_put()._connections
+    assert len(connections._idle) == 1 and connections._idle[0].sock is not None
+    with pytest.raises(FileNotFoundError):
+        storage.download(storage.result_key(job_id=uuid.uuid4(), generation=1, ext="x"), dest)
+    for conn in connections._idle:
+        conn.sock.shutdown(socket.SHUT_RDWR)  # dead, and the pool does not know it
+    storage.download(key, dest)
+    assert dest.read_bytes() == data
+    assert calls == []
+
+    kept = target.backend.object_parameters
+    target.backend.object_parameters = {**kept, "SSECustomerAlgorithm": "AES256"}
+    try:
+        dest.unlink()
+        storage.download(key, dest)
+    finally:
+        target.backend.object_parameters = kept
+    assert calls == ["get"]
+    assert dest.read_bytes() == data
