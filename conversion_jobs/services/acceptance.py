@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -200,16 +201,16 @@ def conversion_job_accept(
         fingerprint = request_fingerprint(
             source_sha256=upload.sha256, output=output, options=options
         )
-        existing = None
-        if not fold:
-            existing = _precheck_answer(
-                tenant=tenant,
-                key=idempotency_key,
-                sha=upload.sha256,
-                output=output,
-                digest=digest,
-                fingerprint=fingerprint,
-            )
+        precheck = functools.partial(
+            _precheck_answer,
+            tenant=tenant,
+            key=idempotency_key,
+            sha=upload.sha256,
+            output=output,
+            digest=digest,
+            fingerprint=fingerprint,
+        )
+        existing = None if fold else precheck()
         if existing is not None:
             return existing
         try:
@@ -219,14 +220,7 @@ def conversion_job_accept(
             # the folded path reads what the pre-check would have, on refusal only.
             if not fold:
                 raise
-            existing = _precheck_answer(
-                tenant=tenant,
-                key=idempotency_key,
-                sha=upload.sha256,
-                output=output,
-                digest=digest,
-                fingerprint=fingerprint,
-            )
+            existing = precheck()
             if existing is None:
                 raise
             return existing
@@ -294,27 +288,21 @@ def conversion_job_accept(
             return replay
         if constraint != "job_content_identity_live_or_succeeded":
             raise
-        return _identity_conflict_answer(
-            tenant=tenant,
-            key=idempotency_key,
-            fingerprint=fingerprint,
-            sha256=upload.sha256,
-            output=output,
-            digest=digest,
-            cause=exc,
-        )
-    if not inserted:
-        return _identity_conflict_answer(
-            tenant=tenant,
-            key=idempotency_key,
-            fingerprint=fingerprint,
-            sha256=upload.sha256,
-            output=output,
-            digest=digest,
-            cause=None,
-        )
-    admission_accepted(tenant=tenant)
-    return Acceptance(job=job, created=True, replayed=False)
+        conflict: IntegrityError | None = exc
+    else:
+        if inserted:
+            admission_accepted(tenant=tenant)
+            return Acceptance(job=job, created=True, replayed=False)
+        conflict = None  # the inline statement met the identity: nothing written, no error
+    return _identity_conflict_answer(
+        tenant=tenant,
+        key=idempotency_key,
+        fingerprint=fingerprint,
+        sha256=upload.sha256,
+        output=output,
+        digest=digest,
+        cause=conflict,
+    )
 
 
 def _precheck_answer(

@@ -41,6 +41,7 @@ import ssl
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -178,6 +179,23 @@ class SignedPut:
             self._base, connect_timeout=connect_timeout, read_timeout=read_timeout
         )
 
+    def _sign(
+        self, method: str, target: str, headers: dict[str, str], *, payload_sha256: str
+    ) -> dict[str, str]:
+        """``headers`` signed with the client's current (frozen) credentials."""
+        credentials = self._client._request_signer._credentials
+        if credentials is None:
+            raise StorageError("object store: no credentials")
+        return self._signer.sign(
+            method=method,
+            host=str(self._host),
+            path=target,
+            headers=headers,
+            payload_sha256=payload_sha256,
+            credentials=credentials.get_frozen_credentials(),
+            now=datetime.datetime.now(datetime.UTC),
+        )
+
     @staticmethod
     def supports(params: dict[str, Any]) -> bool:
         return all(name in _HEADERS for name in params)
@@ -198,18 +216,7 @@ class SignedPut:
                 "x-amz-checksum-sha256": base64.b64encode(bytes.fromhex(sha256)).decode(),
             }
         )
-        credentials = self._client._request_signer._credentials
-        if credentials is None:
-            raise StorageError("object store: no credentials")
-        signed = self._signer.sign(
-            method="PUT",
-            host=str(self._host),
-            path=target,
-            headers=headers,
-            payload_sha256=sha256,
-            credentials=credentials.get_frozen_credentials(),
-            now=datetime.datetime.now(datetime.UTC),
-        )
+        signed = self._sign("PUT", target, headers, payload_sha256=sha256)
         status = self._connections.put(target, signed, path, size)
         if status >= 300:
             raise HTTPStatusError(status)
@@ -218,18 +225,7 @@ class SignedPut:
         """GET ``name`` whole into ``dest`` (created with ``mode``, truncated first). Raises
         FileNotFoundError (404: no such object), HTTPStatusError or StorageError."""
         target = self._path + urllib.parse.quote(name, safe="/~")
-        credentials = self._client._request_signer._credentials
-        if credentials is None:
-            raise StorageError("object store: no credentials")
-        signed = self._signer.sign(
-            method="GET",
-            host=str(self._host),
-            path=target,
-            headers={"Host": str(self._host)},
-            payload_sha256=EMPTY_SHA256,
-            credentials=credentials.get_frozen_credentials(),
-            now=datetime.datetime.now(datetime.UTC),
-        )
+        signed = self._sign("GET", target, {"Host": str(self._host)}, payload_sha256=EMPTY_SHA256)
         status = self._connections.get(target, signed, dest, mode)
         if status == 404:
             raise FileNotFoundError("no such object")
@@ -278,11 +274,47 @@ class _Connections:
         conn.close()
 
     def put(self, target: str, headers: dict[str, str], path: Path, size: int) -> int:
-        """PUT ``path``'s ``size`` bytes to ``target``; the answer's status. Connection errors
-        and 5xx answers are retried (``RETRIES``): a retried PUT that had landed answers 412,
-        which the caller takes as "the object exists" (the reuse path, under the source's
-        lock)."""
+        """PUT ``path``'s ``size`` bytes to ``target``; the answer's status. A retried PUT
+        that had landed answers 412, which the caller takes as "the object exists" (the reuse
+        path, under the source's lock)."""
         inline = path.read_bytes() if size <= INLINE_BODY else None
+
+        def send(conn: http.client.HTTPConnection) -> http.client.HTTPResponse:
+            if inline is not None:
+                conn.request("PUT", target, body=inline, headers=headers)
+            else:
+                with open(path, "rb") as body:
+                    conn.request("PUT", target, body=body, headers=headers)
+            response = conn.getresponse()
+            response.read()
+            return response
+
+        return self._exchange(send)
+
+    def get(self, target: str, headers: dict[str, str], dest: Path, mode: int) -> int:
+        """GET ``target``; a 200's body is streamed into ``dest`` (created with ``mode``,
+        truncated on every try, so a retried GET never leaves a first try's bytes; a body cut
+        short raises ``IncompleteRead`` and is retried). The answer's status."""
+
+        def send(conn: http.client.HTTPConnection) -> http.client.HTTPResponse:
+            conn.request("GET", target, headers=headers)
+            response = conn.getresponse()
+            if response.status != 200:
+                response.read()
+                return response
+            fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+            with os.fdopen(fd, "wb") as out:
+                shutil.copyfileobj(response, out, BLOCK)
+            return response
+
+        return self._exchange(send)
+
+    def _exchange(
+        self, send: Callable[[http.client.HTTPConnection], http.client.HTTPResponse]
+    ) -> int:
+        """One request (``send``: writes it and reads its answer whole) on a kept-alive
+        connection; the answer's status. Connection errors and 5xx answers are retried
+        (``RETRIES``), each try on a connection of its own."""
         for attempt in range(RETRIES + 1):
             if attempt:
                 time.sleep(0 if attempt == 1 else RETRY_PAUSE_S)
@@ -291,46 +323,7 @@ class _Connections:
                 if conn.sock is None:
                     conn.connect()  # under the connect timeout; then reads under the read one
                     conn.sock.settimeout(self._read_timeout)  # type: ignore[attr-defined]
-                if inline is not None:
-                    conn.request("PUT", target, body=inline, headers=headers)
-                else:
-                    with open(path, "rb") as body:
-                        conn.request("PUT", target, body=body, headers=headers)
-                response = conn.getresponse()
-                response.read()
-            except (OSError, http.client.HTTPException) as exc:
-                conn.close()
-                if attempt == RETRIES:
-                    raise StorageError(f"object store: {type(exc).__name__}") from exc
-                continue
-            if response.will_close:
-                conn.close()
-            else:
-                self._give_back(conn)
-            if response.status not in RETRY_STATUSES or attempt == RETRIES:
-                return response.status
-        raise AssertionError("unreachable")
-
-    def get(self, target: str, headers: dict[str, str], dest: Path, mode: int) -> int:
-        """GET ``target``; a 200's body is streamed into ``dest`` (truncated on every try, so
-        a retried GET never leaves a first try's bytes). The answer's status. Connection
-        errors, a body cut short and 5xx answers are retried as a PUT's are."""
-        for attempt in range(RETRIES + 1):
-            if attempt:
-                time.sleep(0 if attempt == 1 else RETRY_PAUSE_S)
-            conn = self._take()
-            try:
-                if conn.sock is None:
-                    conn.connect()
-                    conn.sock.settimeout(self._read_timeout)  # type: ignore[attr-defined]
-                conn.request("GET", target, headers=headers)
-                response = conn.getresponse()
-                if response.status == 200:
-                    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-                    with os.fdopen(fd, "wb") as out:
-                        shutil.copyfileobj(response, out, BLOCK)  # IncompleteRead if cut short
-                else:
-                    response.read()
+                response = send(conn)
             except (OSError, http.client.HTTPException) as exc:
                 conn.close()
                 if attempt == RETRIES:

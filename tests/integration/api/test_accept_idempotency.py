@@ -12,6 +12,7 @@ from conversion_jobs.models import (
     ConversionOutbox,
     ExecutionAuditEvent,
     IdempotencyRecord,
+    InlineSource,
 )
 from tests.conftest import token
 from tests.integration.api.conftest import problem, row_counts, run_concurrently, submit
@@ -81,6 +82,8 @@ def test_submit__replay_with_key_answers_200_replayed(api, pdf_file, no_broker_p
     assert again["Idempotent-Replayed"] == "true"
     assert again.json()["id"] == first.json()["id"]
     assert row_counts()["jobs"] == 1
+    # The small PDF is an inline source (ADR 0017 session 10): the replay wrote no second copy.
+    assert InlineSource.objects.count() == 1
 
 
 @pytest.mark.django_db(transaction=True)

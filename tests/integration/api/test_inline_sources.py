@@ -21,7 +21,6 @@ from tests import testdocs
 from tests.conftest import token
 from tests.integration.api.conftest import (
     problem,
-    row_counts,
     run_concurrently,
     staged_uploads,
     stored_objects,
@@ -72,19 +71,6 @@ def test_accept__max_zero_turns_inline_off(api, pdf_file, settings_quire, no_bro
     assert submit(api(), pdf_file()).status_code == 202
     assert InlineSource.objects.count() == 0
     assert len(_source_objects()) == 1
-
-
-@pytest.mark.django_db(transaction=True)
-def test_accept__inline_replay_with_key_answers_the_same_job(api, pdf_file, no_broker_publish):
-    client, path = api(), pdf_file()
-    first = submit(client, path, key="k1")
-    assert first.status_code == 202
-    again = submit(client, path, key="k1")
-    assert again.status_code == 200
-    assert again["Idempotent-Replayed"] == "true"
-    assert again.json()["id"] == first.json()["id"]
-    assert InlineSource.objects.count() == 1
-    assert row_counts()["jobs"] == 1
 
 
 @pytest.mark.django_db(transaction=True)
