@@ -313,7 +313,7 @@ class PageCheckpoint(models.Model):
 class InlineSource(models.Model):
     """A small source's bytes, stored with its job in the acceptance's own statement (no
     staging file, no store put; ADR 0017 session 10). The job's ``source_key`` is then
-    ``inline:`` + its sha256 (:func:`conversion_jobs.storage.inline_source_key`). One row per
+    ``inline:`` + the key a stored copy would have (``storage.inline_source_key``). One row per
     job (replays and content-identity duplicates answer from the existing job and write none);
     deleted with the job (``ON DELETE CASCADE`` on Postgres) and by the retention purge."""
 

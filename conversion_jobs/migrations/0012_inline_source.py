@@ -2,16 +2,17 @@
 ``inline_source`` holds the bytes of a source up to ``QUIRE_INLINE_SOURCE_MAX_BYTES``, one row
 per job, written in the acceptance's own statement.
 
-On Postgres the foreign key (written here, not by Django, which cannot say
-``ON DELETE CASCADE``; elsewhere the ORM's cascade does it) deletes the row with its job (``ON DELETE CASCADE``, so any delete
-of a job row, not only the ORM's, takes its source along) and the column is stored EXTERNAL
-(out of line, uncompressed: documents are compressed formats already).
+On Postgres the foreign key is written here with ``ON DELETE CASCADE`` (Django cannot say it;
+elsewhere the ORM's cascade does it), so any delete of a job row, not only the ORM's, takes its
+source along; and the column is stored EXTERNAL (out of line, uncompressed: documents are
+compressed formats already).
 
 Reversing refuses while inline sources exist: ``manage.py inline_sources_store`` first writes
 each one to the artifact store and repoints its job (docs/MIGRATION_ROLLBACK.md)."""
 
 import django.db.models.deletion
 from django.db import migrations, models
+
 
 def _postgres_storage(apps, schema_editor):
     if schema_editor.connection.vendor != "postgresql":

@@ -19,8 +19,9 @@ from conversion_jobs.services.audit import audit_event_append
 from conversion_jobs.services.db_retry import db_retry
 from conversion_jobs.services.leases import Lease, LeaseLost, fenced
 
-#: ``artifact_key`` prefix of a page whose artifact is the row's ``content`` (no file).
-INLINE_PREFIX = "inline:"
+#: ``artifact_key`` prefix of a page whose artifact is the row's ``content`` (no file): the
+#: store's one marker for bytes kept in Postgres.
+INLINE_PREFIX = storage.INLINE_PREFIX
 
 
 def inline_content(checkpoint: PageCheckpoint) -> bytes | None:

@@ -18,7 +18,7 @@ from django.conf import settings
 
 from .base import (
     CHUNK,
-    INLINE_SOURCE_PREFIX,
+    INLINE_PREFIX,
     ArtifactStore,
     ParsedKey,
     Put,
@@ -35,7 +35,7 @@ from .base import (
 
 __all__ = [
     "CHUNK",
-    "INLINE_SOURCE_PREFIX",
+    "INLINE_PREFIX",
     "ArtifactStore",
     "ParsedKey",
     "Put",

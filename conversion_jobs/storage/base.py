@@ -50,17 +50,19 @@ def source_key(sha256: str) -> str:
     return f"sources/{sha256[:2]}/{sha256}"
 
 
-#: A job whose ``source_key`` starts with this keeps its source's bytes in its ``inline_source``
-#: row, not in the store (ADR 0017 session 10); the rest is the key a stored copy would have.
-INLINE_SOURCE_PREFIX = "inline:"
+#: A key that starts with this names bytes kept in a Postgres row, not in the store; the rest is
+#: the key a stored copy would have: a job's ``source_key`` (its ``inline_source`` row, ADR 0017
+#: session 10), a text page's ``artifact_key`` and a text result's ``result_key`` (the checkpoint
+#: rows' ``content``).
+INLINE_PREFIX = "inline:"
 
 
 def inline_source_key(sha256: str) -> str:
-    return INLINE_SOURCE_PREFIX + source_key(sha256)
+    return INLINE_PREFIX + source_key(sha256)
 
 
 def is_inline_source(key: str) -> bool:
-    return key.startswith(INLINE_SOURCE_PREFIX)
+    return key.startswith(INLINE_PREFIX)
 
 
 def page_key(*, job_id: uuid.UUID, page: int, generation: int, ext: str) -> str:

@@ -138,6 +138,13 @@ def run_until_pages_then_lose_lease(job: ConversionJob, pages_done: int) -> None
     job.refresh_from_db()
 
 
+def downloaded_result(api: Callable[[], Any], job: ConversionJob) -> bytes:
+    """The job's result as a client downloads it (``GET /result``, 200, streamed)."""
+    response = api().get(f"/api/v1/jobs/{job.id}/result")
+    assert response.status_code == 200, response.content
+    return b"".join(response.streaming_content)
+
+
 def work_dir_entries() -> list[Path]:
     """Everything in WORK_DIR except the skeleton of live converter sandboxes (their ``work``
     and ``tmp`` directories, account files and the mount points bwrap makes in the sandbox's

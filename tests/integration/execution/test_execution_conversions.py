@@ -11,9 +11,10 @@ import pytest
 from PIL import Image
 from pypdf import PdfReader
 
-from conversion_jobs.models import ConversionAttempt, ConversionJob, PageCheckpoint
+from conversion_jobs.models import ConversionAttempt, PageCheckpoint
 from tests import testdocs
 from tests.integration.execution.jobkit import (
+    downloaded_result,
     execute,
     object_bytes,
     object_sha256,
@@ -23,12 +24,6 @@ from tests.integration.execution.jobkit import (
 )
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("fast_quire")]
-
-
-def _result(api, job: ConversionJob) -> bytes:
-    response = api().get(f"/api/v1/jobs/{job.id}/result")
-    assert response.status_code == 200, response.content
-    return b"".join(response.streaming_content)
 
 
 def test_execute__pdf_text_round_trips_exactly(tmp_path, api, no_broker_publish):
@@ -49,7 +44,7 @@ def test_execute__pdf_text_round_trips_exactly(tmp_path, api, no_broker_publish)
         7,
         0,
     )
-    body = _result(api, job).decode("utf-8")
+    body = downloaded_result(api, job).decode("utf-8")
     assert body.split("\f") == [text_of(n) for n in range(1, 8)]
     attempt = ConversionAttempt.objects.get(job=job)
     assert (attempt.outcome, attempt.pages_converted) == ("succeeded", 7)
@@ -67,7 +62,7 @@ def test_execute__png_pages_have_requested_dpi(tmp_path, api, no_broker_publish)
 
         assert execute(job) == "succeeded"
 
-        archive = zipfile.ZipFile(io.BytesIO(_result(api, job)))
+        archive = zipfile.ZipFile(io.BytesIO(downloaded_result(api, job)))
         assert archive.namelist() == ["page-0001.png", "page-0002.png"]
         for name in archive.namelist():
             with Image.open(io.BytesIO(archive.read(name))) as img:
@@ -81,7 +76,7 @@ def test_execute__image_to_pdf_keeps_page_count_and_pixels(tmp_path, api, no_bro
 
     assert execute(job) == "succeeded"
 
-    reader = PdfReader(io.BytesIO(_result(api, job)))
+    reader = PdfReader(io.BytesIO(downloaded_result(api, job)))
     assert len(reader.pages) == 3
     assert [page.images[0].image.size for page in reader.pages] == sizes
 
@@ -97,11 +92,11 @@ def test_execute__docx_to_pdf_to_text_contains_source_text(tmp_path, api, no_bro
     assert execute(pdf_job) == "succeeded"
 
     pdf = tmp_path / "from-docx.pdf"
-    pdf.write_bytes(_result(api, pdf_job))
+    pdf.write_bytes(downloaded_result(api, pdf_job))
     assert len(PdfReader(pdf).pages) == 3
     text_job = submit(pdf, output="text")
     assert execute(text_job) == "succeeded"
-    pages = _result(api, text_job).decode("utf-8").split("\f")
+    pages = downloaded_result(api, text_job).decode("utf-8").split("\f")
     assert len(pages) == 3
     for paragraph, page in zip(paragraphs, pages, strict=True):
         assert paragraph in page
@@ -115,7 +110,7 @@ def test_execute__page_range_converts_only_selected_pages(tmp_path, api, no_brok
 
     assert execute(job) == "succeeded"
 
-    assert _result(api, job).decode().split("\f") == [text_of(n) for n in (2, 3, 4)]
+    assert downloaded_result(api, job).decode().split("\f") == [text_of(n) for n in (2, 3, 4)]
     assert sorted(PageCheckpoint.objects.filter(job=job).values_list("page_number", flat=True)) == [
         2,
         3,

@@ -10,15 +10,15 @@ from conversion_jobs import storage
 from conversion_jobs.models import ConversionJob, InlineSource
 from conversion_jobs.services import execution, recovery, transitions
 from tests import testdocs
-from tests.integration.execution.jobkit import execute, submit, unique_text, work_dir_entries
+from tests.integration.execution.jobkit import (
+    downloaded_result,
+    execute,
+    submit,
+    unique_text,
+    work_dir_entries,
+)
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("fast_quire")]
-
-
-def _result(api, job: ConversionJob) -> bytes:
-    response = api().get(f"/api/v1/jobs/{job.id}/result")
-    assert response.status_code == 200, response.content
-    return b"".join(response.streaming_content)
 
 
 def test_execute__inline_pdf_text_round_trips(tmp_path, api, no_broker_publish):
@@ -32,7 +32,7 @@ def test_execute__inline_pdf_text_round_trips(tmp_path, api, no_broker_publish):
 
     job.refresh_from_db()
     assert (job.state, job.pages_done) == ("succeeded", 3)
-    assert _result(api, job).decode().split("\f") == [text_of(n) for n in range(1, 4)]
+    assert downloaded_result(api, job).decode().split("\f") == [text_of(n) for n in range(1, 4)]
     assert list(storage.list_objects("sources")) == []
     assert work_dir_entries() == []
 
@@ -51,7 +51,7 @@ def test_execute__inline_source_survives_a_retry(tmp_path, api, no_broker_publis
     assert (job.state, job.generation) == ("queued", 2)
 
     assert execute(job, generation=2) == "succeeded"
-    assert _result(api, job).decode().split("\f") == [text_of(n) for n in range(1, 3)]
+    assert downloaded_result(api, job).decode().split("\f") == [text_of(n) for n in range(1, 3)]
 
 
 def test_execute__inline_row_missing_fails_with_source_missing(tmp_path, no_broker_publish):
@@ -74,4 +74,4 @@ def test_execute__operator_retry_of_a_failed_inline_job_reads_its_bytes(
     retried = recovery.conversion_job_retry_failed(job_id=job.id, tenant=None, actor="op")
     assert (retried.state, retried.generation) == ("queued", 2)
     assert execute(retried, generation=2) == "succeeded"
-    assert _result(api, job).decode() == text_of(1)
+    assert downloaded_result(api, job).decode() == text_of(1)
