@@ -146,9 +146,19 @@ def test_poison__malformed_messages_are_dead_lettered_not_redelivered(start, sub
     harness.wait_until(
         lambda: harness.queue_depth(harness.DEAD_QUEUE) == 2, timeout=20, what="two dead letters"
     )
+    # A quorum queue's message count is a metric the broker refreshes on a tick (seconds), so
+    # conversion.v1 may still count a message the worker already rejected: wait for the tick.
+    harness.wait_until(
+        lambda: harness.queue_depth(harness.CONVERSION_QUEUE) == 0,
+        timeout=20,
+        what="conversion.v1 empty",
+    )
     time.sleep(1.0)
     depths = harness.queue_depths()
     assert depths[harness.CONVERSION_QUEUE] == 0 and depths[harness.DEAD_QUEUE] == 2
+    # Each poison message reached the worker once: the undecodable one never became a task,
+    # the malformed task was received once and rejected, not redelivered.
+    assert worker.log.read_text().count("run_conversion[") == 2  # received + reject lines
     # The worker survived and still runs real jobs.
     job = submit(pages=1)
     harness.wait_until(
