@@ -32,6 +32,19 @@ def pytest_configure(config: pytest.Config) -> None:
             ) from exc
 
 
+#: The converter layer alone (no database, broker or artifact store): what these tests check is
+#: the same on every profile, so `.ci/run` runs them in the production pass only.
+ENGINE_ONLY_DIR = Path(__file__).parent / "integration" / "converters"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Marks every test under ``tests/integration/converters/`` ``engine`` (the modules that
+    drive the engines through a job carry the marker themselves)."""
+    for item in items:
+        if item.path.is_relative_to(ENGINE_ONLY_DIR):
+            item.add_marker(pytest.mark.engine)
+
+
 def storage_kind() -> str:
     return os.environ.get("QUIRE_STORAGE", "filesystem")
 

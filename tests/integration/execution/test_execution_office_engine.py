@@ -14,7 +14,11 @@ from conversion_jobs.models import ConversionJob
 from tests import testdocs
 from tests.integration.execution.jobkit import Worker, execute, submit, wait_for
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("fast_quire")]
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.usefixtures("fast_quire"),
+    pytest.mark.engine,
+]
 
 
 @pytest.fixture(autouse=True)

@@ -23,7 +23,11 @@ from conversion_jobs.models import PageCheckpoint
 from tests import testdocs
 from tests.integration.execution.jobkit import execute, submit
 
-pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("fast_quire")]
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.usefixtures("fast_quire"),
+    pytest.mark.engine,
+]
 
 #: The colour of every secret image: found in an output page, the secret leaked.
 SECRET = (13, 201, 77)
