@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,8 @@ from conversion_jobs.services.cancellation import conversion_job_cancel
 from tests import testdocs
 from tests.integration.transitions.builders import done_page, text_result
 
-pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
+# Each test runs in a transaction rolled back after it, over history the module seeds once.
+pytestmark = [pytest.mark.postgres, pytest.mark.django_db, pytest.mark.usefixtures("_history")]
 
 BIG = (
     "conversion_job",
@@ -86,10 +87,21 @@ def _assert_indexed(plans: list[tuple[str, str]], *, uses: str | tuple[str, ...]
         )
 
 
+@pytest.fixture(scope="module")
+def _history(django_db_setup: None, django_db_blocker: Any) -> Iterator[None]:
+    """``HISTORY`` finished jobs with what hangs off them, seeded, committed and analysed once
+    for the module (about 3 s a seeding), and truncated after its last test."""
+    with django_db_blocker.unblock():
+        with connection.cursor() as cursor:
+            seed_history(cursor, jobs=HISTORY, salt=uuid.uuid4().hex)
+        yield
+        with connection.cursor() as cursor:
+            cursor.execute("TRUNCATE " + ", ".join(BIG) + " CASCADE")
+
+
 @pytest.fixture
 def history(make_job: Callable[..., ConversionJob]) -> Callable[..., ConversionJob]:
-    with connection.cursor() as cursor:
-        seed_history(cursor, jobs=HISTORY, salt=uuid.uuid4().hex)
+    """Makes one more job among the history."""
     return make_job
 
 
