@@ -19,6 +19,7 @@ import pytest
 
 from tests.conftest import storage_env
 from tests.e2e import harness
+from tests.e2e.private_services import PrivateRabbitMQ
 
 
 def _missing(reason: str) -> None:
@@ -167,3 +168,29 @@ def submit(settings: Any, tmp_path: Path) -> Callable[..., Any]:
         return accepted.job
 
     return make
+
+
+@pytest.fixture(scope="session")
+def private_rabbitmq() -> Iterator[PrivateRabbitMQ]:
+    """One private RabbitMQ node (tests/e2e/private_services.py) for the session's tests that
+    stop and start a broker: its boot and topology cost 40-50 s on a 2-core runner, once."""
+    node = PrivateRabbitMQ()
+    try:
+        node.start()
+    except Exception as exc:
+        node.destroy()
+        pytest.fail(f"the private RabbitMQ node could not start: {exc}")
+    print(f"\nprivate RabbitMQ {node.node}: boot {node.boot_s:.1f}s, topology {node.apply_s:.1f}s")
+    yield node
+    node.destroy()
+
+
+@pytest.fixture
+def rabbitmq_node(private_rabbitmq: PrivateRabbitMQ) -> PrivateRabbitMQ:
+    """The private node, running, its queues empty (an earlier test may have left it stopped or
+    left messages that name its own database's jobs)."""
+    node = private_rabbitmq
+    if not node.accepts_connections():
+        node.start_app()
+    harness.queues_purge(node=node.node, port=node.port)
+    return node

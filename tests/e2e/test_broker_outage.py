@@ -12,7 +12,6 @@ succeeds within 30 s of the broker's return with exactly one succeeded attempt, 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from datetime import datetime
 
 import pytest
@@ -38,19 +37,6 @@ RECOVERY_BUDGET_S = 30.0
 SLOW = {"kind": "slow", "seconds": 0.4}
 #: A retry delay of 10-20 s (base 20 s, jitter [c/2, c]): it falls due inside the outage.
 RETRY_BASE_S = "20"
-
-
-@pytest.fixture(scope="module")
-def rabbitmq_node() -> Iterator[PrivateRabbitMQ]:
-    node = PrivateRabbitMQ()
-    try:
-        node.start()
-    except Exception as exc:
-        node.destroy()
-        pytest.fail(f"the private RabbitMQ node could not start: {exc}")
-    print(f"\nprivate RabbitMQ {node.node}: boot {node.boot_s:.1f}s, topology {node.apply_s:.1f}s")
-    yield node
-    node.destroy()
 
 
 def on_node(node: PrivateRabbitMQ, kind: str) -> dict[str, str]:

@@ -25,19 +25,18 @@ SLOW = {"kind": "slow", "seconds": 0.4}
 
 
 @pytest.fixture
-def private_services() -> Iterator[tuple[PrivateRabbitMQ, PrivatePostgres]]:
-    node, pg = PrivateRabbitMQ(), PrivatePostgres()
+def private_services(
+    rabbitmq_node: PrivateRabbitMQ,
+) -> Iterator[tuple[PrivateRabbitMQ, PrivatePostgres]]:
+    pg = PrivatePostgres()
     try:
-        node.start()
         pg.start()
         pg.create_database("quire")
     except Exception as exc:
-        node.destroy()
         pg.destroy()
-        pytest.fail(f"the private RabbitMQ node / Postgres cluster could not start: {exc}")
-    print(f"\nprivate RabbitMQ boot {node.boot_s:.1f}s; private Postgres {pg.boot_s:.1f}s")
-    yield node, pg
-    node.destroy()
+        pytest.fail(f"the private Postgres cluster could not start: {exc}")
+    print(f"\nprivate Postgres {pg.boot_s:.1f}s")
+    yield rabbitmq_node, pg
     pg.destroy()
 
 
