@@ -19,7 +19,7 @@ import pytest
 
 from tests.conftest import storage_env
 from tests.e2e import harness
-from tests.e2e.private_services import PrivateRabbitMQ
+from tests.e2e.private_services import PrivatePostgres, PrivateRabbitMQ
 
 
 def _missing(reason: str) -> None:
@@ -170,19 +170,25 @@ def submit(settings: Any, tmp_path: Path) -> Callable[..., Any]:
     return make
 
 
+def _private(service: Any, *steps: Callable[[], object]) -> Iterator[Any]:
+    """``service`` (tests/e2e/private_services.py) after ``steps``, destroyed after use; a step
+    that fails destroys it and fails the test (a missing service is never a skip)."""
+    try:
+        for step in steps:
+            step()
+    except Exception as exc:
+        service.destroy()
+        pytest.fail(f"the private {type(service).__name__} could not start: {exc}")
+    yield service
+    service.destroy()
+
+
 @pytest.fixture(scope="session")
 def private_rabbitmq() -> Iterator[PrivateRabbitMQ]:
-    """One private RabbitMQ node (tests/e2e/private_services.py) for the session's tests that
-    stop and start a broker: its boot and topology cost 40-50 s on a 2-core runner, once."""
+    """One private RabbitMQ node for the session's tests that stop and start a broker: its
+    boot and topology cost 40-50 s on a 2-core runner, once."""
     node = PrivateRabbitMQ()
-    try:
-        node.start()
-    except Exception as exc:
-        node.destroy()
-        pytest.fail(f"the private RabbitMQ node could not start: {exc}")
-    print(f"\nprivate RabbitMQ {node.node}: boot {node.boot_s:.1f}s, topology {node.apply_s:.1f}s")
-    yield node
-    node.destroy()
+    yield from _private(node, node.start)
 
 
 @pytest.fixture
@@ -194,3 +200,11 @@ def rabbitmq_node(private_rabbitmq: PrivateRabbitMQ) -> PrivateRabbitMQ:
         node.start_app()
     harness.queues_purge(node=node.node, port=node.port)
     return node
+
+
+@pytest.fixture
+def private_postgres() -> Iterator[PrivatePostgres]:
+    """A private Postgres cluster with an empty database ``quire``, for a test that stops and
+    starts it (initdb + start: a few seconds, so each test gets a fresh one)."""
+    pg = PrivatePostgres()
+    yield from _private(pg, pg.start, lambda: pg.create_database("quire"))

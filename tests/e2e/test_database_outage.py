@@ -13,7 +13,6 @@ from __future__ import annotations
 import subprocess
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
@@ -28,20 +27,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
 OUTAGE_S = 10.0
 SLOW = {"kind": "slow", "seconds": 0.4}
-
-
-@pytest.fixture
-def postgres_cluster() -> Iterator[PrivatePostgres]:
-    cluster = PrivatePostgres()
-    try:
-        cluster.start()
-        cluster.create_database("quire")
-    except Exception as exc:
-        cluster.destroy()
-        pytest.fail(f"the private Postgres cluster could not start: {exc}")
-    print(f"\nprivate Postgres on :{cluster.port}: initdb + start in {cluster.boot_s:.1f}s")
-    yield cluster
-    cluster.destroy()
 
 
 def sql(pg: PrivatePostgres, query: str, *args: object) -> list[tuple]:
@@ -74,9 +59,9 @@ def answers_503(response) -> bool:
 
 
 def test_database_outage__503_while_down_and_every_process_carries_on_after(
-    cluster, postgres_cluster
+    cluster, private_postgres
 ):
-    pg = postgres_cluster
+    pg = private_postgres
     db = {"DATABASE_URL": pg.url("quire")}
     for command in (["migrate", "--noinput", "-v0"], ["install_beat_schedule"]):
         subprocess.run(

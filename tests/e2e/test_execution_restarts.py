@@ -9,7 +9,6 @@ are never stopped.
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Iterator
 
 import psycopg
 import pytest
@@ -22,22 +21,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
 TERMINAL = {"succeeded", "partial", "failed", "cancelled"}
 SLOW = {"kind": "slow", "seconds": 0.4}
-
-
-@pytest.fixture
-def private_services(
-    rabbitmq_node: PrivateRabbitMQ,
-) -> Iterator[tuple[PrivateRabbitMQ, PrivatePostgres]]:
-    pg = PrivatePostgres()
-    try:
-        pg.start()
-        pg.create_database("quire")
-    except Exception as exc:
-        pg.destroy()
-        pytest.fail(f"the private Postgres cluster could not start: {exc}")
-    print(f"\nprivate Postgres {pg.boot_s:.1f}s")
-    yield rabbitmq_node, pg
-    pg.destroy()
 
 
 def roles(node: PrivateRabbitMQ, pg: PrivatePostgres, kind: str) -> dict[str, str]:
@@ -68,9 +51,9 @@ def accepted(web: Web) -> str:
 
 
 def test_restarts__rabbitmq_and_postgres_restarted_under_load_lose_and_duplicate_nothing(
-    cluster, private_services
+    cluster, rabbitmq_node, private_postgres
 ):
-    node, pg = private_services
+    node, pg = rabbitmq_node, private_postgres
     for command in (["migrate", "--noinput", "-v0"], ["install_beat_schedule"]):
         subprocess.run(
             [str(harness.VENV_BIN / "python"), "manage.py", *command],
