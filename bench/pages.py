@@ -1,6 +1,7 @@
 """Whole-service page throughput, worker memory and DOCX overhead (issue 4, performance).
 
-    .venv/bin/python bench/pages.py [--pages 200] [--split 2] [--rss-pages 300] [--docx-runs 3]
+    .venv/bin/python bench/pages.py [--pages 200] [--split 2] [--rounds 5] [--rss-pages 300]
+                                    [--docx-runs 3]
                                     [--skip throughput,rss,docx,engine]
                                     [--sandbox both|on|off] [--storage filesystem|s3]
                                     [--profile DIR]
@@ -18,8 +19,10 @@ is ``bench/accept.py``'s subject, not this one's.
    ``finished_at`` - first job's ``created_at``), Postgres timestamps, so it includes dispatch,
    claim, checkpoints, finalization (text join / PNG ZIP) and publication. Baseline, in the same
    run: ``bench/pages_converter.py``'s direct loop (2 processes, each pypdfium2 over half the
-   pages, writing files). Ratio = service / direct. ``--sandbox both`` (default) runs it with the
-   converter sandbox on, then off (ratio on / off of the service/direct ratios, target >= 0.95);
+   pages, writing files). Ratio = service / direct. ``--rounds`` (default 5) alternates the two
+   that many times, each round on a fresh PDF, and reports the medians. ``--sandbox both``
+   (default) runs it with the converter sandbox on, then off (ratio on / off of the
+   service/direct ratios, target >= 0.95);
    ``--storage s3`` runs it once more (first sandbox setting) with every artifact in a real S3
    server (SeaweedFS, ``tests/s3server.py``): ratio s3 / filesystem pages/s, target >= 0.8.
 2. **Peak RSS**: a worker with ``WORKER_CONCURRENCY=1`` converts a ``--rss-pages`` PDF to PNG at
@@ -213,79 +216,125 @@ def throughput(
     pages: int,
     split: int,
     outputs: list[str],
+    rounds: int = 1,
     sandbox: str = "on",
     storage: str = "filesystem",
     profile: Path | None = None,
     **worker_env: str,
 ) -> list[dict]:
-    """``worker_env``: extra settings of the worker (e.g. the S3 store's, with ``storage="s3"``
+    """``rounds``: per output, the direct loop and the service alternated that many times, each
+    round on a fresh PDF; one row per output with the per-round medians (a 200-page text round
+    takes about 0.3 s, so one round is at the mercy of a shared machine's next 0.3 s).
+    ``worker_env``: extra settings of the worker (e.g. the S3 store's, with ``storage="s3"``
     and this process's store pointed there too: ``storage_in_process``). ``profile``: py-spy the
-    worker tree while the service converts (``_profile.Profiler``, one file per output)."""
-    import pages_converter
-
+    worker tree while the service converts (``_profile.Profiler``, one file per output and
+    round)."""
     worker = svc.worker(concurrency=2, QUIRE_SANDBOX=sandbox, **worker_env)
     warm = [submit(unique_pdf(svc.scratch / f"warm{i}.pdf", 2), output="png") for i in range(2)]
     wait_terminal([j.id for j in warm])
     rows = []
     for output in outputs:
-        source = unique_pdf(svc.scratch / f"doc-{output}.pdf", pages)
-        direct = pages_converter.run_pair(
-            "direct", source=source, output=output, pages=pages, scratch=svc.scratch / "direct"
-        )
-        size = pages // split
-        ranges = [(i * size + 1, pages if i == split - 1 else (i + 1) * size) for i in range(split)]
-        options = {"dpi": 150} if output == "png" else {}
-        profiler = None
-        if profile is not None:
-            from _profile import Profiler
-
-            profiler = Profiler(profile / f"{output}-{sandbox}-{storage}")
-            profiler.attach("worker", worker.pid)
-            time.sleep(1.0)  # py-spy attaches to the tree before the clock starts
-        cpu_before = _tree_cpu_s(worker.pid), _s3_cpu_s()
-        jobs = [
-            submit(source, output=output, options={**options, "pages": f"{a}-{b}"})
-            for a, b in ranges
+        per_round = [
+            _throughput_round(
+                svc,
+                worker,
+                pages=pages,
+                split=split,
+                output=output,
+                sandbox=sandbox,
+                storage=storage,
+                profile=None if profile is None else profile / f"{output}-{sandbox}-{storage}-{r}",
+            )
+            for r in range(rounds)
         ]
-        done = wait_terminal([j.id for j in jobs])
-        if profiler is not None:
-            for summary in profiler.stop():
-                print(f"profile: {summary}", flush=True)
-        worker_ms = (_tree_cpu_s(worker.pid) - cpu_before[0]) * 1000 / pages
-        s3_ms = (_s3_cpu_s() - cpu_before[1]) * 1000 / pages
-        if any(j.state != "succeeded" for j in done):
-            raise RuntimeError(f"{output}: {[(j.state, j.error_code) for j in done]}")
-        first, last = min(j.created_at for j in done), max(j.finished_at for j in done)
-        elapsed = (last - first).total_seconds()
-        service_pps = pages / elapsed
-        rows.append(
-            {
-                "sandbox": sandbox,
-                "storage": storage,
-                "output": output,
-                "direct_pages_s": direct["pages_s"],
-                "service_pages_s": service_pps,
-                "ratio": service_pps / direct["pages_s"],
-                "jobs": [f"{a}-{b}" for a, b in ranges],
-                "worker_cpu_ms_page": worker_ms,
-                "direct_cpu_ms_page": direct["cpu_ms"],
-                "s3_cpu_ms_page": s3_ms,
-            }
-        )
-        print(
-            f"throughput {output}, sandbox {sandbox}, {storage}: direct "
-            f"{direct['pages_s']:.1f} pages/s, service {service_pps:.1f} pages/s "
-            f"({split} jobs {rows[-1]['jobs']}), worker tree CPU {worker_ms:.2f} ms/page "
-            f"(direct {direct['cpu_ms']:.2f})"
-            + (f", S3 server CPU {s3_ms:.2f} ms/page" if storage == "s3" else "")
-            + ", "
-            f"ratio service / direct {rows[-1]['ratio']:.2f} (target >= {TARGET_DIRECT_RATIO}) "
-            f"{verdict(rows[-1]['ratio'] >= TARGET_DIRECT_RATIO)}",
-            flush=True,
-        )
-        print(f"  timeline {output}: {_timeline(done)}", flush=True)
+        median = {
+            key: statistics.median(row[key] for row in per_round)
+            for key in per_round[0]
+            if isinstance(per_round[0][key], float)
+        }
+        rows.append({**per_round[0], **median, "rounds": [row["ratio"] for row in per_round]})
+        if rounds > 1:
+            print(
+                f"throughput {output}, sandbox {sandbox}, {storage}, median of {rounds} rounds: "
+                f"direct {median['direct_pages_s']:.1f} pages/s, service "
+                f"{median['service_pages_s']:.1f} pages/s, ratio service / direct "
+                f"{median['ratio']:.2f} (rounds: "
+                + ", ".join(f"{row['ratio']:.2f}" for row in per_round)
+                + f"; target >= {TARGET_DIRECT_RATIO}) "
+                f"{verdict(median['ratio'] >= TARGET_DIRECT_RATIO)}",
+                flush=True,
+            )
     svc.stop(worker)
     return rows
+
+
+def _throughput_round(
+    svc: Service,
+    worker: subprocess.Popen[bytes],
+    *,
+    pages: int,
+    split: int,
+    output: str,
+    sandbox: str,
+    storage: str,
+    profile: Path | None,
+) -> dict:
+    """The direct loop, then the service, over one fresh ``pages``-page PDF."""
+    import pages_converter
+
+    source = unique_pdf(svc.scratch / f"doc-{output}-{uuid.uuid4().hex[:8]}.pdf", pages)
+    direct = pages_converter.run_pair(
+        "direct", source=source, output=output, pages=pages, scratch=svc.scratch / "direct"
+    )
+    size = pages // split
+    ranges = [(i * size + 1, pages if i == split - 1 else (i + 1) * size) for i in range(split)]
+    options = {"dpi": 150} if output == "png" else {}
+    profiler = None
+    if profile is not None:
+        from _profile import Profiler
+
+        profiler = Profiler(profile)
+        profiler.attach("worker", worker.pid)
+        time.sleep(1.0)  # py-spy attaches to the tree before the clock starts
+    cpu_before = _tree_cpu_s(worker.pid), _s3_cpu_s()
+    jobs = [
+        submit(source, output=output, options={**options, "pages": f"{a}-{b}"}) for a, b in ranges
+    ]
+    done = wait_terminal([j.id for j in jobs])
+    if profiler is not None:
+        for summary in profiler.stop():
+            print(f"profile: {summary}", flush=True)
+    worker_ms = (_tree_cpu_s(worker.pid) - cpu_before[0]) * 1000 / pages
+    s3_ms = (_s3_cpu_s() - cpu_before[1]) * 1000 / pages
+    if any(j.state != "succeeded" for j in done):
+        raise RuntimeError(f"{output}: {[(j.state, j.error_code) for j in done]}")
+    first, last = min(j.created_at for j in done), max(j.finished_at for j in done)
+    service_pps = pages / (last - first).total_seconds()
+    row = {
+        "sandbox": sandbox,
+        "storage": storage,
+        "output": output,
+        "direct_pages_s": float(direct["pages_s"]),
+        "service_pages_s": service_pps,
+        "ratio": service_pps / direct["pages_s"],
+        "jobs": [f"{a}-{b}" for a, b in ranges],
+        "worker_cpu_ms_page": worker_ms,
+        "direct_cpu_ms_page": float(direct["cpu_ms"]),
+        "s3_cpu_ms_page": s3_ms,
+    }
+    print(
+        f"throughput {output}, sandbox {sandbox}, {storage}: direct "
+        f"{direct['pages_s']:.1f} pages/s, service {service_pps:.1f} pages/s "
+        f"({split} jobs {row['jobs']}), worker tree CPU {worker_ms:.2f} ms/page "
+        f"(direct {direct['cpu_ms']:.2f})"
+        + (f", S3 server CPU {s3_ms:.2f} ms/page" if storage == "s3" else "")
+        + ", "
+        f"ratio service / direct {row['ratio']:.2f} (target >= {TARGET_DIRECT_RATIO}) "
+        f"{verdict(row['ratio'] >= TARGET_DIRECT_RATIO)}",
+        flush=True,
+    )
+    print(f"  timeline {output}: {_timeline(done)}", flush=True)
+    return row
 
 
 def _timeline(jobs: list) -> str:
@@ -677,6 +726,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pages", type=int, default=200)
     parser.add_argument("--split", type=int, default=2)
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="throughput: direct and service alternated this many times per output, medians",
+    )
     parser.add_argument("--rss-pages", type=int, default=300)
     parser.add_argument("--docx-runs", type=int, default=3)
     parser.add_argument("--outputs", default="text,png")
@@ -720,6 +775,7 @@ def main() -> None:
             part = {
                 "pages": args.pages,
                 "split": args.split,
+                "rounds": args.rounds,
                 "outputs": args.outputs.split(","),
                 "profile": args.profile,
             }
