@@ -216,9 +216,9 @@ class JobCollectionView(QuireView):
         (``conversion_job_accept_on_loop``) instead of run on a sync thread. None: the sync
         path must answer the request - a token or anything else the lean path leaves to DRF,
         a body that is not a small plain form, an upload too large to be stored inline, and
-        every acceptance the loop hands off (errors, duplicates, replays, admission that
-        needs a count, the database unreachable); nothing was counted or written that
-        changes its answer."""
+        every acceptance the loop hands off (a failed check, an admission refusal, a 422 for
+        a reused key, the database unreachable); nothing was counted or written that changes
+        its answer."""
         if not self._lean_authorized(request, on_loop=True):
             _count_handoff(HANDOFF_AUTH)
             return None

@@ -310,9 +310,10 @@ def test_submit__replay_duplicate_and_key_conflict_answer_as_the_thread(apps):
     assert [a[0] for a in answers["loop"]] == [202, 200, 200, 200, 422]
     assert json.loads(answers["loop"][4][2])["code"] == "idempotency_key_reused"
     assert ("Idempotent-Replayed", "true") in answers["loop"][1][1]
-    # replay and conflict meet the key's binding (the statement aborts); the duplicates meet
-    # the content identity (the statement writes nothing): all answered by the thread
-    assert moved(before) == {"loop": 1, "thread:existing": 4}
+    # replay and conflict meet the key's binding (the statement aborts), the duplicates the
+    # content identity (the statement writes nothing); the answer is read on the request's
+    # thread, as the sync path reads it; the conflict's 422 is the sync path's own answer
+    assert moved(before) == {"loop": 4, "thread:existing": 1}
     assert ConversionJob.objects.filter(tenant="tenant-loop").count() == 1
     assert IdempotencyRecord.objects.filter(tenant="tenant-loop").count() == 2
 
@@ -340,17 +341,31 @@ def test_submit__admission_refusals_are_the_threads_answers(
     assert ConversionJob.objects.count() == 0
 
 
-def test_submit__a_stale_admission_snapshot_goes_to_the_thread_then_the_loop(apps):
-    """The snapshot is refreshed by a query: the loop leaves that request to the thread, and
-    admits the next one on the fresh snapshot."""
-    from conversion_jobs.services.admission import admission_snapshot_reset
+def test_submit__a_stale_admission_snapshot_is_refreshed_on_the_requests_thread(
+    apps, monkeypatch
+):
+    """The snapshot is refreshed by a query, which runs on the request's sync thread (Django's
+    ORM); the request stays on the loop, and the next one is admitted on the fresh snapshot
+    without a hop."""
+    import threading
 
-    admission_snapshot_reset()
+    from conversion_jobs.services import admission
+
+    admission.admission_snapshot_reset()
+    refreshed_on: list[str] = []
+    counts = admission._Snapshot.counts
+
+    def spied(self: Any, **kwargs: Any) -> Any:
+        refreshed_on.append(threading.current_thread().name)
+        return counts(self, **kwargs)
+
+    monkeypatch.setattr(admission._Snapshot, "counts", spied)
     before = paths()
     first = apps.on_loop("POST", JOBS, {**_auth(), **FORM}, _form())
     second = apps.on_loop("POST", JOBS, {**_auth(), **FORM}, _form())
     assert (first[0], second[0]) == (202, 202)
-    assert moved(before) == {"thread:admission": 1, "loop": 1}
+    assert moved(before) == {"loop": 2}
+    assert len(refreshed_on) == 1 and refreshed_on[0].startswith("quire-sync-")
 
 
 def test_submit__database_unreachable_from_the_loop_goes_to_the_thread(apps, monkeypatch):
