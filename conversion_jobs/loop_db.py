@@ -7,9 +7,10 @@ opened on first use with the parameters and adapters Django's own connection use
 statement and its parameters mean the same on both), in autocommit. A caller that finds every
 connection busy waits on the loop. An idle connection is checked the way the sync requests'
 are (``db.health_check_by_socket``): a readable socket means the server wrote a FATAL notice
-(a restart, ``pg_terminate_backend``) and the connection is replaced; a connection that raised
-anything is closed, never returned. Connections older than ``CONN_MAX_AGE`` are replaced.
-After a failed connect the pool refuses for ``DOWN_HOLD_S`` without trying.
+(a restart, ``pg_terminate_backend``) and the connection is replaced; a connection left broken
+or not idle (a statement cut short) is closed, never returned. Connections older than
+``CONN_MAX_AGE`` are replaced. After a failed connect the pool refuses for ``DOWN_HOLD_S``
+without trying.
 
 The pool belongs to one event loop (the server's, for the life of the process); used from
 another loop it drops the connections of the previous one.
@@ -79,12 +80,13 @@ class LoopPool:
                 except psycopg.Error:
                     self._down_until = time.monotonic() + DOWN_HOLD_S
                     raise
-            healthy = False
             try:
                 yield conn
-                healthy = True
             finally:
-                if healthy and self._reusable(opened, conn):
+                # Kept whatever the caller raised if the connection is idle and sound (a
+                # constraint's error leaves it so in autocommit); a statement cut short (a
+                # lost connection, a cancellation) does not.
+                if self._reusable(opened, conn):
                     self._idle.append((opened, conn))
                 else:
                     await conn.close()

@@ -403,8 +403,6 @@ async def conversion_job_accept_on_loop(
         checked = _checked(upload=upload, output=output, raw_options=raw_options)
     except QuireError as exc:
         raise HandOff(HANDOFF_CHECKS) from exc
-    if not admission_admitted_on_snapshot(tenant=tenant):
-        await _on_thread(admission_admit, HANDOFF_ADMISSION, tenant=tenant)
     new = _new_job(
         tenant=tenant,
         actor=actor,
@@ -419,6 +417,11 @@ async def conversion_job_accept_on_loop(
 
     try:
         async with loop_db.pool().connection() as db:
+            # Admitted while holding the connection its statement uses: acceptances in flight
+            # stay bounded by the pool's size, as the sync path's are by its threads (the
+            # overshoot bound of ADR 0004).
+            if not admission_admitted_on_snapshot(tenant=tenant):
+                await _on_thread(admission_admit, HANDOFF_ADMISSION, tenant=tenant)
             outbox_id = await transitions.job_insert_queued_on_loop(new, db)
     except psycopg.errors.UniqueViolation as exc:
         # The key is bound already (the statement wrote nothing): a replay, or 422.
