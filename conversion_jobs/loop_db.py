@@ -113,6 +113,18 @@ class LoopPool:
             await conn.close()
 
 
+def kept_cursor(conn: Any) -> Any:
+    """The cursor kept with a pooled connection (which has one user at a time: the pool's), as
+    ``prepared.prepared_cursor`` keeps one per Django connection: its ``Transformer`` keeps the
+    dumpers found for the parameters' types by the first statement, instead of a new cursor's
+    adapters map and lookups per statement."""
+    kept = getattr(conn, "_quire_cursor", None)
+    if kept is None or kept.closed:
+        kept = conn.cursor()
+        conn._quire_cursor = kept
+    return kept
+
+
 def _readable(conn: Any) -> bool:
     """Whether the idle connection's socket has something to read: a FATAL notice before the
     server closed it, or anything else unexpected (``db.health_check_by_socket``'s rule)."""

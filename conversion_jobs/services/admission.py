@@ -9,7 +9,8 @@ refusal, the exact count runs (``admission_check``) and decides. So a refusal is
 (a snapshot never turns a job away), and near a limit the behaviour is the exact count's.
 
 The overshoot (ADR 0004) is bounded by the acceptance transactions in flight at once (web
-processes x WEB_THREADS sync threads, minus one), plus what other web processes accepted within
+processes x (WEB_THREADS sync threads + QUIRE_WEB_LOOP_DB_CONNECTIONS on the event loop), minus
+one), plus what other web processes accepted within
 one snapshot period beyond the 10 % margin (none unless they accepted more than 10 % of the
 limit within 0.25 s). ``docs/adr/0004-admission-overshoot.md``.
 """

@@ -274,10 +274,12 @@ async def job_insert_queued_on_loop(new: NewJob, db: Any) -> int | None:
     lost mid-statement - not known)."""
     if new.inline_content is None:
         raise ValueError("only an inline source is accepted on the loop")
+    from conversion_jobs.loop_db import kept_cursor
+
     sql, params = _accept_statement(new, _first_event(new))
-    async with db.cursor() as cursor:  # server-side binding, prepared per connection
-        await cursor.execute(sql, params)
-        row = await cursor.fetchone()
+    cursor = kept_cursor(db)  # server-side binding, prepared per connection
+    await cursor.execute(sql, params)
+    row = await cursor.fetchone()
     return None if row is None else int(row[0])
 
 

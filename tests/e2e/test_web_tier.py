@@ -447,3 +447,99 @@ def test_job_detail_without_wait_is_unchanged(web, submit):
     )
     assert again.status_code == 304
     assert ConversionJob.objects.get(id=job.id).state == "queued"
+
+
+# --- the acceptance on the event loop (ADR 0017 session 11) --------------------------------------
+
+
+def _accept_paths(base: str) -> dict[str, float]:
+    """``quire_accept_paths_total`` by ``loop`` / ``thread:<reason>``, summed over the web's
+    processes (multiprocess metrics)."""
+    text = requests.get(f"{base}/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for match in re.finditer(
+        r'^quire_accept_paths_total\{path="(\w+)",reason="(\w*)"\} (\S+)$', text, re.M
+    ):
+        path, reason, value = match.groups()
+        out[path if path == "loop" else f"thread:{reason}"] = float(value)
+    return out
+
+
+def _pdf(pages: int) -> bytes:
+    from tests import testdocs
+
+    salt = uuid.uuid4().hex
+    return testdocs.pdf_bytes(pages=pages, text_of=lambda n: f"Page {n} {salt} " * 20)
+
+
+def test_small_uploads_are_accepted_on_the_loop_large_ones_and_errors_on_a_thread(start, tmp_path):
+    """Against the Procfile's web (two processes): a small upload is accepted on the event loop
+    (202 + Location, the same rows as ever, the outbox row published by the background
+    publisher), its replay and a duplicate too; an upload above the inline size, a bad token
+    and a reused key are answered by the sync path. ``quire_accept_paths_total`` says which."""
+    from conversion_jobs.models import ConversionOutbox, ExecutionAuditEvent, InlineSource
+
+    metrics_dir = tmp_path / "metrics"
+    metrics_dir.mkdir()
+    proc = start("web", WEB_CONCURRENCY="2", PROMETHEUS_MULTIPROC_DIR=str(metrics_dir))
+    base = f"http://127.0.0.1:{proc.port}"
+    before = _accept_paths(base)
+    assert set(before) == {
+        "loop",
+        *(f"thread:{r}" for r in ("auth", "shape", "large", "checks", "admission", "existing")),
+        "thread:database",
+    }
+
+    def post(pdf: bytes, **headers: str) -> requests.Response:
+        return requests.post(
+            f"{base}/api/v1/jobs",
+            headers={**auth(), **headers},
+            files={"file": ("doc.pdf", pdf, "application/pdf")},
+            data={"output": "text"},
+            timeout=30,
+        )
+
+    small = _pdf(1)
+    key = uuid.uuid4().hex
+    accepted = post(small, **{"Idempotency-Key": key})
+    assert accepted.status_code == 202, accepted.text
+    job_id = accepted.json()["id"]
+    assert accepted.headers["Location"] == f"/api/v1/jobs/{job_id}"
+    assert accepted.headers["ETag"] == '"v1"'
+    assert accepted.headers["X-Frame-Options"] == "DENY"
+    replay = post(small, **{"Idempotency-Key": key})
+    assert (replay.status_code, replay.headers.get("Idempotent-Replayed")) == (200, "true")
+    assert replay.json()["id"] == job_id
+    duplicate = post(small)
+    assert (duplicate.status_code, duplicate.json()["id"]) == (200, job_id)
+
+    job = ConversionJob.objects.get(id=job_id)
+    assert job.source_key.startswith("inline:")
+    assert bytes(InlineSource.objects.get(job_id=job.id).content) == small
+    assert list(
+        ExecutionAuditEvent.objects.filter(job_id=job.id).values_list("event_type", flat=True)
+    ) == ["accepted"]
+    harness.wait_until(
+        lambda: ConversionOutbox.objects.filter(job_id=job.id, published_at__isnull=False).exists(),
+        timeout=10,
+        what="the loop's acceptance published by the background publisher",
+    )
+
+    large = _pdf(80)
+    assert len(large) > 64 * 1024
+    stored = post(large)
+    assert stored.status_code == 202, stored.text
+    assert not ConversionJob.objects.get(id=stored.json()["id"]).source_key.startswith("inline:")
+
+    bad = post(_pdf(1), Authorization="Bearer not-a-token")
+    assert bad.status_code == 401
+    assert bad.json()["code"] == "invalid_token"
+    assert bad.headers["WWW-Authenticate"] == 'Bearer realm="quire", error="invalid_token"'
+    reused = post(_pdf(1), **{"Idempotency-Key": key})
+    assert reused.status_code == 422
+    assert reused.json()["code"] == "idempotency_key_reused"
+
+    after = _accept_paths(base)
+    moved = {k: v - before[k] for k, v in after.items() if v != before[k]}
+    # The admission snapshot's refresh runs on the request's thread and stays "loop".
+    assert moved == {"loop": 3, "thread:large": 1, "thread:auth": 1, "thread:existing": 1}

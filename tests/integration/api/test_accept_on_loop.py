@@ -341,9 +341,7 @@ def test_submit__admission_refusals_are_the_threads_answers(
     assert ConversionJob.objects.count() == 0
 
 
-def test_submit__a_stale_admission_snapshot_is_refreshed_on_the_requests_thread(
-    apps, monkeypatch
-):
+def test_submit__a_stale_admission_snapshot_is_refreshed_on_the_requests_thread(apps, monkeypatch):
     """The snapshot is refreshed by a query, which runs on the request's sync thread (Django's
     ORM); the request stays on the loop, and the next one is admitted on the fresh snapshot
     without a hop."""
