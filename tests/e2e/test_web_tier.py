@@ -8,6 +8,7 @@ all.
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import threading
@@ -543,3 +544,77 @@ def test_small_uploads_are_accepted_on_the_loop_large_ones_and_errors_on_a_threa
     moved = {k: v - before[k] for k, v in after.items() if v != before[k]}
     # The admission snapshot's refresh runs on the request's thread and stays "loop".
     assert moved == {"loop": 3, "thread:large": 1, "thread:auth": 1, "thread:existing": 1}
+
+
+# --- the workers' connection balance (ADR 0017 session 11) --------------------------------------
+
+
+def _connections_by_pid(port: int) -> dict[int, int]:
+    import subprocess
+
+    out = subprocess.run(
+        ["ss", "-tnpH", "state", "established", f"( sport = :{port} )"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    counts: dict[int, int] = {}
+    for match in re.finditer(r"pid=(\d+)", out):
+        counts[int(match.group(1))] = counts.get(int(match.group(1)), 0) + 1
+    return counts
+
+
+def _burst(port: int, n: int) -> list[socket.socket]:
+    """``n`` clients connecting at once, each answered once (kept open)."""
+    socks = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(n)]
+    for sock in socks:
+        sock.sendall(b"GET /health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+    for sock in socks:
+        assert sock.recv(1000).startswith(b"HTTP/1.1 200")
+    return socks
+
+
+def test_simultaneous_clients_are_spread_over_the_workers(start):
+    """16 kept-alive clients connecting at once land on both workers, near evenly (uvloop's
+    own accept gave 15 / 1 or 16 / 0: the worker that woke first took the burst)."""
+    proc = start("web", WEB_CONCURRENCY="2")
+    harness.wait_until(  # the second worker boots a little after the first answers
+        lambda: proc.log.read_text(errors="replace").count("Started server process") >= 2,
+        timeout=60,
+        what="both workers serving",
+    )
+    spreads = []
+    for _ in range(5):
+        socks = _burst(proc.port, 16)
+        try:
+            spreads.append(sorted(_connections_by_pid(proc.port).values()))
+        finally:
+            for sock in socks:
+                sock.close()
+        time.sleep(0.3)
+    assert all(len(spread) == 2 and spread[0] >= 4 for spread in spreads), spreads
+    assert sum(spread == [8, 8] or spread == [7, 9] for spread in spreads) >= 3, spreads
+
+
+def test_a_stopped_worker_does_not_hold_connections_back(start):
+    """Work stealing is kept: with one of two workers stopped (SIGSTOP, as a worker stuck on
+    the CPU), new clients are all answered by the other one at once."""
+    import signal
+
+    proc = start("web", WEB_CONCURRENCY="2")
+    harness.wait_until(
+        lambda: proc.log.read_text(errors="replace").count("Started server process") >= 2,
+        timeout=60,
+        what="both workers serving",
+    )
+    worker = max(pid for pid in proc.tree() if pid != proc.pid)
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        socks = _burst(proc.port, 16)
+        took = time.monotonic() - started
+        for sock in socks:
+            sock.close()
+    finally:
+        os.kill(worker, signal.SIGCONT)
+    assert took < 1.0, took
