@@ -1,14 +1,16 @@
 """The web tier's HTTP server: gunicorn managing uvicorn workers (ADR 0016).
 
 * :class:`QuireUvicornWorker` - the gunicorn worker class the Procfile names: uvloop, httptools,
-  and :class:`QuireHttpProtocol`.
+  :class:`QuireHttpProtocol`, and an even spread of the shared socket's connections over the
+  workers (:class:`_BalancedAccept`).
 * :class:`QuireHttpProtocol` - uvicorn's httptools protocol with what a public listener needs:
   bounded request heads (414 / 431), a body cap (413), a deadline for the request head and an
   idle limit for the body (408), an idle limit on a fresh connection, and every answer the
   server gives itself as ``application/problem+json`` with a stable code.
 * :class:`QuireASGIHandler` - Django's ASGI handler, with the sync parts of every request
   (middleware, DRF views, ORM) on a fixed set of ``WEB_THREADS`` long-lived threads per process
-  instead of a new thread per request; the API's own views without the admin's middleware.
+  instead of a new thread per request; the API's own views without the admin's middleware; a
+  small upload accepted on the event loop itself (``JobCollectionView.submit_on_loop``).
 * :class:`Liveness` - ``/health/live`` answered on the event loop, never behind a busy thread.
 * :class:`AccessLog` - one content-free line per request.
 
@@ -20,6 +22,8 @@ Limits (environment; docs/OPERABILITY.md "Slow clients"):
 ``QUIRE_HTTP_MAX_URL_BYTES``       8192     request target (path + query)
 ``QUIRE_HTTP_MAX_HEAD_BYTES``      32768    request line + headers
 ``QUIRE_HTTP_MAX_BODY_BYTES``      upload   ``QUIRE_MAX_UPLOAD_BYTES`` + 1 MiB of multipart
+``QUIRE_HTTP_BALANCE``             1        spread connections evenly over the workers
+``QUIRE_HTTP_ACCEPT_DEFER_S``      0.005    a worker above its share leaves a connect so long
 =================================  =======  =============================================
 """
 
