@@ -518,8 +518,9 @@ def _loop_answer(request: HttpRequest) -> HttpResponseBase:
 
 def _loop_submission_view(scope: Any) -> Any:
     """The view class whose submissions may be tried on the loop (``submit_on_loop``), for a
-    POST to it with no query string and a body small enough for the plain-form split; else
-    None (counted ``large`` when the body is what keeps it off the loop)."""
+    POST to it with no query string and a body no larger than the plain-form split and an
+    inline source take; else None (counted ``large`` when the body is what keeps it off the
+    loop)."""
     from conversion_jobs.api.uploads import SMALL_BODY_BYTES
 
     if scope.get("method") != "POST" or scope.get("query_string"):
@@ -527,8 +528,11 @@ def _loop_submission_view(scope: Any) -> Any:
     view = _loop_view(get_resolver(), scope.get("path", ""))
     if view is None:
         return None
+    # No larger than an inline source: the upload is then never staged to a file (a write to
+    # the disk, which must not happen on the loop).
+    limit = min(SMALL_BODY_BYTES, settings.QUIRE["INLINE_SOURCE_MAX_BYTES"])
     length = _content_length(scope.get("headers", []))
-    if length is None or length > SMALL_BODY_BYTES:
+    if length is None or length > limit:
         _count_handoff("large")
         return None
     return view
@@ -663,6 +667,8 @@ class QuireHttpProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_read_timer()
         super().connection_lost(exc)
+        if _shares is not None:  # the others read this worker's count when they accept
+            _shares.update(len(self.server_state.connections))
 
     def data_received(self, data: bytes) -> None:
         if self.transport.is_closing():  # refused: ignore whatever else the client sends
@@ -819,6 +825,11 @@ class _ConnectionShares:
                     self._pids[slot], self._counts[slot], self._slot = pid, 0, slot
                     return
 
+    def update(self, mine: int) -> None:
+        """This worker's connections now (a connection closed)."""
+        if self._slot >= 0:
+            self._counts[self._slot] = mine
+
     def over_share(self, mine: int) -> bool:
         """Whether this worker holds more than an even share of the connections of the live
         slots (False when it is alone, or has no slot)."""
@@ -854,8 +865,9 @@ def _alive(pid: int) -> bool:
 class _BalancedAccept:
     """Accepts the connections of one listening socket shared by every worker (gunicorn's) with
     an even spread: every worker is woken by a pending connection; one that holds more than its
-    share leaves it to the others for ``ACCEPT_DEFER_S``, and takes whatever is still pending
-    then (a busy or stuck worker never holds a connection back: work stealing is kept).
+    share leaves it to the others for ``ACCEPT_DEFER_S``, then takes one, or - the others took
+    none in two deferrals - a whole batch (a busy or stuck worker holds a connection back for
+    at most two deferrals: work stealing is kept).
     uvloop's own server accepts everything pending at once, so the worker that woke first took
     most of a burst of connects (15 / 1 of 16 kept-alive clients; ADR 0017 session 5
     "Connection balance"). Quacks as the ``asyncio.Server`` uvicorn's shutdown closes."""
@@ -868,6 +880,7 @@ class _BalancedAccept:
         self._deferred: TimerHandle | None = None
         self._starting = 0
         self._others = 0
+        self._idle_deferrals = 0
         sock.setblocking(False)
         self._loop.add_reader(sock.fileno(), self._ready)
 
@@ -903,10 +916,16 @@ class _BalancedAccept:
         if self._closed.is_set():
             return
         self._loop.add_reader(self._sock.fileno(), self._ready)
-        # Still pending after the deferral: the others took some meanwhile (they are serving:
-        # this one takes one, then the share decides again), or none (busy or stuck: this one
-        # takes a whole batch).
-        self._ready(force=1 if self._shares.others() != self._others else 16)
+        # Still pending after the deferral: this one takes one, then the share decides again.
+        # When the others took none in two deferrals running (busy or stuck, or not scheduled
+        # on a loaded host), it takes a whole batch.
+        idle = self._shares.others() == self._others
+        self._idle_deferrals = self._idle_deferrals + 1 if idle else 0
+        if self._idle_deferrals >= 2:
+            self._idle_deferrals = 0
+            self._ready(force=16)
+        else:
+            self._ready(force=1)
 
     def close(self) -> None:
         if self._closed.is_set():

@@ -592,8 +592,10 @@ def test_simultaneous_clients_are_spread_over_the_workers(start):
             for sock in socks:
                 sock.close()
         time.sleep(0.3)
-    assert all(len(spread) == 2 and spread[0] >= 4 for spread in spreads), spreads
-    assert sum(spread == [8, 8] or spread == [7, 9] for spread in spreads) >= 3, spreads
+    # Near evenly: a worker the host did not schedule within the deferrals (two cores, this
+    # client included) may leave a burst to the other, which then takes the rest at once.
+    assert all(len(spread) == 2 and spread[0] >= 3 for spread in spreads), spreads
+    assert sum(spread in ([8, 8], [7, 9]) for spread in spreads) >= 3, spreads
 
 
 def test_a_stopped_worker_does_not_hold_connections_back(start):
