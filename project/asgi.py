@@ -20,10 +20,11 @@ from conversion_jobs.observability import tracing  # noqa: E402
 from conversion_jobs.services import publisher  # noqa: E402
 from project.web import AccessLog, Liveness, QuireASGIHandler  # noqa: E402
 
-django_application = QuireASGIHandler()
+publisher.enable()  # the fast-path publish off the request thread (ADR 0017 addendum)
+# Small uploads accepted on the event loop when this process can (ADR 0017 session 11).
+django_application = QuireASGIHandler(accept_on_loop=True)
 
 tracing.instrument_web()
-publisher.enable()  # the fast-path publish off the request thread (ADR 0017 addendum)
 # A server's event loop lives as long as the process: waiting clients may share one LISTEN
 # connection on it (conversion_jobs/api/waiting.py).
 waiting.listener.serving = True

@@ -1,14 +1,16 @@
 """The web tier's HTTP server: gunicorn managing uvicorn workers (ADR 0016).
 
 * :class:`QuireUvicornWorker` - the gunicorn worker class the Procfile names: uvloop, httptools,
-  and :class:`QuireHttpProtocol`.
+  :class:`QuireHttpProtocol`, and an even spread of the shared socket's connections over the
+  workers (:class:`_BalancedAccept`).
 * :class:`QuireHttpProtocol` - uvicorn's httptools protocol with what a public listener needs:
   bounded request heads (414 / 431), a body cap (413), a deadline for the request head and an
   idle limit for the body (408), an idle limit on a fresh connection, and every answer the
   server gives itself as ``application/problem+json`` with a stable code.
 * :class:`QuireASGIHandler` - Django's ASGI handler, with the sync parts of every request
   (middleware, DRF views, ORM) on a fixed set of ``WEB_THREADS`` long-lived threads per process
-  instead of a new thread per request; the API's own views without the admin's middleware.
+  instead of a new thread per request; the API's own views without the admin's middleware; a
+  small upload accepted on the event loop itself (``JobCollectionView.submit_on_loop``).
 * :class:`Liveness` - ``/health/live`` answered on the event loop, never behind a busy thread.
 * :class:`AccessLog` - one content-free line per request.
 
@@ -20,6 +22,8 @@ Limits (environment; docs/OPERABILITY.md "Slow clients"):
 ``QUIRE_HTTP_MAX_URL_BYTES``       8192     request target (path + query)
 ``QUIRE_HTTP_MAX_HEAD_BYTES``      32768    request line + headers
 ``QUIRE_HTTP_MAX_BODY_BYTES``      upload   ``QUIRE_MAX_UPLOAD_BYTES`` + 1 MiB of multipart
+``QUIRE_HTTP_BALANCE``             1        spread connections evenly over the workers
+``QUIRE_HTTP_ACCEPT_DEFER_S``      0.005    a worker above its share leaves a connect so long
 =================================  =======  =============================================
 """
 
@@ -30,6 +34,8 @@ import functools
 import json
 import logging
 import os
+import sys
+import tempfile
 import threading
 import time
 from asyncio import TimerHandle
@@ -41,13 +47,15 @@ from typing import Any
 from asgiref.sync import ThreadSensitiveContext, iscoroutinefunction, sync_to_async
 from django.conf import settings
 from django.core import signals
-from django.core.exceptions import RequestAborted
+from django.core.exceptions import DisallowedHost, RequestAborted
 from django.core.handlers.asgi import ASGIHandler, get_script_prefix
 from django.core.handlers.base import BaseHandler
 from django.db import connection
 from django.http import HttpRequest, HttpResponseBase, StreamingHttpResponse
 from django.urls import Resolver404, get_resolver, set_script_prefix
+from gunicorn.arbiter import Arbiter
 from rest_framework.views import APIView
+from uvicorn import Server as UvicornServer
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from uvicorn_worker import UvicornWorker
 
@@ -199,7 +207,7 @@ class QuireASGIHandler(ASGIHandler):
     sync calls still run on one thread (Django's thread-sensitivity contract), persistent
     database connections work as under gthread, and an awaiting request holds nothing."""
 
-    def __init__(self, *, lean_api: bool = True) -> None:
+    def __init__(self, *, lean_api: bool = True, accept_on_loop: bool = False) -> None:
         super().__init__()
         count = max(1, int(os.environ.get("WEB_THREADS", "4")))
         self.threads = [_SyncThread(f"quire-sync-{n}") for n in range(count)]
@@ -220,6 +228,15 @@ class QuireASGIHandler(ASGIHandler):
                 [m for m in settings.MIDDLEWARE if m not in settings.ADMIN_ONLY_MIDDLEWARE],
             )
         self._sync_response = sync_to_async(self._started_then_respond, thread_sensitive=True)
+        # A small upload accepted on the event loop (ADR 0017 session 11) is answered through
+        # the API's middleware chain too, run on the loop around the answer already made.
+        self.loop_handler: _LoopAnswerHandler | None = None
+        if accept_on_loop and loop_accept_possible():
+            self.loop_handler = _LoopAnswerHandler()
+            _load_sync_middleware(
+                self.loop_handler,
+                [m for m in settings.MIDDLEWARE if m not in settings.ADMIN_ONLY_MIDDLEWARE],
+            )
 
     def _started_then_respond(self, request: HttpRequest) -> HttpResponseBase:
         """``request_started``, the sync middleware chain and view, and - for a response whose
@@ -270,6 +287,17 @@ class QuireASGIHandler(ASGIHandler):
             return
         set_script_prefix(get_script_prefix(scope))
         request, error_response = self.create_request(scope, body_file)
+        if request is not None and error_response is None and self.loop_handler is not None:
+            view = _loop_submission_view(scope)
+            if view is not None:
+                answer = await self._answer_on_loop(request, *view)
+                if answer is not None:
+                    await self.send_response(answer, send)
+                    body_file.close()
+                    return
+                # The sync path answers, from a request of its own over the same body.
+                body_file = _body_again(request, body_file)
+                request, error_response = self.create_request(scope, body_file)
         if request is None or error_response is not None:
             await signals.request_started.asend(sender=self.__class__, scope=scope)
             body_file.close()
@@ -315,12 +343,52 @@ class QuireASGIHandler(ASGIHandler):
                 await sync_to_async(response.close)()
         body_file.close()
 
+    async def _answer_on_loop(
+        self, request: HttpRequest, view_class: Any, initkwargs: dict[str, Any]
+    ) -> HttpResponseBase | None:
+        """A submission answered on the event loop (``JobCollectionView.submit_on_loop``), then
+        through the API's middleware chain on the loop (its hooks are in-memory header work:
+        ``loop_accept_possible`` holds them to the shipped list), with ``request_started``
+        and ``request_finished`` as the sync path sends them. None: the sync path answers.
+        Whatever the chain's request hooks would refuse (a host not allowed) is left to it
+        before anything is written."""
+        try:
+            request.get_host()
+        except DisallowedHost:
+            _count_handoff("shape")
+            return None
+        view = view_class(**initkwargs)  # as ``as_view`` makes it
+        view.setup(request)
+        answer = await view.submit_on_loop(request)
+        if answer is None:
+            return None
+        request.quire_loop_answer = answer  # type: ignore[attr-defined]
+        signals.request_started.send(sender=self.__class__, scope=request.scope)  # type: ignore[attr-defined]
+        assert self.loop_handler is not None  # noqa: S101 - the caller checked
+        response = self.loop_handler.get_response(request)
+        response._handler_class = self.__class__  # type: ignore[attr-defined]  # as Django's
+        response.close()
+        return response
+
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             raise ValueError(f"Django can only handle ASGI/HTTP connections, not {scope['type']}.")
         thread = min(self.threads, key=lambda t: t.pending)
         async with ThreadSensitiveContext(executor=thread):
             await self.handle(scope, receive, send)
+
+
+def _body_again(request: HttpRequest, body_file: Any) -> Any:
+    """The request body to build a second request from: ``body_file`` rewound, or - when the
+    first request read it (Django closes the file it read ``request.body`` from) - a new file
+    with the bytes it read (at most ``SMALL_BODY_BYTES``: the loop reads only small bodies)."""
+    if not body_file.closed:
+        body_file.seek(0)
+        return body_file
+    again = tempfile.SpooledTemporaryFile(max_size=settings.FILE_UPLOAD_MAX_MEMORY_SIZE, mode="w+b")
+    again.write(request.body)
+    again.seek(0)
+    return again
 
 
 def _next_batch(chunks: Iterator[bytes]) -> bytes | None:
@@ -396,6 +464,98 @@ def _route(resolver: Any, path: str) -> str:
     ):
         return ROUTE_API
     return ROUTE_OTHER
+
+
+#: The API's middleware chain the loop's answer runs through, as shipped: each hook is
+#: in-memory work on the request and response headers, so it may run on the event loop. Any
+#: other chain (a middleware added, a setting that makes one redirect or refuse) keeps every
+#: submission on the sync path.
+LOOP_SAFE_API_MIDDLEWARE = (
+    "conversion_jobs.api.middleware.ProblemResponseMiddleware",
+    "conversion_jobs.api.problems.DatabaseUnavailableMiddleware",
+    "django.middleware.security.SecurityMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+)
+
+
+def loop_accept_possible() -> bool:
+    """Whether a small upload may be accepted on the event loop in this process (ADR 0017
+    session 11): on (``QUIRE_ACCEPT_ON_LOOP``), Postgres (the standalone profile's SQLite keeps
+    the sync path: its driver has no async form and its writers queue on a file lock), inline
+    sources on, the background publisher running (an inline publish would wait for the
+    broker's confirm), tracing off (the request's span is the sync path's), and the API's
+    middleware chain as shipped, with no setting that makes it redirect or refuse by itself."""
+    from conversion_jobs.observability import tracing
+    from conversion_jobs.services import publisher
+
+    api_chain = tuple(m for m in settings.MIDDLEWARE if m not in settings.ADMIN_ONLY_MIDDLEWARE)
+    return bool(
+        settings.QUIRE["ACCEPT_ON_LOOP"]
+        and settings.DATABASES["default"]["ENGINE"].endswith("postgresql")
+        and settings.QUIRE["INLINE_SOURCE_MAX_BYTES"] > 0
+        and publisher.current() is not None
+        and not tracing.enabled()
+        and api_chain == LOOP_SAFE_API_MIDDLEWARE
+        and not settings.SECURE_SSL_REDIRECT
+        and not settings.PREPEND_WWW
+        and not settings.DISALLOWED_USER_AGENTS
+    )
+
+
+class _LoopAnswerHandler(BaseHandler):
+    """The API's middleware chain around an answer made on the event loop: the "view" it
+    resolves every request to returns that answer (``request.quire_loop_answer``)."""
+
+    def resolve_request(self, request: HttpRequest) -> Any:
+        return _loop_answer, (), {}
+
+
+def _loop_answer(request: HttpRequest) -> HttpResponseBase:
+    answer: HttpResponseBase = request.quire_loop_answer  # type: ignore[attr-defined]
+    return answer
+
+
+def _loop_submission_view(scope: Any) -> Any:
+    """The view class whose submissions may be tried on the loop (``submit_on_loop``), for a
+    POST to it with no query string and a body no larger than the plain-form split and an
+    inline source take; else None (counted ``large`` when the body is what keeps it off the
+    loop)."""
+    from conversion_jobs.api.uploads import SMALL_BODY_BYTES
+
+    if scope.get("method") != "POST" or scope.get("query_string"):
+        return None
+    view = _loop_view(get_resolver(), scope.get("path", ""))
+    if view is None:
+        return None
+    # No larger than an inline source: the upload is then never staged to a file (a write to
+    # the disk, which must not happen on the loop).
+    limit = min(SMALL_BODY_BYTES, settings.QUIRE["INLINE_SOURCE_MAX_BYTES"])
+    length = _content_length(scope.get("headers", []))
+    if length is None or length > limit:
+        _count_handoff("large")
+        return None
+    return view
+
+
+@functools.lru_cache(maxsize=4096)
+def _loop_view(resolver: Any, path: str) -> tuple[Any, dict[str, Any]] | None:
+    """(the view class, its ``as_view`` arguments) when ``path`` resolves to a view with
+    ``submit_on_loop``; memoised as ``_route``."""
+    try:
+        match = resolver.resolve(path)
+    except Resolver404:
+        return None
+    view_class = getattr(match.func, "cls", None)
+    if not hasattr(view_class, "submit_on_loop"):
+        return None
+    return view_class, dict(getattr(match.func, "initkwargs", {}))
+
+
+def _count_handoff(reason: str) -> None:
+    from conversion_jobs.observability import metrics
+
+    metrics.ACCEPT_PATHS.labels(path="thread", reason=reason).inc()
 
 
 def _load_sync_middleware(handler: BaseHandler, middleware: list[str]) -> None:
@@ -507,6 +667,8 @@ class QuireHttpProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_read_timer()
         super().connection_lost(exc)
+        if _shares is not None:  # the others read this worker's count when they accept
+            _shares.update(len(self.server_state.connections))
 
     def data_received(self, data: bytes) -> None:
         if self.transport.is_closing():  # refused: ignore whatever else the client sends
@@ -632,11 +794,202 @@ def _chunked(headers: list[tuple[bytes, bytes]]) -> bool:
     return any(n == b"transfer-encoding" and b"chunked" in v.lower() for n, v in headers)
 
 
+#: A worker holding more than its share of the web's connections leaves a pending connection
+#: to the other workers for this long before it accepts it itself (ADR 0017 session 11).
+ACCEPT_DEFER_S = _env_float("QUIRE_HTTP_ACCEPT_DEFER_S", 0.005)
+
+
+class _ConnectionShares:
+    """The open connections of each worker process of one gunicorn master, in memory the master
+    maps before it forks them (``QuireUvicornWorker.__init__`` runs in the master): one slot
+    (pid, count) per worker. A worker writes its own slot; what it reads of the others may be
+    a little stale, which only makes it accept a connection it could have left."""
+
+    SLOTS = 64
+
+    def __init__(self) -> None:
+        import multiprocessing
+
+        self._pids = multiprocessing.RawArray("i", self.SLOTS)
+        self._counts = multiprocessing.RawArray("i", self.SLOTS)
+        self._lock = multiprocessing.Lock()
+        self._slot = -1
+
+    def claim(self) -> None:
+        """This process's slot: a free one or one whose process is gone (after a fork)."""
+        pid = os.getpid()
+        with self._lock:
+            for slot in range(self.SLOTS):
+                other = self._pids[slot]
+                if other == 0 or other == pid or not _alive(other):
+                    self._pids[slot], self._counts[slot], self._slot = pid, 0, slot
+                    return
+
+    def update(self, mine: int) -> None:
+        """This worker's connections now (a connection closed)."""
+        if self._slot >= 0:
+            self._counts[self._slot] = mine
+
+    def over_share(self, mine: int) -> bool:
+        """Whether this worker holds more than an even share of the connections of the live
+        slots (False when it is alone, or has no slot)."""
+        if self._slot < 0:
+            return False
+        self._counts[self._slot] = mine
+        workers, total = self._totals()
+        return workers > 1 and mine * workers > total
+
+    def others(self) -> int:
+        """The connections the other workers hold (as they last wrote them)."""
+        return self._totals()[1] - (self._counts[self._slot] if self._slot >= 0 else 0)
+
+    def _totals(self) -> tuple[int, int]:
+        workers = total = 0
+        for slot in range(self.SLOTS):
+            if self._pids[slot]:
+                workers += 1
+                total += self._counts[slot]
+        return workers, total
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class _BalancedAccept:
+    """Accepts the connections of one listening socket shared by every worker (gunicorn's) with
+    an even spread: every worker is woken by a pending connection; one that holds more than its
+    share leaves it to the others for ``ACCEPT_DEFER_S``, then takes one, or - the others took
+    none in two deferrals - a whole batch (a busy or stuck worker holds a connection back for
+    at most two deferrals: work stealing is kept).
+    uvloop's own server accepts everything pending at once, so the worker that woke first took
+    most of a burst of connects (15 / 1 of 16 kept-alive clients; ADR 0017 session 5
+    "Connection balance"). Quacks as the ``asyncio.Server`` uvicorn's shutdown closes."""
+
+    def __init__(self, sock: Any, protocol_factory: Any, shares: _ConnectionShares, live: Any):
+        self.sockets = [sock]
+        self._sock, self._factory, self._shares, self._live = sock, protocol_factory, shares, live
+        self._loop = asyncio.get_running_loop()
+        self._closed = asyncio.Event()
+        self._deferred: TimerHandle | None = None
+        self._starting = 0
+        self._others = 0
+        self._idle_deferrals = 0
+        sock.setblocking(False)
+        self._loop.add_reader(sock.fileno(), self._ready)
+
+    def _ready(self, force: int = 0) -> None:
+        for _ in range(16):  # a bounded batch per wake-up, as the loop's own accept
+            if force > 0:
+                force -= 1
+            elif self._shares.over_share(len(self._live) + self._starting):
+                self._loop.remove_reader(self._sock.fileno())
+                self._others = self._shares.others()
+                self._deferred = self._loop.call_later(ACCEPT_DEFER_S, self._resume)
+                return
+            try:
+                conn, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # EMFILE and the like: the loop's server logs and goes on
+                log.warning("accept failed", extra={"error": type(exc).__name__})
+                return
+            conn.setblocking(False)
+            self._starting += 1  # counted until its protocol is in the live set
+            task = self._loop.create_task(self._loop.connect_accepted_socket(self._factory, conn))
+            task.add_done_callback(self._started)
+        self._shares.over_share(len(self._live) + self._starting)
+
+    def _started(self, task: asyncio.Task[Any]) -> None:
+        self._starting -= 1
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("connection setup failed", extra={"error": type(task.exception()).__name__})
+
+    def _resume(self) -> None:
+        self._deferred = None
+        if self._closed.is_set():
+            return
+        self._loop.add_reader(self._sock.fileno(), self._ready)
+        # Still pending after the deferral: this one takes one, then the share decides again.
+        # When the others took none in two deferrals running (busy or stuck, or not scheduled
+        # on a loaded host), it takes a whole batch.
+        idle = self._shares.others() == self._others
+        self._idle_deferrals = self._idle_deferrals + 1 if idle else 0
+        if self._idle_deferrals >= 2:
+            self._idle_deferrals = 0
+            self._ready(force=16)
+        else:
+            self._ready(force=1)
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        if self._deferred is not None:
+            self._deferred.cancel()
+        else:
+            self._loop.remove_reader(self._sock.fileno())
+
+    async def wait_closed(self) -> None:
+        await self._closed.wait()
+
+
+_shares: _ConnectionShares | None = None
+
+
+class _BalancedServer(UvicornServer):
+    """uvicorn's server with :class:`_BalancedAccept` on gunicorn's sockets instead of the
+    loop's own ``create_server``; everything else (state, shutdown) is uvicorn's."""
+
+    async def startup(self, sockets: list[Any] | None = None) -> None:
+        await super().startup(sockets=[])
+        if not self.started or not sockets or _shares is None:
+            return
+        config = self.config
+
+        def create_protocol() -> asyncio.Protocol:
+            return config.http_protocol_class(  # type: ignore[call-arg]
+                config=config, server_state=self.server_state, app_state=self.lifespan.state
+            )
+
+        _shares.claim()
+        accepts: list[Any] = [  # each quacks as the asyncio.Server uvicorn's shutdown closes
+            _BalancedAccept(sock, create_protocol, _shares, self.server_state.connections)
+            for sock in sockets
+        ]
+        self.servers = accepts
+
+
 class QuireUvicornWorker(UvicornWorker):
     """gunicorn worker: an asyncio event loop (uvloop) per process serving ``project.asgi``
     with :class:`QuireHttpProtocol`. gunicorn still owns the processes (restarts a dead
     worker, graceful reload and shutdown, ``--timeout`` for a stuck event loop);
-    ``--keep-alive`` sets the idle connection timeout."""
+    ``--keep-alive`` sets the idle connection timeout. The workers spread the connections of
+    their shared listening socket evenly (:class:`_BalancedAccept`; ``QUIRE_HTTP_BALANCE=0``:
+    uvloop's own accept)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        global _shares
+        super().__init__(*args, **kwargs)
+        if _shares is None and os.environ.get("QUIRE_HTTP_BALANCE", "1") != "0":
+            _shares = _ConnectionShares()  # in the master, before the fork: shared by all
+
+    async def _serve(self) -> None:
+        if _shares is None:
+            await super()._serve()
+            return
+        self.config.app = self.wsgi
+        server = _BalancedServer(config=self.config)
+        self._install_sigquit_handler()
+        await server.serve(sockets=self.sockets)
+        if not server.started:
+            sys.exit(Arbiter.WORKER_BOOT_ERROR)
 
     CONFIG_KWARGS = {
         "loop": "uvloop",

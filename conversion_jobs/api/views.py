@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import re
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -30,7 +32,12 @@ from rest_framework.views import APIView
 
 from conversion_jobs import converters, faults, selectors, storage
 from conversion_jobs.api import waiting
-from conversion_jobs.api.auth import BearerJWTAuthentication, HasScope, Principal
+from conversion_jobs.api.auth import (
+    BearerJWTAuthentication,
+    HasScope,
+    Principal,
+    verification_may_block,
+)
 from conversion_jobs.api.representation import (
     event_representation,
     job_representation,
@@ -56,7 +63,14 @@ from conversion_jobs.exceptions import (
 )
 from conversion_jobs.models import ConversionJob, Output, PageState
 from conversion_jobs.observability import metrics, tracing
-from conversion_jobs.services.acceptance import conversion_job_accept
+from conversion_jobs.services.acceptance import (
+    HANDOFF_CHECKS,
+    Acceptance,
+    HandOff,
+    StagedUpload,
+    conversion_job_accept,
+    conversion_job_accept_on_loop,
+)
 from conversion_jobs.services.cancellation import conversion_job_cancel
 from conversion_jobs.services.checkpoints import inline_result_read, is_inline_result
 from conversion_jobs.services.recovery import conversion_job_retry_failed
@@ -147,28 +161,46 @@ class JobCollectionView(QuireView):
     def _lean_post(self, request: HttpRequest) -> HttpResponseBase | None:
         """The submission without DRF's ``Request``, authenticators, permission classes and
         content negotiation, with exactly their outcome; None: DRF must answer."""
-        if not _lean_submit_applies(self, request):
+        if not self._lean_authorized(request):
             return None
+        content_type = _content_type(request)
+        return self._lean_finish(
+            lambda: self._submit(
+                request, content_type=content_type, parsed=None, answer=_rendered_job_response
+            )
+        )
+
+    def _lean_authorized(self, request: HttpRequest, *, on_loop: bool = False) -> bool:
+        """Whether the lean path may answer: DRF would negotiate JSON, the token is valid and
+        carries the method's scope (``request.user`` set, as DRF's ``Request`` sets it). False
+        for anything DRF answers (no or a bad token, a missing scope) - and, ``on_loop``, for
+        a token whose check could block (a JWKS fetch): the sync path checks it."""
+        if not _lean_submit_applies(self, request):
+            return False
         try:
+            if on_loop and verification_may_block(request):
+                return False
             authenticated = BearerJWTAuthentication().authenticate(request)  # type: ignore[arg-type]
             if authenticated is None:
-                return None
+                return False
             request.user = authenticated[0]  # type: ignore[assignment]  # as DRF's Request sets it
             if not HasScope().has_permission(request, self):  # type: ignore[arg-type]
-                return None  # refused without an exception: DRF answers it, as it would
+                return False  # refused without an exception: DRF answers it, as it would
         except QuireError:
-            return None  # DRF answers it (401, 403, 503), the same way as without this path
+            return False  # DRF answers it (401, 403, 503), the same way as without this path
         self.args, self.kwargs = (), {}
         self.request = request  # type: ignore[assignment]  # ``principal`` reads its user
         self.headers = self.default_response_headers
+        return True
+
+    def _lean_finish(
+        self, produce: Callable[[], HttpResponseBase | None]
+    ) -> HttpResponseBase | None:
+        """``produce``'s answer finalized as DRF would; its exceptions answered by the same
+        exception handler and finalized by DRF's ``finalize_response``. None: DRF answers."""
         response: HttpResponseBase | None
         try:
-            content_type = request.META.get(
-                "CONTENT_TYPE", request.META.get("HTTP_CONTENT_TYPE", "")
-            )
-            response = self._submit(
-                request, content_type=content_type, parsed=None, answer=_rendered_job_response
-            )
+            response = produce()
             if response is None:
                 return None  # not a small plain form: DRF parses it
         except Exception as exc:
@@ -177,6 +209,51 @@ class JobCollectionView(QuireView):
                 raise
             response.exception = True  # type: ignore[union-attr]  # as DRF marks it
         return self.finalize_response(_NEGOTIATED, response)  # type: ignore[arg-type]
+
+    async def submit_on_loop(self, request: HttpRequest) -> HttpResponseBase | None:
+        """The lean submission of a small upload, on the event loop (ADR 0017 session 11):
+        the same checks and answer as :meth:`_lean_post`, the acceptance awaited
+        (``conversion_job_accept_on_loop``) instead of run on a sync thread. None: the sync
+        path must answer the request - a token or anything else the lean path leaves to DRF,
+        a body that is not a small plain form, an upload too large to be stored inline, and
+        every acceptance the loop hands off (a failed check, an admission refusal, a 422 for
+        a reused key, the database unreachable); nothing was counted or written that changes
+        its answer."""
+        if not self._lean_authorized(request, on_loop=True):
+            _count_handoff(HANDOFF_AUTH)
+            return None
+        handler = _upload_handler(request)
+        try:
+            submission = _submission(request, handler, content_type=_content_type(request))
+            if submission is None:
+                _count_handoff(HANDOFF_SHAPE)
+                return None
+            if submission.upload.content is None:
+                _count_handoff(HANDOFF_LARGE)
+                return None
+            # Shielded: a client that disconnects does not cut the statement and the publish
+            # hand-over apart (the sync path's thread runs them to the end too).
+            acceptance = await asyncio.shield(
+                conversion_job_accept_on_loop(
+                    tenant=self.principal.tenant,
+                    actor=self.principal.actor,
+                    upload=submission.upload,
+                    output=submission.output,
+                    raw_options=submission.raw_options,
+                    idempotency_key=submission.key,
+                    traceparent=tracing.current_traceparent(),
+                )
+            )
+        except QuireError:
+            _count_handoff(HANDOFF_CHECKS)
+            return None
+        except HandOff as handoff:
+            _count_handoff(handoff.reason)
+            return None
+        finally:
+            handler.cleanup()
+        metrics.ACCEPT_PATHS.labels(path="loop", reason="").inc()
+        return self._lean_finish(lambda: _answered(acceptance, _rendered_job_response))
 
     def _submit(
         self,
@@ -190,40 +267,18 @@ class JobCollectionView(QuireView):
         form as DRF's parsers read them, for a body that is not a small plain form; without it
         such a body returns None (before anything was staged). ``answer`` builds the 202 / 200
         (a DRF ``Response``, or for the lean path the same answer rendered at once)."""
-        handler = StagingUploadHandler(
-            request,
-            max_bytes=settings.QUIRE["MAX_UPLOAD_BYTES"],
-            inline_max=settings.QUIRE["INLINE_SOURCE_MAX_BYTES"],
-        )
-        request.upload_handlers = [handler]
+        handler = _upload_handler(request)
         try:
-            if not content_type.startswith("multipart/form-data"):
-                raise InvalidRequest("send multipart/form-data with a file part")
-            # A small body in the plain shape is split directly; anything else goes through
-            # DRF's and Django's multipart parsers (uploads.small_form; ADR 0017, session 6).
-            form: Any
-            small = small_form(request, handler)
-            if small is not None:
-                form, upload = small
-            elif parsed is None:
+            submission = _submission(request, handler, content_type=content_type, parsed=parsed)
+            if submission is None:
                 return None
-            else:
-                upload, form = parsed()
-            if not isinstance(upload, StagedFile):
-                raise InvalidRequest("the file part is required")
-            output = form.get("output")
-            if output not in Output.values:
-                raise InvalidRequest(f"output must be one of {', '.join(Output.values)}")
-            key = request.headers.get("Idempotency-Key")
-            if key is not None and not IDEMPOTENCY_KEY.match(key):
-                raise InvalidRequest("Idempotency-Key must be 1-255 printable ASCII characters")
             acceptance = conversion_job_accept(
                 tenant=self.principal.tenant,
                 actor=self.principal.actor,
-                upload=upload.staged,
-                output=output,
-                raw_options=form.get("options"),
-                idempotency_key=key,
+                upload=submission.upload,
+                output=submission.output,
+                raw_options=submission.raw_options,
+                idempotency_key=submission.key,
                 traceparent=tracing.current_traceparent(),
             )
         except QuireError as exc:
@@ -232,16 +287,7 @@ class JobCollectionView(QuireView):
             raise
         finally:
             handler.cleanup()
-        faults.hit("accept.after_commit")
-        if acceptance.created:
-            metrics.ADMISSIONS.labels(result="accepted", reason="").inc()
-            return answer(acceptance.job, status=202, Location=f"/api/v1/jobs/{acceptance.job.id}")
-        if acceptance.replayed:
-            metrics.ADMISSIONS.labels(result="replayed", reason="").inc()
-            metrics.IDEMPOTENT_REPLAYS.inc()
-            return answer(acceptance.job, status=200, Idempotent_Replayed="true")
-        metrics.ADMISSIONS.labels(result="duplicate", reason="").inc()
-        return answer(acceptance.job, status=200)
+        return _answered(acceptance, answer)
 
     @extend_schema(
         parameters=[
@@ -294,6 +340,91 @@ def _lean_submit_applies(view: APIView, request: HttpRequest) -> bool:
         and view.versioning_class is None
         and view.content_negotiation_class is DefaultContentNegotiation
     )
+
+
+@dataclass(frozen=True)
+class _Submission:
+    """A submission's parts, checked: the staged upload, the output, the raw options, the
+    idempotency key."""
+
+    upload: StagedUpload
+    output: str
+    raw_options: Any
+    key: str | None
+
+
+def _content_type(request: HttpRequest) -> str:
+    return str(request.META.get("CONTENT_TYPE", request.META.get("HTTP_CONTENT_TYPE", "")))
+
+
+def _upload_handler(request: HttpRequest) -> StagingUploadHandler:
+    handler = StagingUploadHandler(
+        request,
+        max_bytes=settings.QUIRE["MAX_UPLOAD_BYTES"],
+        inline_max=settings.QUIRE["INLINE_SOURCE_MAX_BYTES"],
+    )
+    request.upload_handlers = [handler]
+    return handler
+
+
+def _submission(
+    request: HttpRequest,
+    handler: StagingUploadHandler,
+    *,
+    content_type: str,
+    parsed: Callable[[], tuple[Any, Any]] | None = None,
+) -> _Submission | None:
+    """The upload staged by ``handler`` (in memory when small), the output and the key checked.
+    ``parsed``: the upload and the form as DRF's parsers read them, for a body that is not a
+    small plain form; without it such a body gives None (before anything was staged). Raises a
+    QuireError (400, 413, 422)."""
+    if not content_type.startswith("multipart/form-data"):
+        raise InvalidRequest("send multipart/form-data with a file part")
+    # A small body in the plain shape is split directly; anything else goes through
+    # DRF's and Django's multipart parsers (uploads.small_form; ADR 0017, session 6).
+    form: Any
+    small = small_form(request, handler)
+    if small is not None:
+        form, upload = small
+    elif parsed is None:
+        return None
+    else:
+        upload, form = parsed()
+    if not isinstance(upload, StagedFile):
+        raise InvalidRequest("the file part is required")
+    output = form.get("output")
+    if output not in Output.values:
+        raise InvalidRequest(f"output must be one of {', '.join(Output.values)}")
+    key = request.headers.get("Idempotency-Key")
+    if key is not None and not IDEMPOTENCY_KEY.match(key):
+        raise InvalidRequest("Idempotency-Key must be 1-255 printable ASCII characters")
+    return _Submission(
+        upload=upload.staged, output=output, raw_options=form.get("options"), key=key
+    )
+
+
+def _answered(acceptance: Acceptance, answer: Callable[..., HttpResponseBase]) -> HttpResponseBase:
+    """The 202 / 200 of an acceptance, counted."""
+    faults.hit("accept.after_commit")
+    if acceptance.created:
+        metrics.ADMISSIONS.labels(result="accepted", reason="").inc()
+        return answer(acceptance.job, status=202, Location=f"/api/v1/jobs/{acceptance.job.id}")
+    if acceptance.replayed:
+        metrics.ADMISSIONS.labels(result="replayed", reason="").inc()
+        metrics.IDEMPOTENT_REPLAYS.inc()
+        return answer(acceptance.job, status=200, Idempotent_Replayed="true")
+    metrics.ADMISSIONS.labels(result="duplicate", reason="").inc()
+    return answer(acceptance.job, status=200)
+
+
+#: Why a submission tried on the event loop went to the sync path (besides
+#: ``acceptance.HANDOFF_*``): the token (or anything else the lean path leaves to DRF), a body
+#: not in the small plain shape, an upload above the inline size.
+HANDOFF_AUTH, HANDOFF_SHAPE, HANDOFF_LARGE = "auth", "shape", "large"
+
+
+def _count_handoff(reason: str) -> None:
+    metrics.ACCEPT_PATHS.labels(path="thread", reason=reason).inc()
 
 
 def _etag_version(header: str | None) -> int | None:

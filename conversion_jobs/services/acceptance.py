@@ -18,6 +18,7 @@ from conversion_jobs.exceptions import (
     CapacityExceeded,
     IdempotencyKeyReused,
     InvalidRequest,
+    QuireError,
     StorageUnavailable,
     TenantQuotaExceeded,
     UnsupportedMediaType,
@@ -27,7 +28,11 @@ from conversion_jobs.ids import uuid7
 from conversion_jobs.models import ConversionJob, IdempotencyRecord
 from conversion_jobs.options import normalize_options, options_digest, request_fingerprint
 from conversion_jobs.services import transitions
-from conversion_jobs.services.admission import admission_accepted, admission_admit
+from conversion_jobs.services.admission import (
+    admission_accepted,
+    admission_admit,
+    admission_admitted_on_snapshot,
+)
 from conversion_jobs.services.artifacts import source_lock
 from conversion_jobs.services.prepared import prepared_cursor
 from conversion_jobs.states import LIVE_STATES, State
@@ -178,29 +183,8 @@ def conversion_job_accept(
     # No pre-check read for an inline source on Postgres: its statement settles duplicates.
     fold = inline and db.vendor == "postgresql"
     try:
-        if upload.content is not None:
-            media_type = converters.sniff_media_type_bytes(upload.content)
-        elif upload.path is not None:
-            media_type = converters.sniff_media_type(upload.path)
-        else:  # pragma: no cover - the upload handler makes one or the other
-            raise InvalidRequest("the file part is required")
-        if media_type is None:
-            raise UnsupportedMediaType()
-        if output not in converters.capabilities().get(media_type, []):
-            raise UnsupportedOutput(f"{media_type} cannot be converted to {output} here")
-        options = normalize_options(raw_options, output=output)
-        # The password leaves the options here: sealed for the worker, a keyed HMAC of it in
-        # the options (and so in the content identity and the fingerprint).
-        password = options.pop("password", None)
-        sealed = None
-        if password is not None:
-            options[passwords.IDENTITY_KEY] = passwords.identity(password)
-            sealed = passwords.seal(password)
-            del password
-        digest = options_digest(options)
-        fingerprint = request_fingerprint(
-            source_sha256=upload.sha256, output=output, options=options
-        )
+        checked = _checked(upload=upload, output=output, raw_options=raw_options)
+        digest, fingerprint = checked.digest, checked.fingerprint
         precheck = functools.partial(
             _precheck_answer,
             tenant=tenant,
@@ -235,31 +219,17 @@ def conversion_job_accept(
         if upload.path is not None:
             upload.path.unlink(missing_ok=True)
 
-    job = ConversionJob(
-        id=uuid7(),
+    new = _new_job(
         tenant=tenant,
-        state=State.QUEUED,
-        source_key=source_key,
-        source_sha256=upload.sha256,
-        source_size=upload.size,
-        source_media_type=media_type,
-        output=output,
-        options=options,
-        options_digest=digest,
-        policy_version=settings.QUIRE["POLICY_VERSION"],
-        max_attempts=settings.QUIRE["MAX_ATTEMPTS"],
-        queued_at=timezone.now(),
-        traceparent=traceparent,
-        password_sealed=sealed,
-    )
-    new = transitions.NewJob(
-        job=job,
         actor=actor,
+        upload=upload,
+        output=output,
+        checked=checked,
+        source_key=source_key,
         idempotency_key=idempotency_key,
-        fingerprint=fingerprint,
-        details={"media_type": media_type, "size": upload.size, "output": output},
-        inline_content=upload.content,
+        traceparent=traceparent,
     )
+    job = new.job
     try:
         if uploaded and db.vendor == "postgresql" and not db.in_atomic_block:
             # An object we just uploaded (or an inline source, which is in the statement)
@@ -303,6 +273,206 @@ def conversion_job_accept(
         digest=digest,
         cause=conflict,
     )
+
+
+@dataclass(frozen=True)
+class _Checked:
+    """What the request's checks made of it: the sniffed type, the normalised options (the
+    password sealed out of them), their digest and the request's fingerprint."""
+
+    media_type: str
+    options: dict[str, Any]
+    sealed: str | None
+    digest: str
+    fingerprint: str
+
+
+def _checked(*, upload: StagedUpload, output: str, raw_options: Any) -> _Checked:
+    """The acceptance's checks, in memory (no query). Raises a QuireError (415, 422)."""
+    if upload.content is not None:
+        media_type = converters.sniff_media_type_bytes(upload.content)
+    elif upload.path is not None:
+        media_type = converters.sniff_media_type(upload.path)
+    else:  # pragma: no cover - the upload handler makes one or the other
+        raise InvalidRequest("the file part is required")
+    if media_type is None:
+        raise UnsupportedMediaType()
+    if output not in converters.capabilities().get(media_type, []):
+        raise UnsupportedOutput(f"{media_type} cannot be converted to {output} here")
+    options = normalize_options(raw_options, output=output)
+    # The password leaves the options here: sealed for the worker, a keyed HMAC of it in
+    # the options (and so in the content identity and the fingerprint).
+    password = options.pop("password", None)
+    sealed = None
+    if password is not None:
+        options[passwords.IDENTITY_KEY] = passwords.identity(password)
+        sealed = passwords.seal(password)
+        del password
+    digest = options_digest(options)
+    fingerprint = request_fingerprint(source_sha256=upload.sha256, output=output, options=options)
+    return _Checked(media_type, options, sealed, digest, fingerprint)
+
+
+def _new_job(
+    *,
+    tenant: str,
+    actor: str,
+    upload: StagedUpload,
+    output: str,
+    checked: _Checked,
+    source_key: str,
+    idempotency_key: str | None,
+    traceparent: str,
+) -> transitions.NewJob:
+    job = ConversionJob(
+        id=uuid7(),
+        tenant=tenant,
+        state=State.QUEUED,
+        source_key=source_key,
+        source_sha256=upload.sha256,
+        source_size=upload.size,
+        source_media_type=checked.media_type,
+        output=output,
+        options=checked.options,
+        options_digest=checked.digest,
+        policy_version=settings.QUIRE["POLICY_VERSION"],
+        max_attempts=settings.QUIRE["MAX_ATTEMPTS"],
+        queued_at=timezone.now(),
+        traceparent=traceparent,
+        password_sealed=checked.sealed,
+    )
+    return transitions.NewJob(
+        job=job,
+        actor=actor,
+        idempotency_key=idempotency_key,
+        fingerprint=checked.fingerprint,
+        details={"media_type": checked.media_type, "size": upload.size, "output": output},
+        inline_content=upload.content,
+    )
+
+
+#: Why the event loop left an acceptance to the sync path (``quire_accept_paths`` label).
+HANDOFF_CHECKS, HANDOFF_ADMISSION, HANDOFF_EXISTING, HANDOFF_DATABASE = (
+    "checks",
+    "admission",
+    "existing",
+    "database",
+)
+
+
+class HandOff(Exception):
+    """The acceptance on the event loop wrote no job it can answer for: the sync path must
+    answer the request (``reason``: one of the ``HANDOFF_*`` labels)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+async def conversion_job_accept_on_loop(
+    *,
+    tenant: str,
+    actor: str,
+    upload: StagedUpload,
+    output: str,
+    raw_options: Any,
+    idempotency_key: str | None,
+    traceparent: str = "",
+) -> Acceptance:
+    """(none) -> QUEUED for an inline source on Postgres, awaited on the web's event loop with
+    no thread and no blocking call (ADR 0016, ADR 0017 session 11): the same checks, the same
+    admission snapshot and the same one statement (``transitions.job_insert_queued_on_loop``)
+    as :func:`conversion_job_accept`'s inline path, on a connection of ``loop_db``'s pool; the
+    committed row is handed to the background publisher. What needs Django's ORM runs, as
+    the sync path runs it, on the request's sync thread: the admission snapshot's refresh or
+    the exact count (once per snapshot period per process, or near a limit), and the answer
+    for an existing job or key (a replay, a duplicate: the statement wrote nothing).
+
+    Raises :class:`HandOff` for everything it does not answer itself, having written nothing
+    that changes the sync path's answer: a failed check (the sync path raises the same error
+    and counts it), an admission refusal, an existing key or job whose answer is an error (422),
+    a database error. After a connection lost mid-statement the job may exist: the sync path
+    then answers it as the duplicate (or the key's replay) it is, and the outbox sweep
+    publishes it."""
+    from conversion_jobs import loop_db
+    from conversion_jobs.services.dispatch import outbox_publish_committed_in_background
+
+    if upload.content is None:
+        raise HandOff(HANDOFF_CHECKS)
+    try:
+        checked = _checked(upload=upload, output=output, raw_options=raw_options)
+    except QuireError as exc:
+        raise HandOff(HANDOFF_CHECKS) from exc
+    new = _new_job(
+        tenant=tenant,
+        actor=actor,
+        upload=upload,
+        output=output,
+        checked=checked,
+        source_key=storage.inline_source_key(upload.sha256),
+        idempotency_key=idempotency_key,
+        traceparent=traceparent,
+    )
+    import psycopg
+
+    try:
+        async with loop_db.pool().connection() as db:
+            # Admitted while holding the connection its statement uses: acceptances in flight
+            # stay bounded by the pool's size, as the sync path's are by its threads (the
+            # overshoot bound of ADR 0004).
+            if not admission_admitted_on_snapshot(tenant=tenant):
+                await _on_thread(admission_admit, HANDOFF_ADMISSION, tenant=tenant)
+            outbox_id = await transitions.job_insert_queued_on_loop(new, db)
+    except psycopg.errors.UniqueViolation as exc:
+        # The key is bound already (the statement wrote nothing): a replay, or 422.
+        if idempotency_key is None or exc.diag.constraint_name != "idempotency_tenant_key":
+            raise HandOff(HANDOFF_EXISTING) from exc
+        replay = await _on_thread(
+            _replay,
+            HANDOFF_EXISTING,
+            tenant=tenant,
+            key=idempotency_key,
+            fingerprint=new.fingerprint,
+        )
+        if replay is None:  # pragma: no cover - the row that conflicted cannot vanish
+            raise HandOff(HANDOFF_EXISTING) from exc
+        return replay
+    except psycopg.Error as exc:
+        raise HandOff(HANDOFF_DATABASE) from exc
+    if outbox_id is None:  # the content identity is taken (nothing written): its answer
+        existing: Acceptance = await _on_thread(
+            _identity_conflict_answer,
+            HANDOFF_EXISTING,
+            tenant=tenant,
+            key=idempotency_key,
+            fingerprint=new.fingerprint,
+            sha256=upload.sha256,
+            output=output,
+            digest=checked.digest,
+            cause=None,
+        )
+        return existing
+    job = new.job
+    outbox_publish_committed_in_background(
+        outbox_id=outbox_id, job_id=job.id, generation=1, traceparent=job.traceparent
+    )
+    admission_accepted(tenant=tenant)
+    return Acceptance(job=job, created=True, replayed=False)
+
+
+async def _on_thread(fn: Any, reason: str, **kwargs: Any) -> Any:
+    """``fn(**kwargs)`` on the request's sync thread (Django's ORM, the thread's connection),
+    awaited. Its refusal (a QuireError) or a database error hands the request to the sync
+    path (``reason``; a database error: ``HANDOFF_DATABASE``), which answers it itself."""
+    from asgiref.sync import sync_to_async
+    from django.db import DatabaseError
+
+    try:
+        return await sync_to_async(fn, thread_sensitive=True)(**kwargs)
+    except QuireError as exc:
+        raise HandOff(reason) from exc
+    except DatabaseError as exc:
+        raise HandOff(HANDOFF_DATABASE) from exc
 
 
 def _precheck_answer(

@@ -146,6 +146,21 @@ def outbox_publish_after_commit(
     )
 
 
+def outbox_publish_committed_in_background(
+    *, outbox_id: int, job_id: uuid.UUID, generation: int, traceparent: str
+) -> None:
+    """The fast path for a row already committed outside Django's transactions (the
+    acceptance on the event loop): handed to the web's background publisher, as
+    :func:`outbox_publish_after_commit` hands it after a commit. Never blocks; a full queue or
+    no publisher leaves the row to the outbox sweep (the caller checks ``publisher.current()``
+    before it writes, so the latter does not happen in a serving web)."""
+    from conversion_jobs.services import publisher
+
+    background = publisher.current()
+    if background is not None:
+        background.submit(publisher.Pending(outbox_id, job_id, generation, traceparent))
+
+
 _MARK_PUBLISHED_SQL = (
     "UPDATE conversion_outbox SET published_at = CURRENT_TIMESTAMP,"
     " publish_attempts = publish_attempts + 1 WHERE id = %s AND published_at IS NULL"

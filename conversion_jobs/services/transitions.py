@@ -237,35 +237,11 @@ def job_insert_queued(new: NewJob) -> bool:
     duplicate case, answered without an error). True: inserted; registers the fast-path
     publish for after commit."""
     job = new.job
-    now = timezone.now()
-    job.created_at = job.updated_at = now
-    job.audit_seq = 1
-    first_event: dict[str, Any] = {
-        "job_id": job.id,
-        "seq": 1,
-        "event_type": "accepted",
-        "generation": 1,
-        "attempt_id": None,
-        "actor": new.actor,
-        "details": new.details,
-        "created_at": now,
-    }
-    job.audit_head = _event_hash(prev_hash=GENESIS, **first_event)
+    first_event = _first_event(new)
     if _postgres():
-        params = job_insert_params(job)
-        params.update(
-            now=now,
-            actor=new.actor,
-            key=new.idempotency_key,
-            fingerprint=new.fingerprint,
-            details=canonical_json(new.details),
-            genesis=GENESIS,
-        )
-        inline = new.inline_content is not None
-        if inline:
-            params["inline"] = new.inline_content
+        sql, params = _accept_statement(new, first_event)
         with prepared_cursor() as cursor:  # prepared: parsed and planned once per connection
-            cursor.execute(_accept_sql(inline), params)
+            cursor.execute(sql, params)
             row = cursor.fetchone()
         if row is None:  # the inline statement met the content identity of another job
             return False
@@ -286,6 +262,62 @@ def job_insert_queued(new: NewJob) -> bool:
         outbox_id=outbox_id, job_id=job.id, generation=1, traceparent=job.traceparent
     )
     return True
+
+
+async def job_insert_queued_on_loop(new: NewJob, db: Any) -> int | None:
+    """:func:`job_insert_queued` for an inline source on Postgres, awaited on the web's event
+    loop over ``db`` (an autocommit ``psycopg.AsyncConnection``, ``loop_db``): the same
+    statement (``_accept_sql``'s inline form) with the same parameters, committed when it
+    returns. The outbox id of the new job (the caller hands it to the publisher: committed
+    already), or None: the content identity is taken (nothing written). A unique violation of
+    the key, or any other error, raises psycopg's exception (nothing written, or - a connection
+    lost mid-statement - not known)."""
+    if new.inline_content is None:
+        raise ValueError("only an inline source is accepted on the loop")
+    from conversion_jobs.loop_db import kept_cursor
+
+    sql, params = _accept_statement(new, _first_event(new))
+    cursor = kept_cursor(db)  # server-side binding, prepared per connection
+    await cursor.execute(sql, params)
+    row = await cursor.fetchone()
+    return None if row is None else int(row[0])
+
+
+def _first_event(new: NewJob) -> dict[str, Any]:
+    """The job's timestamps and audit head set, and its first audit event (``accepted``)."""
+    job = new.job
+    now = timezone.now()
+    job.created_at = job.updated_at = now
+    job.audit_seq = 1
+    first_event: dict[str, Any] = {
+        "job_id": job.id,
+        "seq": 1,
+        "event_type": "accepted",
+        "generation": 1,
+        "attempt_id": None,
+        "actor": new.actor,
+        "details": new.details,
+        "created_at": now,
+    }
+    job.audit_head = _event_hash(prev_hash=GENESIS, **first_event)
+    return first_event
+
+
+def _accept_statement(new: NewJob, first_event: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """``_ACCEPT_SQL`` (inline form or not) and its parameters: one text for both drivers."""
+    params = job_insert_params(new.job)
+    params.update(
+        now=first_event["created_at"],
+        actor=new.actor,
+        key=new.idempotency_key,
+        fingerprint=new.fingerprint,
+        details=canonical_json(new.details),
+        genesis=GENESIS,
+    )
+    inline = new.inline_content is not None
+    if inline:
+        params["inline"] = new.inline_content
+    return _accept_sql(inline), params
 
 
 def job_insert_params(job: ConversionJob) -> dict[str, Any]:

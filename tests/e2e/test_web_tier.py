@@ -8,6 +8,7 @@ all.
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import threading
@@ -455,3 +456,175 @@ def test_job_detail_without_wait_is_unchanged(web, submit):
     )
     assert again.status_code == 304
     assert ConversionJob.objects.get(id=job.id).state == "queued"
+
+
+# --- the acceptance on the event loop (ADR 0017 session 11) --------------------------------------
+
+
+def _accept_paths(base: str) -> dict[str, float]:
+    """``quire_accept_paths_total`` by ``loop`` / ``thread:<reason>``, summed over the web's
+    processes (multiprocess metrics)."""
+    text = requests.get(f"{base}/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for match in re.finditer(
+        r'^quire_accept_paths_total\{path="(\w+)",reason="(\w*)"\} (\S+)$', text, re.M
+    ):
+        path, reason, value = match.groups()
+        out[path if path == "loop" else f"thread:{reason}"] = float(value)
+    return out
+
+
+def _pdf(pages: int) -> bytes:
+    from tests import testdocs
+
+    salt = uuid.uuid4().hex
+    return testdocs.pdf_bytes(pages=pages, text_of=lambda n: f"Page {n} {salt} " * 20)
+
+
+def test_small_uploads_are_accepted_on_the_loop_large_ones_and_errors_on_a_thread(start, tmp_path):
+    """Against the Procfile's web (two processes): a small upload is accepted on the event loop
+    (202 + Location, the same rows as ever, the outbox row published by the background
+    publisher), its replay and a duplicate too; an upload above the inline size, a bad token
+    and a reused key are answered by the sync path. ``quire_accept_paths_total`` says which."""
+    from conversion_jobs.models import ConversionOutbox, ExecutionAuditEvent, InlineSource
+
+    metrics_dir = tmp_path / "metrics"
+    metrics_dir.mkdir()
+    proc = start("web", WEB_CONCURRENCY="2", PROMETHEUS_MULTIPROC_DIR=str(metrics_dir))
+    base = f"http://127.0.0.1:{proc.port}"
+    before = _accept_paths(base)
+    assert set(before) == {
+        "loop",
+        *(f"thread:{r}" for r in ("auth", "shape", "large", "checks", "admission", "existing")),
+        "thread:database",
+    }
+
+    def post(pdf: bytes, **headers: str) -> requests.Response:
+        return requests.post(
+            f"{base}/api/v1/jobs",
+            headers={**auth(), **headers},
+            files={"file": ("doc.pdf", pdf, "application/pdf")},
+            data={"output": "text"},
+            timeout=30,
+        )
+
+    small = _pdf(1)
+    key = uuid.uuid4().hex
+    accepted = post(small, **{"Idempotency-Key": key})
+    assert accepted.status_code == 202, accepted.text
+    job_id = accepted.json()["id"]
+    assert accepted.headers["Location"] == f"/api/v1/jobs/{job_id}"
+    assert accepted.headers["ETag"] == '"v1"'
+    assert accepted.headers["X-Frame-Options"] == "DENY"
+    replay = post(small, **{"Idempotency-Key": key})
+    assert (replay.status_code, replay.headers.get("Idempotent-Replayed")) == (200, "true")
+    assert replay.json()["id"] == job_id
+    duplicate = post(small)
+    assert (duplicate.status_code, duplicate.json()["id"]) == (200, job_id)
+
+    job = ConversionJob.objects.get(id=job_id)
+    assert job.source_key.startswith("inline:")
+    assert bytes(InlineSource.objects.get(job_id=job.id).content) == small
+    assert list(
+        ExecutionAuditEvent.objects.filter(job_id=job.id).values_list("event_type", flat=True)
+    ) == ["accepted"]
+    harness.wait_until(
+        lambda: ConversionOutbox.objects.filter(job_id=job.id, published_at__isnull=False).exists(),
+        timeout=10,
+        what="the loop's acceptance published by the background publisher",
+    )
+
+    large = _pdf(80)
+    assert len(large) > 64 * 1024
+    stored = post(large)
+    assert stored.status_code == 202, stored.text
+    assert not ConversionJob.objects.get(id=stored.json()["id"]).source_key.startswith("inline:")
+
+    bad = post(_pdf(1), Authorization="Bearer not-a-token")
+    assert bad.status_code == 401
+    assert bad.json()["code"] == "invalid_token"
+    assert bad.headers["WWW-Authenticate"] == 'Bearer realm="quire", error="invalid_token"'
+    reused = post(_pdf(1), **{"Idempotency-Key": key})
+    assert reused.status_code == 422
+    assert reused.json()["code"] == "idempotency_key_reused"
+
+    after = _accept_paths(base)
+    moved = {k: v - before[k] for k, v in after.items() if v != before[k]}
+    # The admission snapshot's refresh runs on the request's thread and stays "loop".
+    assert moved == {"loop": 3, "thread:large": 1, "thread:auth": 1, "thread:existing": 1}
+
+
+# --- the workers' connection balance (ADR 0017 session 11) --------------------------------------
+
+
+def _connections_by_pid(port: int) -> dict[int, int]:
+    import subprocess
+
+    out = subprocess.run(
+        ["ss", "-tnpH", "state", "established", f"( sport = :{port} )"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    counts: dict[int, int] = {}
+    for match in re.finditer(r"pid=(\d+)", out):
+        counts[int(match.group(1))] = counts.get(int(match.group(1)), 0) + 1
+    return counts
+
+
+def _burst(port: int, n: int) -> list[socket.socket]:
+    """``n`` clients connecting at once, each answered once (kept open)."""
+    socks = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(n)]
+    for sock in socks:
+        sock.sendall(b"GET /health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+    for sock in socks:
+        assert sock.recv(1000).startswith(b"HTTP/1.1 200")
+    return socks
+
+
+def test_simultaneous_clients_are_spread_over_the_workers(start):
+    """16 kept-alive clients connecting at once land on both workers, near evenly (uvloop's
+    own accept gave 15 / 1 or 16 / 0: the worker that woke first took the burst)."""
+    proc = start("web", WEB_CONCURRENCY="2")
+    harness.wait_until(  # the second worker boots a little after the first answers
+        lambda: proc.log.read_text(errors="replace").count("Started server process") >= 2,
+        timeout=60,
+        what="both workers serving",
+    )
+    spreads = []
+    for _ in range(5):
+        socks = _burst(proc.port, 16)
+        try:
+            spreads.append(sorted(_connections_by_pid(proc.port).values()))
+        finally:
+            for sock in socks:
+                sock.close()
+        time.sleep(0.3)
+    # Near evenly: a worker the host did not schedule within the deferrals (two cores, this
+    # client included) may leave a burst to the other, which then takes the rest at once.
+    assert all(len(spread) == 2 and spread[0] >= 3 for spread in spreads), spreads
+    assert sum(spread in ([8, 8], [7, 9]) for spread in spreads) >= 3, spreads
+
+
+def test_a_stopped_worker_does_not_hold_connections_back(start):
+    """Work stealing is kept: with one of two workers stopped (SIGSTOP, as a worker stuck on
+    the CPU), new clients are all answered by the other one at once."""
+    import signal
+
+    proc = start("web", WEB_CONCURRENCY="2")
+    harness.wait_until(
+        lambda: proc.log.read_text(errors="replace").count("Started server process") >= 2,
+        timeout=60,
+        what="both workers serving",
+    )
+    worker = max(pid for pid in proc.tree() if pid != proc.pid)
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        socks = _burst(proc.port, 16)
+        took = time.monotonic() - started
+        for sock in socks:
+            sock.close()
+    finally:
+        os.kill(worker, signal.SIGCONT)
+    assert took < 1.0, took
