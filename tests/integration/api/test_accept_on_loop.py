@@ -34,7 +34,9 @@ from tests import multipart, testdocs
 from tests.conftest import token
 from tests.integration.api.test_lean_paths import _normal
 
-pytestmark = pytest.mark.django_db(transaction=True)
+# The loop path needs Postgres; the standalone profile keeps the sync path
+# (test_accept_on_loop_switch.py).
+pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
 JOBS = "/api/v1/jobs"
 FORM = {"Content-Type": multipart.CONTENT_TYPE}
