@@ -234,15 +234,7 @@ class JobCollectionView(QuireView):
             # Shielded: a client that disconnects does not cut the statement and the publish
             # hand-over apart (the sync path's thread runs them to the end too).
             acceptance = await asyncio.shield(
-                conversion_job_accept_on_loop(
-                    tenant=self.principal.tenant,
-                    actor=self.principal.actor,
-                    upload=submission.upload,
-                    output=submission.output,
-                    raw_options=submission.raw_options,
-                    idempotency_key=submission.key,
-                    traceparent=tracing.current_traceparent(),
-                )
+                conversion_job_accept_on_loop(**self._acceptance_args(submission))
             )
         except QuireError:
             _count_handoff(HANDOFF_CHECKS)
@@ -254,6 +246,18 @@ class JobCollectionView(QuireView):
             handler.cleanup()
         metrics.ACCEPT_PATHS.labels(path="loop", reason="").inc()
         return self._lean_finish(lambda: _answered(acceptance, _rendered_job_response))
+
+    def _acceptance_args(self, submission: _Submission) -> dict[str, Any]:
+        """The acceptance's arguments, the same on the loop and on the sync path."""
+        return {
+            "tenant": self.principal.tenant,
+            "actor": self.principal.actor,
+            "upload": submission.upload,
+            "output": submission.output,
+            "raw_options": submission.raw_options,
+            "idempotency_key": submission.key,
+            "traceparent": tracing.current_traceparent(),
+        }
 
     def _submit(
         self,
@@ -272,15 +276,7 @@ class JobCollectionView(QuireView):
             submission = _submission(request, handler, content_type=content_type, parsed=parsed)
             if submission is None:
                 return None
-            acceptance = conversion_job_accept(
-                tenant=self.principal.tenant,
-                actor=self.principal.actor,
-                upload=submission.upload,
-                output=submission.output,
-                raw_options=submission.raw_options,
-                idempotency_key=submission.key,
-                traceparent=tracing.current_traceparent(),
-            )
+            acceptance = conversion_job_accept(**self._acceptance_args(submission))
         except QuireError as exc:
             reason = exc.code
             metrics.ADMISSIONS.labels(result="rejected", reason=reason).inc()
