@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import io
 import zipfile
+from typing import Any
 
 import pytest
 from PIL import Image
@@ -24,6 +25,15 @@ from tests.integration.execution.jobkit import (
 )
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("fast_quire")]
+
+
+@pytest.fixture(autouse=True)
+def _lease_for_a_loaded_runner(fast_quire: None, settings: Any) -> None:
+    """These tests check conversions, not leases: fast_quire's 2 s lease, renewed every 0.2 s by
+    this process's heartbeat thread, was once lost during a 15 s LibreOffice conversion on a CI
+    runner running three suites at once (the attempt ended ``lost``). 10 s keeps the fencing
+    real and out of the way."""
+    settings.QUIRE = {**settings.QUIRE, "LEASE_S": 10}
 
 
 def test_execute__pdf_text_round_trips_exactly(tmp_path, api, no_broker_publish):
