@@ -219,7 +219,13 @@ def test_broker_outage__every_process_reconnects_and_every_accepted_job_succeeds
     ]
     assert retried[1].started_at >= up_at
     lost = ConversionAttempt.objects.filter(job_id=long_job).order_by("number")
-    assert [(a.generation, a.outcome) for a in lost] == [(1, "lease_lost"), (2, "succeeded")]
+    outcomes = [(a.generation, a.outcome) for a in lost]
+    # The killed worker's attempt lost its lease and a later generation succeeded, once. On a
+    # runner running three suites a recovered attempt can lose its 3 s lease too (seen once,
+    # quire_ci24): then it is recovered the same way, never published twice.
+    assert outcomes[0] == (1, "lease_lost") and outcomes[-1][1] == "succeeded", outcomes
+    assert [o for _, o in outcomes[1:-1]] == ["lease_lost"] * (len(outcomes) - 2), outcomes
+    assert [g for g, _ in outcomes] == list(range(1, len(outcomes) + 1)), outcomes
 
     # Readiness is back once every sweep ran again; beat kept publishing (no restart).
     harness.wait_until(
