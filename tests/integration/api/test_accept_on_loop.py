@@ -32,7 +32,7 @@ from conversion_jobs.services import publisher, transitions
 from project import web
 from tests import multipart, testdocs
 from tests.conftest import token
-from tests.integration.api.test_lean_paths import _normal
+from tests.integration.api.test_lean_paths import _asgi, _normal
 
 # The loop path needs Postgres; the standalone profile keeps the sync path
 # (test_accept_on_loop_switch.py).
@@ -65,47 +65,7 @@ class _Apps:
     def _call(
         self, app: Any, method: str, path: str, headers: dict[str, str], body: bytes = b""
     ) -> Any:
-        path, _, query = path.partition("?")
-        scope = {
-            "type": "http",
-            "asgi": {"version": "3.0"},
-            "http_version": "1.1",
-            "method": method,
-            "scheme": "http",
-            "path": path,
-            "raw_path": path.encode(),
-            "query_string": query.encode(),
-            "root_path": "",
-            "headers": [
-                (b"host", b"testserver"),
-                (b"content-length", str(len(body)).encode()),
-                *((k.lower().encode(), v.encode()) for k, v in headers.items()),
-            ],
-            "client": ("127.0.0.1", 1),
-            "server": ("testserver", 80),
-        }
-        sent: list[dict[str, Any]] = []
-
-        async def run() -> None:
-            given = False
-
-            async def receive() -> dict[str, Any]:
-                nonlocal given
-                if not given:
-                    given = True
-                    return {"type": "http.request", "body": body, "more_body": False}
-                await asyncio.sleep(3600)
-                return {"type": "http.disconnect"}
-
-            async def send(message: dict[str, Any]) -> None:
-                sent.append(message)
-
-            await app(scope, receive, send)
-
-        self.loop.run_until_complete(run())
-        start = next(m for m in sent if m["type"] == "http.response.start")
-        content = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
-        return start["status"], [(k.decode(), v.decode()) for k, v in start["headers"]], content
+        return _asgi(app, method, path, headers, body, run_on=self.loop.run_until_complete)
 
     def close(self) -> None:
         self.loop.run_until_complete(loop_db.pool().aclose())

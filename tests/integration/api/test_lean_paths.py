@@ -36,8 +36,18 @@ UUID = re.compile(rb"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12
 TIME = re.compile(rb'"\d{4}-\d\d-\d\dT[^"]+"')
 
 
-def _asgi(app: Any, method: str, path: str, headers: dict[str, str], body: bytes = b"") -> Any:
-    """One request through ``app`` in-process: (status, headers, body)."""
+def _asgi(
+    app: Any,
+    method: str,
+    path: str,
+    headers: dict[str, str],
+    body: bytes = b"",
+    *,
+    run_on: Callable[[Any], Any] = asyncio.run,
+) -> Any:
+    """One request through ``app`` in-process: (status, headers, body). ``run_on``: what runs
+    the request's coroutine (default a new event loop; a test's own loop's
+    ``run_until_complete``)."""
     path, _, query = path.partition("?")
     scope = {
         "type": "http",
@@ -75,7 +85,7 @@ def _asgi(app: Any, method: str, path: str, headers: dict[str, str], body: bytes
 
         await app(scope, receive, send)
 
-    asyncio.run(run())
+    run_on(run())
     start = next(m for m in sent if m["type"] == "http.response.start")
     content = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
     return start["status"], [(k.decode(), v.decode()) for k, v in start["headers"]], content
