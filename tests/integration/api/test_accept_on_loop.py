@@ -32,7 +32,7 @@ from conversion_jobs.services import publisher, transitions
 from project import web
 from tests import multipart, testdocs
 from tests.conftest import token
-from tests.integration.api.test_lean_paths import _asgi, _normal
+from tests.integration.api.test_lean_paths import AUTH_FAILURES, _asgi, _normal
 
 # The loop path needs Postgres; the standalone profile keeps the sync path
 # (test_accept_on_loop_switch.py).
@@ -233,15 +233,7 @@ def test_submit__an_upload_above_the_inline_size_takes_the_thread(apps, settings
     assert not ConversionJob.objects.get().source_key.startswith("inline:")
 
 
-@pytest.mark.parametrize(
-    "headers, status, code",
-    [
-        ({}, 401, "not_authenticated"),
-        ({"Authorization": "Bearer not-a-token"}, 401, "invalid_token"),
-        ({"Authorization": "Basic dXNlcjpwdw=="}, 401, "not_authenticated"),
-        (_auth(scopes=("jobs:read",)), 403, "insufficient_scope"),
-    ],
-)
+@pytest.mark.parametrize("headers, status, code", AUTH_FAILURES)
 def test_submit__auth_failures_are_the_threads_answers(apps, headers, status, code):
     body = _form()
     before = paths()

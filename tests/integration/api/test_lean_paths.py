@@ -191,15 +191,16 @@ def test_submit__lean_path_skips_drf_dispatch_for_the_common_submission(both):
     assert ConversionJob.objects.count() == 1
 
 
-@pytest.mark.parametrize(
-    "headers, status, code",
-    [
-        ({}, 401, "not_authenticated"),
-        ({"Authorization": "Bearer not-a-token"}, 401, "invalid_token"),
-        ({"Authorization": "Basic dXNlcjpwdw=="}, 401, "not_authenticated"),
-        (_auth(scopes=("jobs:read",)), 403, "insufficient_scope"),
-    ],
-)
+#: A submission's auth failures: (headers, status, problem code).
+AUTH_FAILURES = [
+    ({}, 401, "not_authenticated"),
+    ({"Authorization": "Bearer not-a-token"}, 401, "invalid_token"),
+    ({"Authorization": "Basic dXNlcjpwdw=="}, 401, "not_authenticated"),
+    (_auth(scopes=("jobs:read",)), 403, "insufficient_scope"),
+]
+
+
+@pytest.mark.parametrize("headers, status, code", AUTH_FAILURES)
 def test_submit__auth_failures_are_drfs_answers(both, headers, status, code):
     body = _form()
     full = both.full("POST", JOBS, {**headers, **FORM}, body)
