@@ -115,6 +115,18 @@ if os.environ.get("DATABASE_URL"):
     DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
     if DATABASES["default"]["ENGINE"].endswith("postgresql"):
         DATABASES["default"]["OPTIONS"].setdefault("connect_timeout", 5)
+        # A process paused between two statements of a transaction (a VM pause, SIGSTOP, a
+        # stalled thread) keeps its row locks for as long as the pause lasts: a frozen worker's
+        # lease row stayed locked and the lease sweep's SKIP LOCKED passed over it, stranding
+        # the job (docs/OPERABILITY.md, "Database sessions"). Postgres ends a session idle in a
+        # transaction past this bound; no Quire transaction waits that long between statements
+        # (the longest wait inside one is a broker publish: 2 s connect timeout, one retry).
+        idle_ms = round(env_float("QUIRE_DB_IDLE_IN_TRANSACTION_TIMEOUT_S", 10.0) * 1000)
+        if idle_ms > 0:
+            options = DATABASES["default"]["OPTIONS"].get("options", "")
+            DATABASES["default"]["OPTIONS"]["options"] = (
+                f"{options} -c idle_in_transaction_session_timeout={idle_ms}".strip()
+            )
         # The hot statements' cursor (services/prepared.py) prepares each statement on its
         # first use on a connection; the ORM's client-binding cursors never prepare. Off
         # (QUIRE_DB_PREPARED_STATEMENTS=0) for a pooler that cannot keep prepared statements.
@@ -430,6 +442,9 @@ LOGGING = {
         # the server's own access log writes query strings: project.web.AccessLog replaces it
         "uvicorn.access": {"level": "WARNING"},
         "quire.access": {"level": env_str("QUIRE_ACCESS_LOG_LEVEL", "INFO")},
+        # what each sweep moved (counts only, only when it moved something), whatever the
+        # sweeper's own -l level
+        "quire.sweeps": {"level": "INFO"},
         # Celery's two INFO lines per task ("received", "succeeded in") cost the worker a log
         # record, a format and a write each per job (ADR 0017, session 4); failures and retries
         # are still logged at WARNING / ERROR. QUIRE_TASK_LOG_LEVEL=INFO brings them back.

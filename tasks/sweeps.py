@@ -3,19 +3,26 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from celery import shared_task
 
 from conversion_jobs.services import dispatch, recovery, sweep_health
 
+log = logging.getLogger("quire.sweeps")
+
 
 def _sweep(name: str, run: Callable[[], int]) -> int:
-    """Run one sweep; only a sweep that finished records a success."""
+    """Run one sweep; only a sweep that finished records a success. A sweep that moved
+    anything says so at INFO (its name and count only), so what the sweeper did can be read
+    from its log after the fact (docs/OPERABILITY.md, "Sweeps")."""
     from beat_schedules.schedule import sweep_interval
 
     done = run()
     sweep_health.sweep_succeeded(name=name, interval_s=sweep_interval(name))
+    if done:
+        log.info("sweep %s: %d", name, done)
     return done
 
 

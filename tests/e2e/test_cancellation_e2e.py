@@ -223,25 +223,34 @@ def test_cancel__during_libreoffice_conversion_kills_the_soffice_group(start, cl
     job = submit_docx(tmp_path, paragraphs=3000)
     claimed(job.id)
 
-    def soffice_pids() -> list[int]:
+    def soffice_groups() -> dict[int, int]:
+        """Live soffice.bin processes and their groups. A pid whose group cannot be read any
+        more is gone and is not counted: on a fresh profile LibreOffice runs soffice.bin twice
+        (the first run writes the profile and exits, measured 1.3 s; oosplash then starts the
+        second), so a pid seen in the process list can end before its group is read. (Reading
+        them one after the other once gave ``set()`` in CI: issue 22.)"""
         # soffice.bin itself: the /usr/bin/soffice wrapper script execs oosplash (whose command
         # line does not say "soffice") before soffice.bin starts.
-        return [p for p in worker.tree() if "soffice.bin" in cmdline(p)]
+        found = {}
+        for pid in worker.tree():
+            if "soffice.bin" in cmdline(pid) and (group := pgid_of(pid)) is not None:
+                found[pid] = group
+        return found
 
-    soffice = harness.wait_until(soffice_pids, timeout=30, interval=0.05, what="soffice running")
-    groups = {pgid_of(p) for p in soffice} - {None}
+    soffice = harness.wait_until(soffice_groups, timeout=30, interval=0.05, what="soffice running")
+    groups = set(soffice.values())
     # soffice runs inside the converter child's own process group (led by the child), not the
     # worker's.
     assert len(groups) == 1 and groups <= set(converter_children(worker)), groups
     assert pgid_of(worker.pid) not in groups
     time.sleep(0.3)
-    # soffice.bin can be briefly absent here without the conversion having ended: on a fresh
-    # profile oosplash restarts it once (seen in CI). The job still running is what matters.
+    # soffice.bin can be briefly absent here without the conversion having ended (the restart
+    # above). The job still running is what matters.
     soffice = harness.wait_until(
-        soffice_pids, timeout=15, interval=0.05, what="soffice running (after its restart)"
+        soffice_groups, timeout=15, interval=0.05, what="soffice running (after its restart)"
     )
     assert job_of(job.id).state == "running", "LibreOffice finished first: lengthen the document"
-    groups = {pgid_of(p) for p in soffice} - {None}
+    groups = set(soffice.values())
     assert len(groups) == 1 and groups <= set(converter_children(worker)), groups
 
     requested = time.monotonic()

@@ -133,3 +133,79 @@ def test_worker_frozen_past_lease__resumed_writes_are_rejected(start, submit, cl
     )
     assert outcomes == ["lease_lost", "succeeded"]
     assert ExecutionAuditEvent.objects.filter(job_id=job.id, event_type="published").count() == 1
+
+
+def _freeze_inside_heartbeat_transaction(worker: harness.Proc) -> None:
+    """Freeze ``worker`` between the two statements of its heartbeat's transaction (``UPDATE
+    worker_lease``, then a read of the job row, then COMMIT), as a VM pause or a SIGSTOP can
+    land in production. Made deterministic with a table lock: the heartbeat's read of
+    ``conversion_job`` waits behind it while its transaction holds the lease row; the worker is
+    frozen; the lock goes; the read completes and the session stays idle in its transaction,
+    holding the lease row, for as long as the worker is frozen."""
+    import psycopg
+    from django.db import connection
+
+    dsn = connection.get_connection_params()
+    blocker = psycopg.connect(
+        **{k: v for k, v in dsn.items() if k in ("host", "port", "user", "dbname", "password")}
+    )
+    try:
+        blocker.execute("LOCK TABLE conversion_job IN ACCESS EXCLUSIVE MODE")
+
+        def heartbeat_waiting() -> bool:
+            # a session that holds a lock on worker_lease and waits for conversion_job (asked
+            # on a fresh statistics snapshot: the blocker's transaction would keep its first)
+            blocker.execute("SELECT pg_stat_clear_snapshot()")
+            row = blocker.execute(
+                "SELECT count(*) FROM pg_stat_activity a WHERE a.wait_event_type = 'Lock'"
+                " AND a.query LIKE 'SELECT%%conversion_job%%' AND EXISTS (SELECT 1 FROM"
+                " pg_locks l WHERE l.pid = a.pid AND l.granted"
+                " AND l.relation = 'worker_lease'::regclass AND l.mode = 'RowExclusiveLock')"
+            ).fetchone()
+            return bool(row and row[0])
+
+        harness.wait_until(heartbeat_waiting, timeout=10, interval=0.02, what="heartbeat waiting")
+        worker.freeze()
+    finally:
+        blocker.rollback()
+        blocker.close()
+
+    def idle_holding_lease() -> bool:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT count(*) FROM pg_stat_activity a WHERE a.state = 'idle in transaction'"
+                " AND EXISTS (SELECT 1 FROM pg_locks l WHERE l.pid = a.pid AND l.granted"
+                " AND l.relation = 'worker_lease'::regclass)"
+            )
+            return bool(cursor.fetchone()[0])
+
+    harness.wait_until(idle_holding_lease, timeout=5, what="the frozen session holding the lease")
+
+
+def test_worker_frozen_inside_a_transaction__its_job_is_recovered_elsewhere(start, submit, cluster):
+    """A worker paused between two statements of one transaction holds its lease row's lock:
+    the lease sweep's ``SKIP LOCKED`` passed over that row for as long as the pause lasted, and
+    the job was stranded (issue 22's "success elsewhere" time-out). Postgres now ends such a
+    session after ``QUIRE_DB_IDLE_IN_TRANSACTION_TIMEOUT_S``; its locks go with it and the job
+    runs elsewhere."""
+    frozen = start("worker")
+    start("sweeper")
+    start("beat")
+    job = submit(pages=8, options={"_test_fault": SLOW})
+    harness.wait_until(lambda: pages_done(job.id) >= 1, timeout=30, what="first page")
+    attempt = running_attempt(job.id)
+    _freeze_inside_heartbeat_transaction(frozen)
+    frozen_at = time.monotonic()
+    try:
+        start("worker")
+        harness.wait_until(
+            lambda: job_state(job.id) == "succeeded", timeout=45, what="success elsewhere"
+        )
+    finally:
+        frozen.thaw()
+    print(f"succeeded elsewhere {time.monotonic() - frozen_at:.1f}s after the freeze")
+    assert ConversionAttempt.objects.get(id=attempt.id).outcome == "lease_lost"
+    assert sorted(
+        ConversionAttempt.objects.filter(job_id=job.id).values_list("outcome", flat=True)
+    ) == ["lease_lost", "succeeded"]
+    assert ExecutionAuditEvent.objects.filter(job_id=job.id, event_type="published").count() == 1
