@@ -2,7 +2,8 @@
 production topology, gunicorn started from the Procfile's ``web`` command, synthetic PDFs, a
 light keep-alive HTTP client, CPU accounting and percentiles.
 
-Benchmarks run by hand (DESIGN.md §13); nothing here is imported by the product or the tests.
+Benchmarks run by hand (docs/TEST_STRATEGY.md §6); nothing here is imported by the product or the
+tests.
 """
 
 from __future__ import annotations
@@ -764,7 +765,8 @@ def storage_in_process(env: dict[str, str]) -> Iterator[None]:
 
 #: S3 artifact store / filesystem, same run (issue 14): one-page jobs, 200-page PNG, accept.
 S3_TARGET = 0.8
-#: The same phase with ``--history`` finished jobs in the tables / with empty tables (DESIGN §14).
+#: The same phase with ``--history`` finished jobs in the tables / with empty
+#: tables (docs/TEST_STRATEGY.md §6.1).
 HISTORY_TARGET = 0.9
 
 

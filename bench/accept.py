@@ -25,9 +25,9 @@ What runs:
 * phase 5, asgi-s3 (``--storage s3``, issue 14): phase 3 on a fresh server whose artifact store
   is a real S3 server (SeaweedFS, ``tests/s3server.py``, free loopback ports): ratio s3 /
   filesystem, target >= 0.8;
-* phase 6, asgi+Nk (``--history N``, DESIGN §14): N finished jobs seeded (``bench/history.py``,
-  then VACUUM ANALYZE), phase 3 again on a fresh server: ratio to the empty tables, target >= 0.9.
-  It runs last (the seed stays).
+* phase 6, asgi+Nk (``--history N``, TEST_STRATEGY §6.1): N finished jobs seeded
+  (``bench/history.py``, then VACUUM ANALYZE), phase 3 again on a fresh server: ratio to the empty
+  tables, target >= 0.9. It runs last (the seed stays).
 
 The 10 KB document is an inline source (stored in Postgres with the acceptance, ADR 0017
 session 10); ``BENCH_SOURCE=stored`` sets ``QUIRE_INLINE_SOURCE_MAX_BYTES=0`` on every Quire web
@@ -66,7 +66,8 @@ import _common as c
 #: drop each other's benchmark database mid-run.
 DB_NAME = c.bench_db_name("quire_bench")
 BASELINE_SETTINGS = "bench.baseline_app.settings"
-#: DESIGN §14 (ratio to the bare insert view, p99), issue 2 (rate), ADR 0016 (idle long-polls).
+#: docs/TEST_STRATEGY.md §6.1 (ratio to the bare insert view, p99), issue 2 (rate), ADR 0016 (idle
+#: long-polls).
 TARGETS = {"accepted_per_s": 600.0, "p99_ms": 100.0, "ratio": 0.4, "idle_ratio": 0.9}
 
 

@@ -4,9 +4,9 @@ confirms, ``acks_late``, prefetch 1, results ignored.
 
 * ``bench.noop`` (queue ``bench.noop``): a no-op;
 * ``bench.convert`` (queue ``bench.plain``): the Celery task a team would otherwise write
-  (DESIGN.md §14): open the PDF in-process with pypdfium2, extract every page's text, write the
-  text to a file (no fsync), mark the job's Postgres row done with one UPDATE (autocommit, one
-  connection per worker process, ``BENCH_DB_URL``). No sandbox, no lease, no audit, no retry
+  (docs/TEST_STRATEGY.md §6.1): open the PDF in-process with pypdfium2, extract every page's text,
+  write the text to a file (no fsync), mark the job's Postgres row done with one UPDATE (autocommit,
+  one connection per worker process, ``BENCH_DB_URL``). No sandbox, no lease, no audit, no retry
   state.
 
 Each leaves one line (its start and finish times) in a per-process file opened with

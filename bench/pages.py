@@ -378,7 +378,8 @@ def _s3_cpu_s() -> float:
     return sum(_tree_cpu_s(pid) for pid in S3_PIDS)
 
 
-#: 200-page PDF, service / a direct pypdfium2 loop with the same process count (DESIGN §14).
+#: 200-page PDF, service / a direct pypdfium2 loop with the same process count
+#: (docs/TEST_STRATEGY.md §6.1).
 TARGET_DIRECT_RATIO = 0.85
 #: Sandboxed page throughput within 5 % of unsandboxed (issue 10).
 TARGET_SANDBOX_RATIO = 0.95

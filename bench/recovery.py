@@ -21,9 +21,9 @@ process, converter child), at ``t_kill`` (wall clock). Measured from ``t_kill``:
   10 s), the floor of the claim time.
 
 A replacement worker is started (and waited for) after each round, so every kill leaves one
-live worker to take over. Reports each round and the median of the rounds. Expected (DESIGN.md
-§7.5): running again within about lease + one sweep interval, i.e. 8-12 s depending on where
-the kill lands between two heartbeats.
+live worker to take over. Reports each round and the median of the rounds. Expected
+(docs/OPERABILITY.md §5): running again within about lease + one sweep interval, i.e. 8-12 s
+depending on where the kill lands between two heartbeats.
 """
 
 from __future__ import annotations

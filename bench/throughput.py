@@ -15,9 +15,9 @@ What runs:
   prefetch 1, results ignored), *then* a worker started with the Procfile ``worker`` command's
   flags (``-E``, ``--prefetch-multiplier 1``, …), only ``-A`` / ``-Q`` changed; the task is a
   no-op that appends its start / finish time to a per-process file;
-* phase **plain celery** (the peer of DESIGN.md §14): the same ``--n`` PDFs, each a message to
-  ``bench.convert`` (``bench/noop_celery.py``) on a quorum queue ``bench.plain`` with the same
-  publish and worker settings: in-process pypdfium2, the text written to a file, one UPDATE of
+* phase **plain celery** (the peer of docs/TEST_STRATEGY.md §6.1): the same ``--n`` PDFs, each a
+  message to ``bench.convert`` (``bench/noop_celery.py``) on a quorum queue ``bench.plain`` with the
+  same publish and worker settings: in-process pypdfium2, the text written to a file, one UPDATE of
   the job's row in a table ``bench_plain_job`` of the same database;
 * phase **quire**: the same ``--n`` one-page PDFs (text output) accepted through the
   service layer (``conversion_job_accept``, as tests/e2e/conftest.py ``submit``; its on_commit
@@ -83,7 +83,7 @@ import kombu.pools
 DB_NAME = c.bench_db_name("quire_tp")
 #: Quire with the converter sandbox on / off (issue 10, docs/adr/0013-converter-sandbox.md).
 TARGET_SANDBOX_RATIO = 0.9
-#: Quire / plain Celery conversion task, per converter reuse mode (DESIGN.md §14).
+#: Quire / plain Celery conversion task, per converter reuse mode (docs/TEST_STRATEGY.md §6.1).
 TARGETS = {"attempt": 0.3, "tenant": 0.6}
 
 

@@ -1,4 +1,4 @@
-"""Content-free logging (DESIGN.md §11): a filter that redacts what must never be logged.
+"""Content-free logging (docs/THREAT_MODEL.md §3): a filter that redacts what must never be logged.
 
 Code never logs content, file names or tokens on purpose; this filter is the net under that
 rule. It drops bearer tokens and JWTs, ``filename=`` parameters and multipart headers, and any

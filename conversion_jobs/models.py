@@ -1,4 +1,4 @@
-"""The eight tables of DESIGN.md §3, with their invariants in the database.
+"""The tables of docs/DATA_MODEL.md, with their invariants in the database.
 
 Every state change goes through ``conversion_jobs.services`` as one guarded UPDATE; nothing
 here saves a job after reading it.
@@ -418,9 +418,9 @@ class ExecutionAuditEvent(models.Model):
 
 
 class SweepStatus(models.Model):
-    """One row per beat sweep (DESIGN §12): ``install_beat_schedule`` writes its interval and
-    install time, the sweep itself writes ``last_success_at`` each time it finishes. Any web
-    process reads them, so ``/health/ready`` and the gauge see a stalled beat or sweeper."""
+    """One row per beat sweep (docs/DATA_MODEL.md §8a): ``install_beat_schedule`` writes its
+    interval and install time, the sweep itself writes ``last_success_at`` each time it finishes.
+    Any web process reads them, so ``/health/ready`` and the gauge see a stalled beat or sweeper."""
 
     name = models.CharField(max_length=64, primary_key=True)
     interval_s = models.FloatField()

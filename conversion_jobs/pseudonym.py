@@ -1,4 +1,4 @@
-"""Keyed pseudonyms for tenants and actors (DESIGN.md §11).
+"""Keyed pseudonyms for tenants and actors (docs/THREAT_MODEL.md §3).
 
 Audit details, logs, metrics and traces carry these instead of clear identifiers. The key comes
 from ``QUIRE_PSEUDONYM_KEY``; rotating it breaks linkage with older pseudonyms by design.

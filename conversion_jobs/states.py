@@ -1,4 +1,4 @@
-"""The job state machine (DESIGN.md §4), as data.
+"""The job state machine (docs/ARCHITECTURE.md §3), as data.
 
 The database guards enforce it (every transition is one guarded UPDATE); this table documents
 it and lets the unit tests check that every service's guard is a legal edge.

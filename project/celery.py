@@ -66,7 +66,7 @@ def _instrument_worker_process(**_: object) -> None:
 
 @celeryd_after_setup.connect
 def _check_converter_sandbox(sender: str, instance: object, **_: object) -> None:
-    """A worker that would consume conversions checks the converter sandbox (DESIGN §7.8)
+    """A worker that would consume conversions checks the converter sandbox (ADR 0013)
     before it consumes anything. Off by the operator's switch: logged loudly, then it works
     unsandboxed. On but impossible to set up: it does not consume the conversion queue at all
     (the jobs stay queued for a worker that can sandbox them; none is claimed, failed or

@@ -1,6 +1,6 @@
 """Quire settings: one module, driven by the environment.
 
-Two profiles (DESIGN.md §2):
+Two profiles (docs/ARCHITECTURE.md §7):
 
 * production: ``DATABASE_URL=postgres://…`` and ``CELERY_BROKER_URL=amqp://…``;
 * standalone (neither set): SQLite in WAL mode under ``var/`` and kombu's server-less
@@ -207,8 +207,8 @@ QUIRE: dict[str, Any] = {
     "PSEUDONYM_KEY": env_str("QUIRE_PSEUDONYM_KEY", "quire-dev-only-pseudonym-key-change-me"),
     # seals document passwords at rest and keys their HMAC in the content identity (ADR 0019)
     "PASSWORD_KEY": env_str("QUIRE_PASSWORD_KEY", "quire-dev-only-password-key-change-me"),
-    # storage (DESIGN §3.1): "filesystem" (STORAGE_DIR) or "s3" (S3; credentials come from the
-    # environment's AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or the instance role)
+    # storage (docs/ARCHITECTURE.md §6): "filesystem" (STORAGE_DIR) or "s3" (S3; credentials come
+    # from the environment's AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or the instance role)
     "STORAGE": env_str("QUIRE_STORAGE", "filesystem"),
     "STORAGE_DIR": Path(env_str("QUIRE_STORAGE_DIR", str(VAR_DIR / "storage"))),
     "S3": {
@@ -246,7 +246,7 @@ QUIRE: dict[str, Any] = {
     "OFFICE_ENGINE": env_str("QUIRE_OFFICE_ENGINE", "warm"),
     "OFFICE_ENGINE_MAX_CONVERSIONS": env_int("QUIRE_OFFICE_ENGINE_MAX_CONVERSIONS", 50),
     "OFFICE_ENGINE_MAX_RSS_MB": env_int("QUIRE_OFFICE_ENGINE_MAX_RSS_MB", 800),
-    # Converter reuse (DESIGN §14): "attempt" (a fresh child per attempt) or "tenant" (a child
+    # Converter reuse (ADR 0019): "attempt" (a fresh child per attempt) or "tenant" (a child
     # may serve up to N consecutive attempts of one tenant; converters/sessions.py).
     "CONVERTER_REUSE": env_str("QUIRE_CONVERTER_REUSE", "attempt"),
     "CONVERTER_REUSE_MAX_ATTEMPTS": env_int("QUIRE_CONVERTER_REUSE_MAX_ATTEMPTS", 200),
@@ -286,8 +286,8 @@ QUIRE: dict[str, Any] = {
     "SWEEP_BATCH": env_int("QUIRE_SWEEP_BATCH", 500),
     "SWEEP_INTERVAL_S": env_float("QUIRE_SWEEP_INTERVAL_S", 1.0),
     "LONG_POLL_MAX_S": 30,
-    # sweep health (DESIGN §12): a sweep is overdue past FACTOR x its interval since its last
-    # success; one that never succeeded also gets the start-up grace, counted from the install.
+    # sweep health (docs/OPERABILITY.md §7): a sweep is overdue past FACTOR x its interval since its
+    # last success; one that never succeeded also gets the start-up grace, counted from the install.
     "SWEEP_OVERDUE_FACTOR": env_float("QUIRE_SWEEP_OVERDUE_FACTOR", 10.0),
     "SWEEP_STARTUP_GRACE_S": env_float("QUIRE_SWEEP_STARTUP_GRACE_S", 60.0),
     # waiting clients (ADR 0016): the SSE event stream

@@ -1,5 +1,5 @@
 """Beat sweeps: each task calls one service and, when it returns, records the sweep's success
-(``sweep_status``, DESIGN §12). Every sweep is safe when two beats run at once."""
+(``sweep_status``, docs/OPERABILITY.md §7). Every sweep is safe when two beats run at once."""
 
 from __future__ import annotations
 

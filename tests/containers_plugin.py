@@ -1,5 +1,6 @@
 """Postgres and RabbitMQ from testcontainers when no URL names them and a Docker engine answers
-(DESIGN §13). Registered with ``-p tests.containers_plugin`` in pyproject's pytest addopts.
+(docs/TEST_STRATEGY.md §2). Registered with ``-p tests.containers_plugin`` in
+pyproject's pytest addopts.
 
 ``project/settings.py`` reads ``DATABASE_URL`` / ``CELERY_BROKER_URL`` when pytest-django
 imports it in its own (``tryfirst``) ``pytest_load_initial_conftests``, before any conftest or

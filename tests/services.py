@@ -1,6 +1,6 @@
-"""Where the test services come from (DESIGN §13): a URL in the environment wins; otherwise a
-Docker engine that answers gets a container (testcontainers); otherwise the local fallback —
-the standalone profile for Postgres and RabbitMQ, a SeaweedFS process for S3."""
+"""Where the test services come from (docs/TEST_STRATEGY.md §2): a URL in the environment wins;
+otherwise a Docker engine that answers gets a container (testcontainers); otherwise the local
+fallback — the standalone profile for Postgres and RabbitMQ, a SeaweedFS process for S3."""
 
 from __future__ import annotations
 

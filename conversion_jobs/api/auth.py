@@ -1,4 +1,5 @@
-"""Bearer JWT authentication (DESIGN.md §9). The tenant comes from the verified token only.
+"""Bearer JWT authentication (docs/API_CONTRACT.md §1). The tenant comes from the verified
+token only.
 
 Two key sources, never both at once:
 

@@ -58,7 +58,7 @@ def _sweeps_overdue() -> list[dict[str, object]] | None:
 
 
 def sandbox_status():  # type: ignore[no-untyped-def]
-    """The converter sandbox as this host can set it up (DESIGN §7.8; cached 30 s)."""
+    """The converter sandbox as this host can set it up (ADR 0013; cached 30 s)."""
     from django.conf import settings
 
     from conversion_jobs.converters import sandbox

@@ -1,4 +1,4 @@
-"""Every error answer is ``application/problem+json`` (DESIGN.md §9, §11).
+"""Every error answer is ``application/problem+json`` (docs/API_CONTRACT.md §4).
 
 The API's own errors are problems already (``conversion_jobs.api.problems``); Django's handlers
 (``project.urls``) answer 400/403/404/500 as problems too. This middleware is the net under both:

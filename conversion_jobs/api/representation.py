@@ -1,4 +1,4 @@
-"""The job representation (DESIGN.md §9), built as plain dicts on the hot path; the
+"""The job representation (docs/API_CONTRACT.md §3), built as plain dicts on the hot path; the
 serializers in ``serializers.py`` describe the same shapes for the OpenAPI document."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Waiting clients without threads (DESIGN §9.1, ADR 0016).
+"""Waiting clients without threads (docs/API_CONTRACT.md §2.2, §2.8; ADR 0016).
 
 One :class:`JobChangeListener` per web process holds one Postgres connection that ``LISTEN``s on
 ``quire_job_change``; migration 0005's trigger sends the job id there whenever a job's

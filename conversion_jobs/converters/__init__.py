@@ -1,4 +1,4 @@
-"""Document converters (DESIGN §10), isolated in child processes (DESIGN §7.7).
+"""Document converters (docs/API_CONTRACT.md §2.7), isolated in child processes (ADR 0009).
 
 ``prepare`` starts one child per document and attempt — a fresh fork of the worker process's
 fork server (``zygote``) — and the document's pages are converted in that child (see

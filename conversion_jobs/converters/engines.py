@@ -1,4 +1,4 @@
-"""The worker side of warm engines (ADR 0019; DESIGN §7.9).
+"""The worker side of warm engines (ADR 0019).
 
 One warm LibreOffice per worker process: an *engine host*, a converter child forked by the
 process's fork server like any other (own session and process group, scrubbed environment,

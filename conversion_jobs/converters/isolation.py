@@ -1,4 +1,4 @@
-"""Converter child processes in their own process group (DESIGN §7.7).
+"""Converter child processes in their own process group (ADR 0009).
 
 A ``ChildSession`` is one long-lived child (``conversion_jobs.converters.child``, forked by the
 process's fork server, ``zygote``) that answers

@@ -1,4 +1,4 @@
-"""The warm LibreOffice engine, inside its host child (ADR 0019; DESIGN §7.9).
+"""The warm LibreOffice engine, inside its host child (ADR 0019).
 
 The engine host is a converter child (forked by the worker's fork server, its own session and
 process group, its watchdog, its limits) that lives across attempts. On its first conversion it

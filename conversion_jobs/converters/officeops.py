@@ -20,7 +20,7 @@ from .pdfops import pdf_prepare
 _EXTENSIONS = {DOCX: ".docx", PPTX: ".pptx", XLSX: ".xlsx", ODT: ".odt", DOC: ".doc", RTF: ".rtf"}
 
 #: (configuration path, property, value) written into every per-call profile: defence in depth
-#: behind the sandbox (DESIGN §7.8). A document's links to files or URLs (linked images, OLE and
+#: behind the sandbox (ADR 0013). A document's links to files or URLs (linked images, OLE and
 #: DDE links, sections) are neither loaded nor updated, and no macro runs.
 #: * BlockUntrustedRefererLinks: no external resource is loaded on behalf of a document that is
 #:   not in a trusted location (none is configured): linked images in DOCX (``r:link``) and ODT

@@ -1,4 +1,4 @@
-"""The converter sandbox (DESIGN §7.8; docs/adr/0013-converter-sandbox.md).
+"""The converter sandbox (docs/adr/0013-converter-sandbox.md).
 
 Every process that parses a document — the converter children (pdfium, Pillow, img2pdf),
 tesseract and LibreOffice — descends from the worker process's fork server (``zygote``). With

@@ -1,4 +1,4 @@
-"""Which child session serves which document (DESIGN §7.7).
+"""Which child session serves which document (ADR 0009).
 
 Each worker thread has at most one session: ``open_session`` (called by ``prepare``) always
 starts a fresh child for the document and ends the thread's previous sessions, so an attempt never
@@ -12,7 +12,7 @@ one *spare* child per process: spawned but never set up, it has seen no input an
 and becomes the next session of whichever thread needs one. A spare or a session idle longer than
 ``MAX_IDLE_S`` is replaced (the child ends itself after ``CHILD_IDLE_EXIT_S``).
 
-**Reuse within a tenant** (``QUIRE_CONVERTER_REUSE=tenant``, DESIGN §14; default ``attempt``:
+**Reuse within a tenant** (``QUIRE_CONVERTER_REUSE=tenant``, ADR 0019; default ``attempt``:
 a fresh child per attempt). The worker names the attempt's tenant with ``begin_attempt`` (an
 opaque pseudonym, never the tenant id). ``release`` then keeps the attempt's child, *reset*
 (document closed, private directory removed), for the next attempt of the same tenant on this

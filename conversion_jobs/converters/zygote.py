@@ -1,4 +1,4 @@
-"""The converter fork server (DESIGN §7.7; docs/adr/0011-converter-fork-server.md).
+"""The converter fork server (ADR 0009; docs/adr/0011-converter-fork-server.md).
 
 Starting a converter child as a new interpreter costs ~90 ms of CPU (interpreter start-up, then
 pypdfium2), which made a one-page job cost more than all of Quire's durable bookkeeping. The

@@ -1,4 +1,4 @@
-"""Prometheus counters and histograms (DESIGN.md §12).
+"""Prometheus counters and histograms (docs/OPERABILITY.md §8).
 
 Counters and histograms are per process and aggregated across gunicorn and Celery processes by
 prometheus-client's multiprocess mode when ``PROMETHEUS_MULTIPROC_DIR`` is set (the Procfile sets
@@ -79,8 +79,8 @@ CONVERSION_DURATION = Histogram(
 )
 
 #: Every label value the code can set, so each series exists (at zero) from the first scrape
-#: after a start or a deploy instead of appearing with its first event (DESIGN §12). Kept in
-#: step with the enums they come from by tests/unit/test_metrics_series.py.
+#: after a start or a deploy instead of appearing with its first event (docs/OPERABILITY.md §8).
+#: Kept in step with the enums they come from by tests/unit/test_metrics_series.py.
 KNOWN_SERIES: dict[Counter | Histogram, list[dict[str, str]]] = {
     ADMISSIONS: [
         {"result": "accepted", "reason": ""},

@@ -1,4 +1,4 @@
-"""Job acceptance (DESIGN.md §5): 202 only once the job is durably recoverable."""
+"""Job acceptance (docs/ARCHITECTURE.md §2): 202 only once the job is durably recoverable."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Admission control (DESIGN.md §5): live jobs per tenant and globally against capacities.
+"""Admission control (ADR 0004): live jobs per tenant and globally against capacities.
 
 Counting every live job on every request costs O(backlog) per acceptance (Postgres reads each
 live row). Each process therefore keeps an **admission snapshot**: the live counts per tenant,

@@ -1,4 +1,4 @@
-"""Who may delete a stored object, and when (DESIGN §3.1).
+"""Who may delete a stored object, and when (docs/ARCHITECTURE.md §6, ADR 0018).
 
 Objects are created before the rows that name them and deleted after: so a crash between a put
 and its commit leaves an object no row names. ``artifacts_remove_orphans`` finds those once

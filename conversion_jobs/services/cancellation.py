@@ -1,4 +1,5 @@
-"""Cancellation (DESIGN.md §8). Every call records a ``cancellation_request``.
+"""Cancellation (docs/ARCHITECTURE.md §3, API_CONTRACT §2.4). Every call records a
+``cancellation_request``.
 
 Cancel and completion race through guarded UPDATEs on the job row (``transitions.py``):
 whichever commits first wins, the other matches zero rows. The cancel edges are tried in order

@@ -1,4 +1,4 @@
-"""Page checkpoints of a running attempt (DESIGN.md §7.4): the fenced writes and reads of
+"""Page checkpoints of a running attempt (docs/ARCHITECTURE.md §5): the fenced writes and reads of
 ``page_checkpoint``, and the batch the runner fills page by page."""
 
 from __future__ import annotations

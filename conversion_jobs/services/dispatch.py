@@ -1,4 +1,4 @@
-"""Dispatch (DESIGN.md §6): outbox rows -> RabbitMQ, with a fast path and a sweeper.
+"""Dispatch (docs/ARCHITECTURE.md §2): outbox rows -> RabbitMQ, with a fast path and a sweeper.
 
 A message carries identifiers only: ``(job_id, generation)`` and the ``traceparent`` header.
 A duplicate message is harmless (the claim is a compare-and-set), a lost one is recovered by

@@ -1,4 +1,4 @@
-"""Worker-side transitions (DESIGN.md §7): claim, fenced writes, final transitions.
+"""Worker-side transitions (docs/ARCHITECTURE.md §3-§5): claim, fenced writes, final transitions.
 
 Every write made on behalf of an attempt is fenced: it matches the job row on
 ``(id, generation, lease_token, state)``. Zero rows means "you lost" (the lease expired and the

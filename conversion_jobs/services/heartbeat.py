@@ -1,4 +1,4 @@
-"""Heartbeats of running attempts (DESIGN.md §7.3): each attempt's lease is extended every
+"""Heartbeats of running attempts (docs/ARCHITECTURE.md §4): each attempt's lease is extended every
 ``HEARTBEAT_S``, and its stop flag is raised when the job is being cancelled or the lease is lost.
 
 One heartbeat thread per worker process serves every attempt of the process (ADR 0017,

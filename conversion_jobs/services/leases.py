@@ -1,5 +1,5 @@
 """What a worker holds while it runs an attempt, and the fenced reads and writes made under it
-(DESIGN.md §7.3). A fenced statement matches the job row on ``(id, generation, lease_token,
+(docs/ARCHITECTURE.md §4). A fenced statement matches the job row on ``(id, generation, lease_token,
 state)``; zero rows means the lease is gone (expired and recovered, or the job was cancelled)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The web's fast-path publisher, off the request thread (DESIGN §6, ADR 0017 "2026-11-30
-addendum: the fast path in the background").
+"""The web's fast-path publisher, off the request thread (docs/ARCHITECTURE.md §2, ADR 0017
+"2026-11-30 addendum: the fast path in the background").
 
 A web process (``project.asgi`` / ``project.wsgi``) runs one :class:`BackgroundPublisher`: the
 after-commit hook of an acceptance (or an operator retry) hands it the committed outbox row and

@@ -1,4 +1,4 @@
-"""Beat sweeps that move jobs on (DESIGN.md §7.6) and the operator retry.
+"""Beat sweeps that move jobs on (docs/ARCHITECTURE.md §1 "Sweeps") and the operator retry.
 
 Each sweep claims its rows with ``SELECT … FOR UPDATE SKIP LOCKED`` inside one transaction and
 moves each through its edge in ``transitions.py`` (a guarded UPDATE), so two beats running at

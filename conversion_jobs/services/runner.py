@@ -1,4 +1,4 @@
-"""Runs one claimed attempt page by page (DESIGN.md §7.2-7.4).
+"""Runs one claimed attempt page by page (docs/ARCHITECTURE.md §2 steps 4-9, §5).
 
 The worker thread converts; a heartbeat thread (``heartbeat.py``) extends the lease and raises
 the stop flag when the job is being cancelled or the lease is lost. Converters check the flag

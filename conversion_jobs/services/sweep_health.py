@@ -1,4 +1,4 @@
-"""Sweeps that tell on themselves (DESIGN §12).
+"""Sweeps that tell on themselves (docs/OPERABILITY.md §7).
 
 Every sweep writes its ``sweep_status`` row when it succeeds; ``install_beat_schedule`` writes
 each sweep's interval and install time. A sweep is *overdue* when its last success is older

@@ -1,4 +1,4 @@
-"""The job state machine's one home (DESIGN.md §4): the only code that writes
+"""The job state machine's one home (docs/ARCHITECTURE.md §3, ADR 0017): the only code that writes
 ``conversion_job.state``.
 
 One function per edge of ``states.TRANSITIONS``, bound to its edge by ``@edge`` (a test checks

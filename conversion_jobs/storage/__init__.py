@@ -1,4 +1,5 @@
-"""The artifact store (DESIGN §3.1): one small interface, two backends, chosen by settings.
+"""The artifact store (docs/ARCHITECTURE.md §6): one small interface, two backends,
+chosen by settings.
 
 ``QUIRE_STORAGE=filesystem`` (the default, and the standalone profile) keeps objects under
 ``QUIRE_STORAGE_DIR``; ``QUIRE_STORAGE=s3`` keeps them in an S3-compatible bucket

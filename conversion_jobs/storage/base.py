@@ -1,4 +1,5 @@
-"""The artifact store's interface (DESIGN §3.1) and the key scheme shared by both backends.
+"""The artifact store's interface (docs/ARCHITECTURE.md §6) and the key scheme shared by
+both backends.
 
 Keys:
 * ``sources/ab/<sha256>`` — content-addressed uploads (a retried upload reuses its object);

@@ -1,8 +1,8 @@
 """Flower's configuration file (``celery -A project flower --conf=deploy/flower/flowerconfig.py``).
 
 Flower executes this file in its own process before it starts serving; its public names become
-Flower options. It keeps every secret off the command line (DESIGN.md §11: ``ps`` shows every
-process's arguments to every local user) and closes what Flower leaves open:
+Flower options. It keeps every secret off the command line (docs/THREAT_MODEL.md §3: ``ps`` shows
+every process's arguments to every local user) and closes what Flower leaves open:
 
 * ``basic_auth`` from ``FLOWER_BASIC_AUTH`` (``user:password[,user2:password2]``) or the file
   named by ``FLOWER_BASIC_AUTH_FILE``; Flower refuses to start without it;

@@ -23,7 +23,7 @@ from tests.e2e.private_services import PrivatePostgres, PrivateRabbitMQ
 
 
 def _missing(reason: str) -> None:
-    """A missing broker or database fails the test, never skips it (DESIGN §13)."""
+    """A missing broker or database fails the test, never skips it (docs/TEST_STRATEGY.md §2)."""
     pytest.fail(f"e2e service missing: {reason}")
 
 

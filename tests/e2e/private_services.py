@@ -6,7 +6,7 @@ other checkouts), so these tests never touch them: each starts its own node / cl
 ports in a temporary directory, stops and starts that, and removes it at the end.
 
 Both need the server binaries on this host and must run as root (CI) or as the service's own
-user; a node or cluster that cannot start fails the test, it never skips (DESIGN §13).
+user; a node or cluster that cannot start fails the test, it never skips (docs/TEST_STRATEGY.md §2).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""e2e: the web's fast path on its background publisher (DESIGN §6, ADR 0017 addendum): the
-Procfile's ``web`` process, real Postgres and RabbitMQ, requests over a real socket.
+"""e2e: the web's fast path on its background publisher (docs/ARCHITECTURE.md §2, ADR 0017
+addendum): the Procfile's ``web`` process, real Postgres and RabbitMQ, requests over a real socket.
 
 A 202 is durable before any publish is tried; the publisher thread publishes the committed rows
 promptly, once each; a broker that is down, or a web process killed between the 202 and the

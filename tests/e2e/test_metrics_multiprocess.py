@@ -1,4 +1,4 @@
-"""e2e: metrics from the first scrape, aggregated across real processes (DESIGN §12).
+"""e2e: metrics from the first scrape, aggregated across real processes (docs/OPERABILITY.md §8).
 
 Two web processes (the Procfile's ``web`` with WEB_CONCURRENCY=2) and a worker share one
 PROMETHEUS_MULTIPROC_DIR, emptied by the release's ``metrics_reset`` first, as in a deploy. The
@@ -22,7 +22,8 @@ from tests.e2e.webproc import Web, start_web
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
-#: DESIGN §12's list, by metric family (counters and histograms per process, gauges from the DB).
+#: docs/OPERABILITY.md §8's list, by metric family (counters and histograms per process, gauges from
+#: the DB).
 DOCUMENTED = [
     "quire_admissions_total",
     "quire_jobs",

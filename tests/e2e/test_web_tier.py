@@ -207,8 +207,8 @@ def test_the_listener_reconnects_after_its_connection_is_killed(web, submit):
     assert response.status_code == 200
     assert response.json()["state"] == "cancelled"
     # Woken by the reconnected listener's NOTIFY: polling (every 1.5-2.5 s while it is down)
-    # would answer this soon about one time in ten. 250 ms, not DESIGN's 100: a wake-up on a
-    # 2-core CI runner shared with two other lanes has taken 102 ms (test_web_load measures
+    # would answer this soon about one time in ten. 250 ms, not the API contract's 100: a wake-up on
+    # a 2-core CI runner shared with two other lanes has taken 102 ms (test_web_load measures
     # the 100 ms as a median).
     assert answered - committed[0] < 0.25
     harness.wait_until(lambda: listeners() >= 1, timeout=10, what="the listener back")

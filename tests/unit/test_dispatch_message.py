@@ -62,5 +62,5 @@ def test_conversion_message__is_what_send_task_publishes(traceparent: str) -> No
     assert ours.properties["content_type"] == "application/json"
     assert ours.properties["content_encoding"] == "utf-8"
     assert reference["delivery_mode"] == "persistent" and ours.properties["delivery_mode"] == 2
-    # Identifiers only (DESIGN §6).
+    # Identifiers only (docs/ARCHITECTURE.md §2).
     assert set(json.loads(ours.body)[0]) == {str(job_id), 7}

@@ -1,5 +1,5 @@
-"""Every labelled counter and histogram has its series from the first scrape (DESIGN §12):
-the label values initialised at import are the ones the code can set."""
+"""Every labelled counter and histogram has its series from the first scrape (docs/OPERABILITY.md
+§8): the label values initialised at import are the ones the code can set."""
 
 from __future__ import annotations
 

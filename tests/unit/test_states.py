@@ -1,4 +1,4 @@
-"""The state machine table (conversion_jobs/states.py) against DESIGN.md §4."""
+"""The state machine table (conversion_jobs/states.py) against docs/ARCHITECTURE.md §3."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Readiness and metrics tell whether the converter sandbox can be set up on this host, and
-whether an operator turned it off (DESIGN §7.8)."""
+whether an operator turned it off (ADR 0013)."""
 
 import pytest
 

@@ -1,5 +1,5 @@
-"""Tokens from an identity provider's JWKS (DESIGN.md §9, issue 10 §5): a real JWKS served over
-HTTP by the test, keys generated and rotated here, the server stopped for an outage."""
+"""Tokens from an identity provider's JWKS (docs/API_CONTRACT.md §1, issue 10 §5): a real JWKS
+served over HTTP by the test, keys generated and rotated here, the server stopped for an outage."""
 
 from __future__ import annotations
 

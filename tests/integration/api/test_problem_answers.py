@@ -1,5 +1,5 @@
 """Every answer of the service, Django's own included, is application/problem+json with a stable
-code (DESIGN.md §9, §11; issue 10 §4)."""
+code (docs/API_CONTRACT.md §4; issue 10 §4)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Tenancy and authentication on every endpoint (DESIGN.md §9, §11)."""
+"""Tenancy and authentication on every endpoint (docs/API_CONTRACT.md §1,
+docs/THREAT_MODEL.md §3)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The converter sandbox at the converter level (DESIGN §7.8): its /tmp, the off switch, and a
+"""The converter sandbox at the converter level (ADR 0013): its /tmp, the off switch, and a
 sandbox that cannot be set up. The attacks through real jobs are in
 tests/integration/execution/test_execution_sandbox.py."""
 

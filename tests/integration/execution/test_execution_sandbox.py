@@ -1,7 +1,7 @@
 """Issue 10: a document sees only itself. Real jobs, real engines (LibreOffice, pdfium), a real
 artifact store and a real HTTP listener: documents that link to another tenant's stored page,
 to a host file or to a URL get nothing, and a converter child cannot open the store, read
-/etc/shadow or reach Postgres (DESIGN §7.8, docs/adr/0013-converter-sandbox.md)."""
+/etc/shadow or reach Postgres (docs/adr/0013-converter-sandbox.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The artifact store's interface, the same tests on both backends (DESIGN §3.1)."""
+"""The artifact store's interface, the same tests on both backends (docs/ARCHITECTURE.md §6)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Sweeps that tell on themselves (DESIGN §12): each sweep task records its success in
+"""Sweeps that tell on themselves (docs/OPERABILITY.md §7): each sweep task records its success in
 ``sweep_status``; /health/ready names overdue sweeps with a 503; the metric shows each last
 success. Real database, real sweep tasks (run in-process), real HTTP views."""
 
