@@ -35,7 +35,7 @@ def sweeps() -> list[Sweep]:
             "tasks.sweeps.publish_outbox",
             tick,
             "Backstop for the on_commit fast path: a crash or broker outage between commit and "
-            "confirm leaves rows unpublished; this publishes them (DESIGN §6).",
+            "confirm leaves rows unpublished; this publishes them (docs/ARCHITECTURE.md §2).",
         ),
         Sweep(
             "quire: recover expired leases",

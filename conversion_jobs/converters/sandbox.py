@@ -374,7 +374,7 @@ def announce() -> Status:
     if not status.enabled:
         log.critical(
             "CONVERTER SANDBOX OFF (QUIRE_SANDBOX=off): untrusted documents are parsed with the "
-            "worker's view of the filesystem and network; DESIGN §7.8 requires the sandbox"
+            "worker's view of the filesystem and network; ADR 0013 requires the sandbox"
         )
     elif not status.available:
         log.error("converter sandbox unavailable, conversions are refused: %s", status.reason)
