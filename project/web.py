@@ -285,6 +285,7 @@ class QuireASGIHandler(ASGIHandler):
             body_file = await self.read_body(receive)
         except RequestAborted:
             return
+        scope = _dechunked(scope, body_file)
         set_script_prefix(get_script_prefix(scope))
         request, error_response = self.create_request(scope, body_file)
         if request is not None and error_response is None and self.loop_handler is not None:
@@ -376,6 +377,28 @@ class QuireASGIHandler(ASGIHandler):
         thread = min(self.threads, key=lambda t: t.pending)
         async with ThreadSensitiveContext(executor=thread):
             await self.handle(scope, receive, send)
+
+
+def _dechunked(scope: Any, body_file: Any) -> Any:
+    """``scope`` of a request whose body came ``Transfer-Encoding: chunked`` as the request
+    with the ``Content-Length`` of the body received; any other scope as it is.
+
+    The server decoded the chunks and bounded their total (``MAX_BODY_BYTES``: 413 while they
+    arrive), and ``read_body`` spooled them to a file as they came (on disk past
+    ``FILE_UPLOAD_MAX_MEMORY_SIZE``). Django reads a body only as far as ``Content-Length``
+    (``CONTENT_LENGTH`` missing: an empty body, so a chunked upload had "no file part"), and
+    every upload limit reads it too: with it the body is read, parsed and limited exactly as
+    one sent with that length (docs/API_CONTRACT.md §2.1)."""
+    headers = scope.get("headers", [])
+    codings = [v for n, v in headers if n == b"transfer-encoding"]
+    if [c.strip().lower() for c in codings] != [b"chunked"]:
+        return scope
+    if any(n == b"content-length" for n, _ in headers):
+        return scope  # never both: the server refuses such a request (request smuggling)
+    size = body_file.seek(0, os.SEEK_END)
+    body_file.seek(0)
+    kept = [(n, v) for n, v in headers if n != b"transfer-encoding"]
+    return {**scope, "headers": [*kept, (b"content-length", str(size).encode())]}
 
 
 def _body_again(request: HttpRequest, body_file: Any) -> Any:
@@ -653,6 +676,8 @@ class QuireHttpProtocol(HttpToolsProtocol):
         self._head_started = 0.0
         self._body_bytes = 0
         self._read_timer: TimerHandle | None = None
+        #: a refusal held back until the answers to the requests before it are written
+        self._refusal: tuple[int, Any] | None = None
 
     # -- connection -------------------------------------------------------------------------
 
@@ -671,8 +696,8 @@ class QuireHttpProtocol(HttpToolsProtocol):
             _shares.update(len(self.server_state.connections))
 
     def data_received(self, data: bytes) -> None:
-        if self.transport.is_closing():  # refused: ignore whatever else the client sends
-            return
+        if self.transport.is_closing() or self._refusal is not None:
+            return  # refused: ignore whatever else the client sends
         super().data_received(data)
         if self._in_head and not self.transport.is_closing():
             # httptools buffers a header it has not seen the end of: bound that buffer.
@@ -729,11 +754,39 @@ class QuireHttpProtocol(HttpToolsProtocol):
     def send_400_response(self, msg: str) -> None:
         self._refuse(400)
 
+    def on_response_complete(self) -> None:
+        last = not self.pipeline  # no request queued behind the one just answered
+        super().on_response_complete()
+        if last and self._refusal is not None:
+            status, scope = self._refusal
+            self._refusal = None
+            self._unset_keepalive_if_required()
+            self._refuse_now(status, scope)
+
     def _refuse(self, status: int) -> None:
-        """Answer ``status`` as problem+json, close the connection, log it; the application
-        never sees the request (or, mid-body, sees the client disconnect)."""
+        """Refuse the request being received: at once, or - while requests received before it
+        (pipelined, RFC 9112 §9.3.2) are still being answered - once their answers are
+        written, in order; nothing more is read meanwhile. A request whose own body is cut
+        short (its application sees a disconnect) is refused at once, and one still queued
+        behind another is dropped unanswered by the application."""
         self._cancel_read_timer()
         self._in_head = False
+        if self.transport.is_closing() or self._refusal is not None:
+            return
+        cycle = self.cycle
+        if cycle is not None and cycle.more_body and not cycle.response_complete:
+            if self.pipeline and self.pipeline[0][0] is cycle:
+                self.pipeline.popleft()  # queued, never started: the refusal answers it
+                self._refusal = (status, self.scope)
+                return
+        elif self.pipeline or (cycle is not None and not cycle.response_complete):
+            self._refusal = (status, self.scope)
+            return
+        self._refuse_now(status, self.scope)
+
+    def _refuse_now(self, status: int, scope: Any) -> None:
+        """Answer ``status`` as problem+json, close the connection, log it; the application
+        never sees the request (or, mid-body, sees the client disconnect)."""
         if self.transport.is_closing():
             return
         body = problem_bytes(status)
@@ -749,7 +802,7 @@ class QuireHttpProtocol(HttpToolsProtocol):
             )
         )
         self.transport.close()
-        scope = self.scope or {}
+        scope = scope or {}
         log_access(
             method=scope.get("method", "-"),
             path=scope.get("path", "-"),

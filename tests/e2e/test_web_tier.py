@@ -349,6 +349,181 @@ def test_the_servers_own_refusals_are_problem_json(web):
     assert not wrong, wrong
 
 
+def exchange_to_eof(port: int, data: bytes, *, timeout: float = 15.0) -> bytes:
+    """Send ``data`` in one write, read until the server closes; fails if it has not closed
+    within ``timeout``."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(data)
+        out = b""
+        while chunk := sock.recv(65536):  # TimeoutError: the server kept the connection open
+            out += chunk
+        return out
+
+
+def split_responses(raw: bytes) -> list[tuple[int, dict[str, str], bytes]]:
+    """The responses in ``raw``, in the order they came (each with a ``Content-Length``)."""
+    responses = []
+    while raw:
+        head, blank, rest = raw.partition(b"\r\n\r\n")
+        assert blank, f"a cut response head: {raw[:200]!r}"
+        status, headers, _ = parse_response(head + blank)
+        length = int(headers["content-length"])
+        assert len(rest) >= length, f"a cut response body: {raw[:200]!r}"
+        responses.append((status, headers, rest[:length]))
+        raw = rest[length:]
+    return responses
+
+
+def raw_submission(tenant: str, pdf: bytes, *, extra: bytes = b"") -> bytes:
+    """A valid ``POST /api/v1/jobs`` (``Content-Length`` set) and ``extra`` bytes after its
+    body."""
+    from tests import multipart
+
+    body = multipart.body(
+        multipart.part("file", pdf, filename="doc.pdf"), multipart.part("output", b"text")
+    )
+    head = (
+        "POST /api/v1/jobs HTTP/1.1\r\nHost: x\r\n"
+        f"Authorization: Bearer {token(tenant)}\r\n"
+        f"Content-Type: {multipart.CONTENT_TYPE}\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body + extra
+
+
+#: case -> (pages of the upload, the bytes after it): one page is stored inline and accepted
+#: on the event loop, 80 pages (over 64 KiB) are staged and accepted on a sync thread.
+PIPELINED_AFTER_A_SUBMISSION = {
+    "trailing garbage": (1, b"GARBAGE\x01\r\n\r\n"),
+    "trailing garbage after a large upload": (80, b"GARBAGE\x01\r\n\r\n"),
+    "a body longer than its Content-Length": (
+        1,
+        b"--quire-test-boundary--\r\nmore body\r\n\r\n",
+    ),
+}
+
+
+def test_a_request_is_answered_before_the_malformed_bytes_after_it_are_refused(web, submit):
+    """Issue 22 point 6: the bytes after a request in the same write are the next (pipelined)
+    request; when they are not HTTP, the requests before them are answered first, in order,
+    and then the connection is refused (400) and closed. Before, the 400 was written and the
+    connection closed at once: the 202 of a job that was accepted never reached its client.
+    Each case on its own connection, against one web process; failures reported together."""
+    wrong: dict[str, Any] = {}
+    for what, (pages, extra) in PIPELINED_AFTER_A_SUBMISSION.items():
+        tenant = f"pipe-{uuid.uuid4().hex[:12]}"
+        try:
+            answers = split_responses(
+                exchange_to_eof(port_of(web), raw_submission(tenant, _pdf(pages), extra=extra))
+            )
+        except (TimeoutError, AssertionError, KeyError, ValueError) as exc:
+            wrong[what] = repr(exc)
+            continue
+        statuses = [status for status, _, _ in answers]
+        jobs = list(ConversionJob.objects.filter(tenant=tenant).values_list("id", flat=True))
+        accepted = json.loads(answers[0][2]).get("id") if statuses[:1] == [202] else None
+        refusal = json.loads(answers[1][2]).get("code") if statuses[1:2] == [400] else None
+        got = (statuses, [str(j) for j in jobs] == [accepted], refusal)
+        if got != ([202, 400], True, "malformed_request"):
+            wrong[what] = {"statuses": statuses, "jobs": len(jobs), "refusal": refusal}
+    assert not wrong, wrong
+
+    # Two valid requests in one write are answered in order: the job (read on a sync thread)
+    # before the liveness answer (on the event loop, at once).
+    job = submit(pages=1)
+    pair = (
+        f"GET /api/v1/jobs/{job.id} HTTP/1.1\r\nHost: x\r\n"
+        f"Authorization: Bearer {token()}\r\n\r\n"
+        "GET /health/live HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    ).encode()
+    answers = split_responses(exchange_to_eof(port_of(web), pair))
+    assert [status for status, _, _ in answers] == [200, 200]
+    assert json.loads(answers[0][2])["id"] == str(job.id)
+    assert answers[1][2] == b'{"status": "ok"}'
+
+
+def test_chunked_uploads_are_accepted_with_the_same_size_limits(start):
+    """Issue 22 point 6: a submission with ``Transfer-Encoding: chunked`` is accepted as the
+    same body sent with a ``Content-Length`` (docs/API_CONTRACT.md "Uploads"), from a raw socket
+    sending its chunks in separate writes and from httpx streaming a generator; past the
+    upload limit it is 413, and past the server's body limit the server refuses it while the
+    chunks arrive. Before, every chunked upload was 400 "the file part is required"."""
+    import hashlib
+
+    import httpx
+
+    from tests import multipart
+
+    limit = 1024 * 1024  # the server's own body limit is this + 1 MiB
+    proc = start("web", QUIRE_MAX_UPLOAD_BYTES=str(limit))
+    tenant = f"chunk-{uuid.uuid4().hex[:12]}"
+    small, large = _pdf(1), _pdf(1) + b"%" * 300_000
+
+    def form(document: bytes) -> bytes:
+        return multipart.body(
+            multipart.part("file", document, filename="doc.pdf"), multipart.part("output", b"text")
+        )
+
+    head = (
+        "POST /api/v1/jobs HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+        f"Authorization: Bearer {token(tenant)}\r\nContent-Type: {multipart.CONTENT_TYPE}\r\n"
+        "Transfer-Encoding: chunked\r\n\r\n"
+    ).encode()
+
+    def raw_chunked(body: bytes, *, size: int) -> tuple[int, dict[str, str], bytes] | None:
+        """The answer; None when the server reset the connection while the chunks came."""
+        with socket.create_connection(("127.0.0.1", proc.port), timeout=30) as sock:
+            out = b""
+            try:
+                sock.sendall(head)
+                for i in range(0, len(body), size):
+                    piece = body[i : i + size]
+                    sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+                sock.sendall(b"0\r\n\r\n")
+                while chunk := sock.recv(65536):
+                    out += chunk
+            except (BrokenPipeError, ConnectionResetError):
+                return None
+        return parse_response(out)
+
+    answer = raw_chunked(form(small), size=1000)
+    assert answer is not None and answer[0] == 202, answer
+    status, _, body = answer
+    accepted = json.loads(body)
+    job = ConversionJob.objects.get(tenant=tenant)
+    assert str(job.id) == accepted["id"]
+    assert job.source_sha256 == hashlib.sha256(small).hexdigest()
+
+    def stream(body: bytes) -> Iterator[bytes]:
+        for i in range(0, len(body), 64 * 1024):
+            yield body[i : i + 64 * 1024]
+
+    def post_streamed(body: bytes) -> httpx.Response:
+        return httpx.post(
+            f"http://127.0.0.1:{proc.port}/api/v1/jobs",
+            headers={**auth(tenant), "Content-Type": multipart.CONTENT_TYPE},
+            content=stream(body),  # no length: httpx sends it chunked
+            timeout=30,
+        )
+
+    streamed = post_streamed(form(large))
+    assert streamed.status_code == 202, streamed.text
+    assert streamed.request.headers["Transfer-Encoding"] == "chunked"
+    job = ConversionJob.objects.get(id=streamed.json()["id"])
+    assert job.source_sha256 == hashlib.sha256(large).hexdigest()
+
+    over = post_streamed(form(small + b"%" * limit))
+    assert (over.status_code, over.json()["code"]) == (413, "payload_too_large")
+    # Refused while the chunks arrive: the 413 is written and the connection closed with the
+    # rest of the body unread, which the client's kernel may see as a reset before (or instead
+    # of) the answer. Either way never a 202, nor the 400 of a body read to its end.
+    answer = raw_chunked(form(b"%" * (3 * limit)), size=64 * 1024)
+    if answer is not None:
+        status, headers, body = answer
+        assert (status, headers["content-type"]) == (413, "application/problem+json"), answer
+        assert json.loads(body)["code"] == "payload_too_large"
+    assert ConversionJob.objects.filter(tenant=tenant).count() == 2
+
+
 def test_a_stalled_request_head_is_timed_out_with_408(start):
     proc = start("web", QUIRE_HTTP_HEADER_TIMEOUT_S="1")
     started = time.monotonic()
