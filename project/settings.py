@@ -257,6 +257,14 @@ QUIRE: dict[str, Any] = {
     "HEARTBEAT_S": env_float("QUIRE_HEARTBEAT_S", 2.0),
     "LEASE_S": env_float("QUIRE_LEASE_S", 10.0),
     "PAGE_MAX_ATTEMPTS": env_int("QUIRE_PAGE_MAX_ATTEMPTS", 3),
+    # Converter limits (conversion_jobs/converters/base.py Limits; the others keep their
+    # defaults there). Office containers are checked against these before LibreOffice reads
+    # them (converters/containers.py, docs/THREAT_MODEL.md).
+    "CONVERTER_LIMITS": {
+        "max_inflated_bytes": env_int("QUIRE_MAX_INFLATED_BYTES", 256 * 1024 * 1024),
+        "max_inflate_ratio": env_int("QUIRE_MAX_INFLATE_RATIO", 100),
+        "inflate_ratio_min_bytes": env_int("QUIRE_INFLATE_RATIO_MIN_BYTES", 10 * 1024 * 1024),
+    },
     # Text pages up to this size live in their checkpoint row (written with the batch, no file,
     # no fsync of their own); 0 turns it off.
     "INLINE_PAGE_MAX_BYTES": env_int("QUIRE_INLINE_PAGE_MAX_BYTES", 65536),

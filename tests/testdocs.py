@@ -275,6 +275,107 @@ def make_png_bomb(path: Path, *, width: int = 100_000, height: int = 100_000) ->
     return Path(path)
 
 
+def _zip_entries(path: Path, entries: list[tuple[str, bytes, int, int]]) -> Path:
+    """A ZIP written by hand from (name, raw deflate data, CRC-32, declared size): what a
+    hostile tool may write, the local and central headers saying the same."""
+    import struct
+
+    body, central = bytearray(), bytearray()
+    for name, raw, crc, size in entries:
+        encoded = name.encode()
+        fields = struct.pack("<HHHHHIII", 20, 0, 8, 0, 0x21, crc, len(raw), size)
+        offset = len(body)
+        body += b"PK\x03\x04" + fields + struct.pack("<HH", len(encoded), 0) + encoded + raw
+        central += (
+            b"PK\x01\x02"
+            + struct.pack("<H", 20)
+            + fields
+            + struct.pack("<HHHHHII", len(encoded), 0, 0, 0, 0, 0, offset)
+            + encoded
+        )
+    end = struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, len(entries), len(entries),
+                      len(central), len(body), 0)  # fmt: skip
+    Path(path).write_bytes(bytes(body + central) + end)
+    return Path(path)
+
+
+def _deflated(data: bytes) -> bytes:
+    import zlib
+
+    compressor = zlib.compressobj(9, zlib.DEFLATED, -zlib.MAX_WBITS)
+    return compressor.compress(data) + compressor.flush()
+
+
+def make_docx_bomb(path: Path, *, inflated: int = 1 << 30, declared: int | None = None) -> Path:
+    """A DOCX whose ``word/document.xml`` is one ``<w:t>`` run of about ``inflated`` bytes of
+    "A" (1 GiB by default: about 1 MB on disk; expected: input_too_large). Built in a second or
+    two: each MiB of "A" is one independent deflate segment (a full flush resets the history),
+    compressed once and repeated. ``declared``: the headers lie, giving that size (and the
+    CRC-32 of that many first bytes, so a reader trusting them sees a consistent short part);
+    expected: invalid_input. The other parts are a real DOCX's (python-docx)."""
+    import zlib
+
+    plain = make_docx(Path(path).with_suffix(".plain.docx"), paragraphs=["plain"])
+    with zipfile.ZipFile(plain) as zf:
+        parts = [
+            (i.filename, zf.read(i)) for i in zf.infolist() if i.filename != "word/document.xml"
+        ]
+    plain.unlink()
+    head = (
+        b'<?xml version="1.0" encoding="UTF-8" standalone="yes"?>'
+        b'<w:document xmlns:w="http://schemas.openxmlformats.org/wordprocessingml/2006/main">'
+        b"<w:body><w:p><w:r><w:t>"
+    )
+    tail = b"</w:t></w:r></w:p></w:body></w:document>"
+    block = b"A" * (1 << 20)
+    blocks = max(1, inflated // len(block))
+    compressor = zlib.compressobj(9, zlib.DEFLATED, -zlib.MAX_WBITS)
+    first = compressor.compress(head) + compressor.flush(zlib.Z_FULL_FLUSH)
+    segment = compressor.compress(block) + compressor.flush(zlib.Z_FULL_FLUSH)
+    last = compressor.compress(tail) + compressor.flush()
+    raw = first + segment * blocks + last
+    size = len(head) + blocks * len(block) + len(tail)
+    if declared is None:
+        crc = zlib.crc32(head)
+        for _ in range(blocks):
+            crc = zlib.crc32(block, crc)
+        crc, declared = zlib.crc32(tail, crc), size
+    else:
+        prefix = (head + block)[:declared]
+        crc = zlib.crc32(prefix + b"A" * (declared - len(prefix)))
+    entries = [(name, _deflated(data), zlib.crc32(data), len(data)) for name, data in parts]
+    entries.append(("word/document.xml", raw, crc, declared))
+    return _zip_entries(path, entries)
+
+
+def make_docx_unknown_root(path: Path, *, paragraphs: list[str]) -> Path:
+    """A DOCX whose ``word/document.xml`` has its text under a root element Word does not
+    know (``w:documentx``): LibreOffice imports nothing of it and stores a blank page, the text
+    is lost (expected: conversion_lost_content)."""
+    plain = make_docx(Path(path).with_suffix(".plain.docx"), paragraphs=paragraphs)
+    with zipfile.ZipFile(plain) as zin, zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zout:
+        for info in zin.infolist():
+            data = zin.read(info)
+            if info.filename == "word/document.xml":
+                data = data.replace(b"<w:document ", b"<w:documentx ", 1)
+                data = data.replace(b"</w:document>", b"</w:documentx>", 1)
+            zout.writestr(info.filename, data)
+    plain.unlink()
+    return Path(path)
+
+
+def make_docx_image_only(path: Path) -> Path:
+    """A DOCX with one picture and no text (its PDF has no text, and must not need any)."""
+    import docx
+
+    picture = make_png(Path(path).with_suffix(".png"), width=400, height=200)
+    document = docx.Document()
+    document.add_picture(str(picture))
+    document.save(str(path))
+    picture.unlink()
+    return Path(path)
+
+
 def make_huge_page_pdf(
     path: Path, *, width_pt: float = 200_000, height_pt: float = 200_000
 ) -> Path:

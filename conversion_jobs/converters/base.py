@@ -60,6 +60,11 @@ class Limits:
     prepare_timeout_s: float = 180.0  # e.g. LibreOffice conversion
     memory_bytes: int = 1_500_000_000  # RLIMIT_AS for the child
     max_dpi: int = 600
+    #: Office containers (OOXML, ODF): the most all their parts may inflate to, and the most a
+    #: part past ``inflate_ratio_min_bytes`` may inflate per compressed byte (containers.py).
+    max_inflated_bytes: int = 256 * 1024 * 1024
+    max_inflate_ratio: int = 100
+    inflate_ratio_min_bytes: int = 10 * 1024 * 1024
 
 
 def limits_description(limits: Limits) -> dict:

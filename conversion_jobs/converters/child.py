@@ -67,6 +67,12 @@ def _op_office_prepare(**kwargs):
     return office_prepare(**kwargs)
 
 
+def _op_office_scan(**kwargs):
+    from .containers import office_scan
+
+    return office_scan(**kwargs)
+
+
 def _op_office_engine_convert(**kwargs):
     from .officeengine import office_engine_convert
 
@@ -143,6 +149,7 @@ OPS: dict[str, Callable[..., dict]] = {
     "pdf_page": _op_pdf_page,
     "image_prepare": _op_image_prepare,
     "image_page": _op_image_page,
+    "office_scan": _op_office_scan,
     "office_prepare": _op_office_prepare,
     "office_engine_convert": _op_office_engine_convert,
     "office_engine_start": _op_office_engine_start,
@@ -280,7 +287,7 @@ def _run_op(op: str, args: dict, *, fault: dict | None, limits: Limits) -> dict:
             _inject_fault(fault, op=op, args=args)
         return {"ok": True, "result": OPS[op](**args, limits=limits)}
     except ConversionError as exc:
-        return {"ok": False, "code": exc.code, "detail": exc.detail}
+        return {"ok": False, "code": exc.code, "detail": exc.detail, "public": exc.public}
 
 
 def _take_setup(setup: dict) -> Limits:

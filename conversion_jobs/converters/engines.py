@@ -32,7 +32,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .base import Limits
-from .errors import ConversionError, ConversionStopped, ConversionTimeout
+from .errors import (
+    ConversionError,
+    ConversionStopped,
+    ConversionTimeout,
+    InputTooLarge,
+    InvalidInput,
+)
 from .isolation import ChildSession, process_group_members
 from .sessions import MAX_IDLE_S, fresh_child
 
@@ -72,6 +78,9 @@ class _Host:
     sockets: tuple[str, ...] = ()
     conversions: int = 0
     started_at: float = 0.0
+    #: LibreOffice runs in the host (it starts after the host's first document passed its
+    #: container check, so a refused document never starts it)
+    engine_started: bool = False
 
     def forked_away(self) -> bool:
         """True in a forked copy of the process that started it: not ours to use or kill."""
@@ -123,7 +132,9 @@ def _host_paths(host: _Host, paths: tuple[str, ...]) -> list[str]:
     return [str(root.tmp / Path(p).name) for p in paths if p.startswith("/tmp/")]  # noqa: S108
 
 
-def _host_for(*, scratch_dir: Path, limits: Limits, should_stop: Callable[[], bool]) -> _Host:
+def _host_for(*, scratch_dir: Path, limits: Limits) -> _Host:
+    """This process's engine host (a converter child; LibreOffice starts in it on first use,
+    ``_start_engine``), a new one if there is none usable with ``limits``."""
     global _host
     if _host is not None and _host.forked_away():
         _host = None  # a forked copy of this module: the parent's host is not ours
@@ -140,19 +151,26 @@ def _host_for(*, scratch_dir: Path, limits: Limits, should_stop: Callable[[], bo
             session.close()
             raise
         _host = _Host(session=session, owner_pid=os.getpid(), started_at=time.monotonic())
-        _observe("start")
-        try:
-            started = session.call(
-                "office_engine_start",
-                {},
-                timeout_s=limits.prepare_timeout_s,
-                should_stop=should_stop,
-            )
-        except BaseException:
-            _recycle("start_failed")
-            raise
-        _host.sockets = tuple(started["engine_sockets"])
     return _host
+
+
+def _start_engine(host: _Host, *, limits: Limits, should_stop: Callable[[], bool]) -> None:
+    """Start LibreOffice in ``host`` if it is not running (caller holds the lock)."""
+    if host.engine_started:
+        return
+    _observe("start")
+    try:
+        started = host.session.call(
+            "office_engine_start",
+            {},
+            timeout_s=limits.prepare_timeout_s,
+            should_stop=should_stop,
+        )
+    except BaseException:
+        _recycle("start_failed")
+        raise
+    host.sockets = tuple(started["engine_sockets"])
+    host.engine_started = True
 
 
 def convert(
@@ -168,15 +186,19 @@ def convert(
 ) -> dict:
     """Convert an Office document to the PDF ``dest`` with this process's warm engine. The
     document is handed in as a copy in the host's private directory and the PDF handed out; both
-    are gone from the host before this returns. Returns ``{"page_count", "engine_rss",
-    "engine_started"}``; raises the conversion's ConversionError (the engine is then recycled)."""
+    are gone from the host before this returns. The host checks the container first
+    (``office_scan``, containers.py): a document that fails it never reaches LibreOffice (which
+    is not even started for it), and the engine, which has not seen it, is kept. Returns
+    ``{"page_count", "engine_rss", "engine_started"}``; raises the conversion's ConversionError
+    (the engine is then recycled)."""
     settings = _settings
     if settings.scratch_dir is None:
         raise RuntimeError("warm engines are not configured")
     with _lock:
-        host = _host_for(scratch_dir=settings.scratch_dir, limits=limits, should_stop=should_stop)
+        host = _host_for(scratch_dir=settings.scratch_dir, limits=limits)
         session = host.session
         args: dict = {}
+        refused = False
         try:
             args = {
                 "path": str(session.hand_in(source)),
@@ -187,6 +209,18 @@ def convert(
                 args["password"], args["encrypted"] = password, encrypted
             if fault is not None:
                 args["fault"] = fault
+            try:
+                scan = session.call(
+                    "office_scan",
+                    {"path": args["path"], "media_type": media_type},
+                    timeout_s=limits.prepare_timeout_s,
+                    should_stop=should_stop,
+                )
+            except (InputTooLarge, InvalidInput):
+                refused = True  # only the host's Python read it; LibreOffice never did
+                raise
+            args["has_text"] = scan["has_text"]
+            _start_engine(host, limits=limits, should_stop=should_stop)
             result = session.call(
                 "office_engine_convert",
                 args,
@@ -201,7 +235,8 @@ def convert(
             _recycle("stopped")
             raise
         except ConversionError as exc:
-            _recycle("crashed" if exc.retryable else "failure")
+            if not refused:
+                _recycle("crashed" if exc.retryable else "failure")
             raise
         except BaseException:
             _recycle("failure")
@@ -211,6 +246,8 @@ def convert(
             if not session.closed:  # nothing of this document stays with the host
                 for folder in ("in", "out"):
                     shutil.rmtree(session.inside(folder), ignore_errors=True)
+                if "path" in args:  # the handed-in copy (a refused one too)
+                    Path(args["path"]).unlink(missing_ok=True)
         host.conversions += 1
         if host.conversions >= settings.max_conversions:
             _recycle("max_conversions")
@@ -229,6 +266,18 @@ def host_private() -> Path | None:
     """The current engine host's private directory on this host (tests, diagnostics)."""
     with _lock:
         return _host.session.private if _host is not None else None
+
+
+def host_conversions() -> int | None:
+    """Conversions the current engine host has served, or None without a host (tests)."""
+    with _lock:
+        return _host.conversions if _host is not None else None
+
+
+def host_engine_started() -> bool:
+    """Whether LibreOffice runs in the current engine host (tests, diagnostics)."""
+    with _lock:
+        return _host is not None and _host.engine_started
 
 
 def host_pgid() -> int | None:

@@ -14,6 +14,12 @@ class ConversionError(QuireError):
     code: str = "conversion_failed"
     retryable: bool = False
 
+    def __init__(self, detail: str | None = None, *, public: bool = False, **extra: object):
+        super().__init__(detail, **extra)
+        #: ``detail`` holds nothing of the document (no text, names or engine output), so it
+        #: may be the job's ``error.detail``; otherwise that is the code (docs/API_CONTRACT.md §5)
+        self.public = public
+
 
 class EncryptedInput(ConversionError):
     """The document is encrypted and needs a password."""
@@ -46,9 +52,15 @@ class InvalidInput(ConversionError):
 
 
 class InputTooLarge(ConversionError):
-    """The input exceeds a page, pixel or size limit."""
+    """The input exceeds a page, pixel, size or inflated-size limit."""
 
     code = "input_too_large"
+
+
+class ConversionLostContent(ConversionError):
+    """The document has text, but the engine's PDF of it has none on any page."""
+
+    code = "conversion_lost_content"
 
 
 class ConversionTimeout(ConversionError):
@@ -85,6 +97,7 @@ ERRORS_BY_CODE: dict[str, type[ConversionError]] = {
         PasswordRequired,
         InvalidInput,
         InputTooLarge,
+        ConversionLostContent,
         ConversionTimeout,
         UnsupportedConversion,
         ConverterCrashed,
@@ -93,9 +106,18 @@ ERRORS_BY_CODE: dict[str, type[ConversionError]] = {
 }
 
 
-def error_from_code(code: str, detail: str | None = None) -> ConversionError:
+def error_from_code(
+    code: str, detail: str | None = None, *, public: bool = False
+) -> ConversionError:
     """The error for a code reported by the child; unknown codes count as a crash."""
     cls = ERRORS_BY_CODE.get(code)
     if cls is None:
         return ConverterCrashed(f"unknown error code from converter: {code}: {detail}")
-    return cls(detail)
+    return cls(detail, public=public)
+
+
+def error_from_answer(answer: dict) -> ConversionError:
+    """The error of a child's failed answer (``code``, ``detail``, ``public``; child.py)."""
+    return error_from_code(
+        answer["code"], answer.get("detail"), public=answer.get("public") is True
+    )

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import IO
 
 from .base import BODY, EXIT_OUT_OF_MEMORY, TEST_FAULTS_ENV, Limits, process_group_members
-from .errors import ConversionStopped, ConversionTimeout, ConverterCrashed, error_from_code
+from .errors import ConversionStopped, ConversionTimeout, ConverterCrashed, error_from_answer
 from .zygote import ForkedProcess, spawn
 
 logger = logging.getLogger(__name__)
@@ -241,7 +241,7 @@ class ChildSession:
         if outcome["ok"]:
             return outcome["result"]
         self.errored = True
-        raise error_from_code(outcome["code"], outcome.get("detail"))
+        raise error_from_answer(outcome)
 
     def rss_bytes(self) -> int:
         """Resident memory of the child (0 if it cannot be read). Its ``/proc/<pid>/statm`` is
@@ -336,7 +336,7 @@ class ChildSession:
         self._ahead_since = self.last_used = time.monotonic()
         if not outcome["ok"]:
             self.errored = True
-            raise error_from_code(outcome["code"], outcome.get("detail"))
+            raise error_from_answer(outcome)
         result = outcome["result"]
         self.ahead = [page for page in pages if page <= int(result["page_count"])]
         return result
@@ -362,7 +362,7 @@ class ChildSession:
         if outcome["ok"]:
             return outcome["result"]
         self.errored = True
-        raise error_from_code(outcome["code"], outcome.get("detail"))
+        raise error_from_answer(outcome)
 
     @staticmethod
     def _pipe(stream: IO[bytes] | None) -> IO[bytes]:

@@ -40,7 +40,7 @@ from .errors import (
     error_from_code,
 )
 from .officeops import PROFILE_SETTINGS, descendants, load_failure, vm_peak
-from .pdfops import pdf_prepare
+from .pdfops import pdf_prepare, pdf_require_text
 
 _EXTENSIONS = {DOCX: ".docx", PPTX: ".pptx", XLSX: ".xlsx", ODT: ".odt", DOC: ".doc", RTF: ".rtf"}
 BRIDGE = Path(__file__).with_name("unobridge.py")
@@ -272,10 +272,12 @@ def office_engine_convert(
     password: str | None = None,
     encrypted: bool | None = None,
     fault: dict | None = None,
+    has_text: bool = False,
 ) -> dict:
     """Convert ``path`` to ``base``/document.pdf with this host's warm engine (started on first
     use in the host's private directory, the cwd). Returns the PDF's path and page count, the
-    engine's memory and whether this call started it."""
+    engine's memory and whether this call started it. ``has_text``: the document has text
+    (``office_scan``), so its PDF must have some."""
     started = _engine is None
     engine = _start()
     inbox, outbox = engine.root / "in", engine.root / "out"
@@ -319,6 +321,8 @@ def office_engine_convert(
         shutil.rmtree(outbox, ignore_errors=True)
         engine.scrub_tmp()
     info = pdf_prepare(path=str(result), limits=limits)
+    if has_text:
+        pdf_require_text(path=str(result))
     return {
         "document": str(result),
         "page_count": info["page_count"],

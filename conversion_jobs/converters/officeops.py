@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .base import DOC, DOCX, ODT, PPTX, RTF, XLSX, Limits
 from .errors import ConversionError, ConverterCrashed, InvalidInput
-from .pdfops import pdf_prepare
+from .pdfops import pdf_prepare, pdf_require_text
 
 _EXTENSIONS = {DOCX: ".docx", PPTX: ".pptx", XLSX: ".xlsx", ODT: ".odt", DOC: ".doc", RTF: ".rtf"}
 
@@ -108,8 +108,11 @@ def load_failure(detail: str, *, peak_bytes: int) -> ConversionError:
     return InvalidInput(detail)
 
 
-def office_prepare(*, path: str, media_type: str, base: str, limits: Limits) -> dict:
-    """Convert to PDF in ``base`` (a fresh directory) with a private LibreOffice profile."""
+def office_prepare(
+    *, path: str, media_type: str, base: str, limits: Limits, has_text: bool = False
+) -> dict:
+    """Convert to PDF in ``base`` (a fresh directory) with a private LibreOffice profile.
+    ``has_text``: the document has text (``office_scan``), so its PDF must have some."""
     root = Path(base)
     inbox, outdir, profile, home = (root / name for name in ("in", "out", "profile", "home"))
     for directory in (inbox, outdir, profile, home):
@@ -171,4 +174,6 @@ def office_prepare(*, path: str, media_type: str, base: str, limits: Limits) -> 
     shutil.rmtree(profile, ignore_errors=True)
     shutil.rmtree(inbox, ignore_errors=True)
     info = pdf_prepare(path=str(result), limits=limits)
+    if has_text:
+        pdf_require_text(path=str(result))
     return {"document": str(result), "page_count": info["page_count"]}

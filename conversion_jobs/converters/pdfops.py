@@ -17,7 +17,13 @@ import pypdfium2 as pdfium
 import pypdfium2.raw as pdfium_c
 
 from .base import BODY, MAX_PAGE_SIDE_PT, PDF, PNG, TEXT_PLAIN, Limits
-from .errors import EncryptedInput, InputTooLarge, InvalidInput, InvalidPassword
+from .errors import (
+    ConversionLostContent,
+    EncryptedInput,
+    InputTooLarge,
+    InvalidInput,
+    InvalidPassword,
+)
 
 
 def open_pdf(path: Path | str, password: str | None = None) -> pdfium.PdfDocument:
@@ -164,6 +170,18 @@ def pdf_prepare(*, path: str, limits: Limits, password: str | None = None) -> di
     for index in range(count):
         _check_page_size(doc, index)
     return {"page_count": count}
+
+
+def pdf_require_text(*, path: str) -> None:
+    """ConversionLostContent unless some page of the PDF at ``path`` has a non-blank
+    character: an engine's PDF of a document with text (containers.office_scan) that has none
+    lost the document (docs/API_CONTRACT.md §5). Stops at the first page with text."""
+    doc = document(Path(path))
+    for page in range(1, len(doc) + 1):
+        text = _page_text(doc, page)
+        if text and not text.isspace():
+            return
+    raise ConversionLostContent("the document has text; its PDF has none on any page", public=True)
 
 
 def _check_page_size(doc: pdfium.PdfDocument, index: int) -> tuple[float, float]:

@@ -473,14 +473,22 @@ class OfficeConverter(_ChildPages):
             # A fresh child converts to PDF in its private directory (LibreOffice's profile, the
             # copy of the input): all of it goes with the child; the PDF is handed out first.
             # ``--convert-to`` cannot take a password: an encrypted document is opened over UNO
-            # by a one-off engine in the same child.
+            # by a one-off engine in the same child. The child checks the container first
+            # (containers.py): LibreOffice starts only for a document that passed.
             with fresh_child() as session:
                 session.setup(limits=limits, scratch_dir=workdir)
                 copy = session.hand_in(source)
+                scan = session.call(
+                    "office_scan",
+                    {"path": str(copy), "media_type": media_type},
+                    timeout_s=limits.prepare_timeout_s,
+                    should_stop=should_stop,
+                )
                 args = {
                     "path": str(copy),
                     "media_type": media_type,
                     "base": str(session.inside("office")),
+                    "has_text": scan["has_text"],
                 }
                 if password is not None:
                     args["password"], args["encrypted"] = password, encrypted

@@ -215,7 +215,9 @@ def _run(
             _record_page_count(lease, unrecorded)
         except LeaseLost:
             return _stopped(lease=lease)
-        won = db_retry(execution.conversion_job_fail, lease=lease, code=code, detail=code)
+        # The detail is stored (and shown) only if it holds nothing of the document.
+        detail = exc.detail if exc.public else code
+        won = db_retry(execution.conversion_job_fail, lease=lease, code=code, detail=detail)
         return "failed" if won else _stopped(lease=lease)
     except DB_ERRORS:
         # The database stayed away longer than the lease: the sweep will recover the job.
@@ -246,13 +248,19 @@ def _stopped(*, lease: Lease) -> str:
 
 
 def _selected_pages(options: dict[str, Any], page_count: int) -> list[int]:
+    """The pages ``options.pages`` selects; a range that does not end within the document
+    fails the job ``invalid_input`` (docs/API_CONTRACT.md §2.1), whatever the input type: every
+    converter's page count (PDF pages, image frames, LibreOffice's PDF) is resolved here."""
     pages = options.get("pages")
     if not pages:
         return list(range(1, page_count + 1))
     first, last = pages
-    if first > page_count:
-        raise converters.InvalidInput("the requested page range is beyond the document")
-    return list(range(first, min(last, page_count) + 1))
+    if last > page_count:
+        raise converters.InvalidInput(
+            f"the requested page range {first}-{last} exceeds the page count ({page_count})",
+            public=True,
+        )
+    return list(range(first, last + 1))
 
 
 def _first_pages(options: dict[str, Any]) -> tuple[int, ...]:
