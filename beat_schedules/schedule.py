@@ -57,6 +57,14 @@ def sweeps() -> list[Sweep]:
             "only jobs queued past QUIRE_DISPATCH_TIMEOUT_S are touched.",
         ),
         Sweep(
+            "quire: repair leaseless jobs",
+            "tasks.sweeps.repair_leaseless_jobs",
+            60.0,
+            "Defence in depth: a running or cancelling job with no lease row and no open "
+            "attempt is in a state no edge leaves, so the lease sweep never sees it; repaired "
+            "like an expired lease and counted (quire_jobs_repaired_total, expected to stay 0).",
+        ),
+        Sweep(
             "quire: remove stale work directories",
             "tasks.sweeps.remove_stale_work_dirs",
             60.0,

@@ -157,6 +157,10 @@ class ConversionJob(models.Model):
             models.Index(
                 name="job_queued_since", fields=["queued_at"], condition=Q(state=State.QUEUED)
             ),
+            # the repair sweep's candidates: leased jobs only (one per running attempt)
+            models.Index(
+                name="job_leased", fields=["id"], condition=Q(state__in=_in(LEASED_STATES))
+            ),
             # retention and the orphan sweep ask who still uses a (shared) source
             models.Index(name="job_source_sha256", fields=["source_sha256"]),
             models.Index(

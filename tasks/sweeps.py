@@ -46,6 +46,11 @@ def recover_expired_leases() -> int:
     return _sweep("recover_expired_leases", recovery.conversion_jobs_recover_if_lease_expired)
 
 
+@shared_task(name="tasks.sweeps.repair_leaseless_jobs", ignore_result=True)
+def repair_leaseless_jobs() -> int:
+    return _sweep("repair_leaseless_jobs", recovery.conversion_jobs_repair_if_leaseless)
+
+
 @shared_task(name="tasks.sweeps.remove_stale_work_dirs", ignore_result=True)
 def remove_stale_work_dirs() -> int:
     return _sweep("remove_stale_work_dirs", _remove_stale_work_dirs)

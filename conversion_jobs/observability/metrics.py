@@ -50,6 +50,10 @@ RETRY_DELAY = Histogram(
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 300, 600),
 )
 RECOVERIES = Counter("quire_recoveries", "Jobs recovered from an expired lease", ["result"])
+#: Should stay 0: a leased-state job with no lease row and no open attempt (docs/OPERABILITY.md).
+REPAIRS = Counter(
+    "quire_jobs_repaired", "Leased-state jobs found with no lease and repaired", ["result"]
+)
 CANCELLATIONS = Counter("quire_cancellations", "Cancel requests by outcome", ["outcome"])
 CANCELLATION_LATENCY = Histogram(
     "quire_cancellation_latency_seconds",
@@ -105,6 +109,7 @@ KNOWN_SERIES: dict[Counter | Histogram, list[dict[str, str]]] = {
         for o in ("succeeded", "retryable_error", "terminal_error", "lease_lost", "cancelled")
     ],
     RECOVERIES: [{"result": r} for r in ("requeued", "exhausted", "cancelled")],
+    REPAIRS: [{"result": r} for r in ("requeued", "exhausted", "cancelled")],
     CANCELLATIONS: [
         {"outcome": o}
         for o in ("cancelled", "cancelling", "already_cancelled", "too_late", "lost_to_completion")

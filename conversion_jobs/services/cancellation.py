@@ -1,10 +1,12 @@
 """Cancellation (docs/ARCHITECTURE.md §3, API_CONTRACT §2.4). Every call records a
 ``cancellation_request``.
 
-Cancel and completion race through guarded UPDATEs on the job row (``transitions.py``):
-whichever commits first wins, the other matches zero rows. The cancel edges are tried in order
-and the row counts decide; only when none moved does a read say why (already cancelled, too
-late, or no such job). The request's outcome records what happened.
+A cancel locks the job row first (``transitions.job_lock_for_choice``) and takes the one edge
+the state it holds allows, in the same transaction (docs/ARCHITECTURE.md, "Lock, then
+choose"): a job that moves on (retry_wait -> queued, running -> retry_wait) while the cancel
+waits for the lock is cancelled from where it went, never answered ``too_late`` while live.
+Completion racing the cancel either commits first (the cancel sees a finished job: too late)
+or waits on the lock and then matches zero rows. The request's outcome records what happened.
 """
 
 from __future__ import annotations
@@ -22,12 +24,12 @@ from conversion_jobs.services import transitions
 from conversion_jobs.services.audit import audit_event_append
 from conversion_jobs.states import State
 
-#: The cancel edges, in the order they are tried, with the outcome each one's win means.
-_EDGES = (
-    (State.QUEUED, transitions.cancel_queued, CancellationOutcome.CANCELLED),
-    (State.RETRY_WAIT, transitions.cancel_retry_wait, CancellationOutcome.CANCELLED),
-    (State.RUNNING, transitions.cancel_running, CancellationOutcome.CANCELLING),
-)
+#: The cancel edge out of each live state, with the outcome its move means.
+_EDGES = {
+    State.QUEUED: (transitions.cancel_queued, CancellationOutcome.CANCELLED),
+    State.RETRY_WAIT: (transitions.cancel_retry_wait, CancellationOutcome.CANCELLED),
+    State.RUNNING: (transitions.cancel_running, CancellationOutcome.CANCELLING),
+}
 
 
 @dataclass(frozen=True)
@@ -41,43 +43,34 @@ def conversion_job_cancel(*, job_id: uuid.UUID, tenant: str, actor: str) -> Canc
     change (same answer). Raises NotFound (other tenant or missing; nothing recorded) or
     TooLate (a finished job; recorded, result untouched)."""
     with transaction.atomic():
-        # Recorded first (unresolved), so the terminal hook of a winning edge resolves it with
-        # the others; its seen state and outcome are filled in below.
-        job = ConversionJob.objects.filter(id=job_id, tenant=tenant).values_list(
-            "state", "generation"
-        )
-        seen = job.first()
-        if seen is None:
+        held = transitions.job_lock_for_choice(job_id=job_id, tenant=tenant)
+        if held is None:
             raise NotFound()
+        # Recorded first (unresolved), so the terminal hook of the edge resolves it with the
+        # others; its outcome is filled in below.
         request = CancellationRequest.objects.create(
             job_id=job_id,
             tenant=tenant,
             actor=actor,
-            generation_seen=seen[1],
-            state_seen=seen[0],
+            generation_seen=held.generation,
+            state_seen=held.state,
             outcome=CancellationOutcome.CANCELLING,
         )
-        state_seen: str
-        for source, move, won_outcome in _EDGES:
-            generation = move(job_id=job_id, tenant=tenant, actor=actor)
-            if generation is not None:
-                state_seen, outcome = source.value, won_outcome
-                break
+        state_seen, generation = held.state.value, held.generation
+        if held.state in _EDGES:
+            move, outcome = _EDGES[held.state]
+            transitions.chosen(move(job_id=job_id, tenant=tenant, actor=actor))
+        elif held.state in (State.CANCELLING, State.CANCELLED):
+            outcome = CancellationOutcome.ALREADY_CANCELLED
         else:
-            state_seen, generation = job.get()
-            outcome = (
-                CancellationOutcome.ALREADY_CANCELLED
-                if state_seen in (State.CANCELLING, State.CANCELLED)
-                else CancellationOutcome.TOO_LATE
-            )
+            outcome = CancellationOutcome.TOO_LATE
         resolved: dict[str, object] = (
             {} if outcome == CancellationOutcome.CANCELLED else {"outcome": outcome}
         )
         if outcome in (CancellationOutcome.ALREADY_CANCELLED, CancellationOutcome.TOO_LATE):
             resolved["resolved_at"] = timezone.now()
-        CancellationRequest.objects.filter(id=request.id).update(
-            generation_seen=generation, state_seen=state_seen, **resolved
-        )
+        if resolved:
+            CancellationRequest.objects.filter(id=request.id).update(**resolved)
         audit_event_append(
             job_id=job_id,
             event_type="cancel_requested",

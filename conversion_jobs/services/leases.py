@@ -24,7 +24,9 @@ class Lease:
     job_id: uuid.UUID
     generation: int
     token: uuid.UUID
-    attempt_id: int
+    #: None only for the repair sweep's stand-in lease of a job with no attempt row
+    #: (``recovery.conversion_jobs_repair_if_leaseless``)
+    attempt_id: int | None
     attempt_number: int
     #: The attempt's start (for its duration metric); None when a sweep acts on a lease row.
     started_at: datetime | None
@@ -79,9 +81,10 @@ def lease_heartbeat(*, lease: Lease) -> str:
     # the lease row and then wanted the attempt row deadlocked with a publish that held the job
     # and the attempt and wanted the lease (seen in CI). Holding one row lock at a time, the
     # heartbeat can be in no lock cycle.
-    ConversionAttempt.objects.filter(id=lease.attempt_id, finished_at__isnull=True).update(
-        heartbeat_at=now
-    )
+    if lease.attempt_id is not None:  # always, for a worker's lease
+        ConversionAttempt.objects.filter(id=lease.attempt_id, finished_at__isnull=True).update(
+            heartbeat_at=now
+        )
     if state == State.RUNNING:
         return HeartbeatResult.OK
     if state == State.CANCELLING:

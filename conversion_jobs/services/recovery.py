@@ -2,7 +2,9 @@
 
 Each sweep claims its rows with ``SELECT … FOR UPDATE SKIP LOCKED`` inside one transaction and
 moves each through its edge in ``transitions.py`` (a guarded UPDATE), so two beats running at
-once never move a job twice.
+once never move a job twice. Where a job may take one of several edges (lease recovery, the
+repair sweep, operator retry) the job row is locked first and the edge chosen from the state
+held (``transitions.job_lock_for_choice``).
 """
 
 from __future__ import annotations
@@ -11,10 +13,12 @@ import logging
 import shutil
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
+from django.db.models import Exists, OuterRef
 from django.utils import timezone
 
 from conversion_jobs.db import violated_constraint
@@ -23,7 +27,7 @@ from conversion_jobs.models import AttemptOutcome, ConversionAttempt, Conversion
 from conversion_jobs.observability import metrics
 from conversion_jobs.services import transitions
 from conversion_jobs.services.leases import Lease
-from conversion_jobs.states import State
+from conversion_jobs.states import LEASED_STATES, State
 
 log = logging.getLogger(__name__)
 
@@ -75,61 +79,125 @@ def conversion_jobs_recover_if_lease_expired(*, batch: int | None = None) -> int
 
 
 def _recover_one(lease: Lease, traceparent: str) -> str | None:
-    """The three recovery edges, tried in order; the row counts decide. None: the lease row
-    was stale (the job moved on under another token): its attempt is closed, its row removed."""
-    if transitions.finish_cancel(lease=lease, by_sweep=True):
+    """Lock the job row, then take the one recovery edge the state it holds allows
+    (``_recover_held``). None: the lease row was stale (the job moved on under another token):
+    its attempt is closed, its row removed."""
+    held = transitions.job_lock_for_choice(job_id=lease.job_id)
+    if held is None or not held.holds(lease):
+        transitions.attempt_close(
+            lease=lease, outcome=AttemptOutcome.LEASE_LOST, error_code="lease_lost"
+        )
+        WorkerLease.objects.filter(job_id=lease.job_id, token=lease.token).delete()
+        return None
+    return _recover_held(held, lease, traceparent)
+
+
+def _recover_held(held: transitions.Held, lease: Lease, traceparent: str) -> str:
+    """The edge out of a leased state whose lease is gone, chosen from the locked row:
+    CANCELLING -> CANCELLED; RUNNING with its attempt budget spent -> FAILED
+    ``attempts_exhausted``; RUNNING -> QUEUED (generation + 1). Returns which (the metrics'
+    ``result``). A cancel that commits while this waits for the lock is seen here (it used to
+    fall between two tried edges and leave the job ``cancelling`` with no lease)."""
+    if held.state == State.CANCELLING:
+        transitions.chosen(transitions.finish_cancel(lease=lease, by_sweep=True))
         return "cancelled"
-    if transitions.fail(
-        lease=lease,
-        code="attempts_exhausted",
-        detail="last error: lease_lost",
-        retryable=True,
-        outcome=AttemptOutcome.LEASE_LOST,
-        attempt_error="lease_lost",
-        event_type="lease_expired",
-        details={"result": "exhausted"},
-        only_if_exhausted=True,
-    ):
+    if held.exhausted:
+        transitions.chosen(
+            transitions.fail(
+                lease=lease,
+                code="attempts_exhausted",
+                detail="last error: lease_lost",
+                retryable=True,
+                outcome=AttemptOutcome.LEASE_LOST,
+                attempt_error="lease_lost",
+                event_type="lease_expired",
+                details={"result": "exhausted"},
+                only_if_exhausted=True,
+            )
+        )
         return "exhausted"
-    if transitions.requeue_lost_lease(lease=lease, traceparent=traceparent):
-        return "requeued"
-    transitions.attempt_close(
-        lease=lease, outcome=AttemptOutcome.LEASE_LOST, error_code="lease_lost"
+    transitions.chosen(transitions.requeue_lost_lease(lease=lease, traceparent=traceparent))
+    return "requeued"
+
+
+def conversion_jobs_repair_if_leaseless(*, batch: int | None = None) -> int:
+    """RUNNING | CANCELLING with no lease row and no open attempt — a state no edge leaves
+    behind, so no other sweep would ever move it (the lease sweep starts from lease rows) —
+    repaired like an expired lease: CANCELLING -> CANCELLED, RUNNING -> FAILED
+    ``attempts_exhausted`` or QUEUED (generation + 1). Defence in depth: it should find
+    nothing; ``quire_jobs_repaired_total`` counts what it did find (docs/OPERABILITY.md)."""
+    batch = batch or settings.QUIRE["SWEEP_BATCH"]
+    results: Counter[str] = Counter()
+    open_attempt = ConversionAttempt.objects.filter(job_id=OuterRef("id"), finished_at__isnull=True)
+    with transaction.atomic():
+        stranded = list(
+            ConversionJob.objects.filter(state__in=sorted(LEASED_STATES))
+            .filter(
+                ~Exists(WorkerLease.objects.filter(job_id=OuterRef("id"))), ~Exists(open_attempt)
+            )
+            .select_for_update(skip_locked=True)
+            .values_list("id", flat=True)[:batch]
+        )
+        for job_id in stranded:
+            held = transitions.job_lock_for_choice(job_id=job_id)  # held already: no wait
+            if held is None or held.state not in LEASED_STATES or held.lease_token is None:
+                continue
+            attempt = (
+                ConversionAttempt.objects.filter(job_id=job_id, generation=held.generation)
+                .values_list("id", "number")
+                .first()
+            )
+            lease = Lease(
+                job_id,
+                held.generation,
+                held.lease_token,
+                attempt[0] if attempt else None,
+                attempt[1] if attempt else 0,
+                None,
+            )
+            results[_recover_held(held, lease, held.traceparent)] += 1
+    for result, count in results.items():
+        metrics.REPAIRS.labels(result=result).inc(count)
+    log.info(  # each run, counts only: what the sweep did is visible (issue 22 point 1)
+        "repaired leaseless jobs: requeued=%d exhausted=%d cancelled=%d",
+        results["requeued"],
+        results["exhausted"],
+        results["cancelled"],
     )
-    WorkerLease.objects.filter(job_id=lease.job_id, token=lease.token).delete()
-    return None
+    return results.total()
 
 
-#: The operator-retry edges, in the order they are tried.
-_RETRY_EDGES = (transitions.retry_failed, transitions.retry_cancelled)
+#: The operator-retry edge out of each state it may start from (chosen under the row lock).
+_RETRY_EDGES = {
+    State.FAILED: transitions.retry_failed,
+    State.CANCELLED: transitions.retry_cancelled,
+}
 
 
 def conversion_job_retry_failed(
     *, job_id: uuid.UUID, tenant: str | None, actor: str
 ) -> ConversionJob:
     """Operator retry: FAILED | CANCELLED -> QUEUED, generation + 1, attempts reset, new outbox
-    row (the edges are tried in order; the row counts decide). The new generation starts
+    row; the edge is chosen from the job row held under its lock (``job_lock_for_choice``), so
+    a job that finished a moment ago is retried, not refused. The new generation starts
     clean: the old generation's messages are stale, its attempt directories are gone, and its
     cancellation requests stay resolved against the old generation. ``tenant`` None means any
-    tenant (Django admin)."""
+    tenant (Django admin). Raises NotFound, NotRetryable (live, succeeded, or expired) or
+    ConflictingJob."""
     try:
         # The answer is the job as this retry left it: read before the commit, so the new
         # outbox row's publish (on commit) cannot let a worker's claim show through.
         with transaction.atomic():
-            for move in _RETRY_EDGES:
-                if move(job_id=job_id, tenant=tenant, actor=actor) is not None:
-                    break
-            else:
-                jobs = ConversionJob.objects.filter(id=job_id)
-                if tenant is not None:
-                    jobs = jobs.filter(tenant=tenant)
-                row = jobs.values_list("state", "expired_at").first()
-                if row is None:
-                    raise NotFound()
-                if row[0] in (State.FAILED, State.CANCELLED):
-                    # its source is gone: only a new submission can help
-                    raise NotRetryable("the job expired under retention; submit it again")
-                raise NotRetryable(job_state=row[0])
+            held = transitions.job_lock_for_choice(job_id=job_id, tenant=tenant)
+            if held is None:
+                raise NotFound()
+            move = _RETRY_EDGES.get(held.state)
+            if move is None:
+                raise NotRetryable(job_state=held.state.value)
+            if held.expired:
+                # its source is gone: only a new submission can help
+                raise NotRetryable("the job expired under retention; submit it again")
+            transitions.chosen(move(job_id=job_id, tenant=tenant, actor=actor))
             return ConversionJob.objects.get(id=job_id)
     except IntegrityError as exc:
         if violated_constraint(exc) == "job_content_identity_live_or_succeeded":

@@ -4,9 +4,12 @@
 One function per edge of ``states.TRANSITIONS``, bound to its edge by ``@edge`` (a test checks
 that every edge has exactly one function and every function an edge). Each is one guarded
 UPDATE whose row count is the answer; ``_move`` bumps ``state_version`` (the ``asgi`` NOTIFY
-trigger fires on it). Callers that must choose an edge (cancel, lease recovery, operator retry,
-a retryable error) try the guarded edges in order and let the row counts decide; they never
-read, branch and then write.
+trigger fires on it). Callers that must choose an edge (cancel, lease recovery, the repair
+sweep, operator retry) lock the job row first (``job_lock_for_choice``) and call the one edge
+the state they hold allows, in the same transaction: trying edges one after another let a
+commit between two tries make every edge miss (docs/ARCHITECTURE.md, "Lock, then choose").
+The worker's retryable error tries two edges whose guards split on ``attempts``, a column
+nobody else changes while the worker holds the lease, so their order alone decides there.
 
 Every edge that leaves a leased state ends the attempt and its lease (``_lease_ends``); every
 edge into a terminal state runs ``_terminal`` (lease end, pending cancellation requests
@@ -68,7 +71,7 @@ from conversion_jobs.services.checkpoints import (
 from conversion_jobs.services.dispatch import outbox_publish_after_commit
 from conversion_jobs.services.leases import Lease, lease_ttl
 from conversion_jobs.services.prepared import Byteas, Int4s, Int8s, Texts, prepared_cursor
-from conversion_jobs.states import TERMINAL_STATES, TRANSITIONS, State
+from conversion_jobs.states import LEASED_STATES, TERMINAL_STATES, TRANSITIONS, State
 
 Fn = TypeVar("Fn", bound=Callable[..., Any])
 
@@ -116,6 +119,81 @@ def _fenced(lease: Lease) -> QuerySet[ConversionJob]:
     )
 
 
+# --- callers that choose: lock, then choose ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Held:
+    """The job row as a caller that may take one of several edges holds it, locked."""
+
+    state: State
+    generation: int
+    lease_token: uuid.UUID | None
+    #: attempts >= max_attempts: a RUNNING job whose lease is gone fails instead of running again
+    exhausted: bool
+    #: retention expired its source and result (an operator retry is refused)
+    expired: bool
+    traceparent: str
+
+    def holds(self, lease: Lease) -> bool:
+        """The job is still leased under ``lease`` (its generation and token)."""
+        return (
+            self.state in LEASED_STATES
+            and self.generation == lease.generation
+            and self.lease_token == lease.token
+        )
+
+
+class ChoiceLost(RuntimeError):
+    """An edge chosen under the job row's lock matched no row: the choice and the edge's guard
+    disagree. A defect, never a race (nobody else can move a locked row)."""
+
+
+def job_lock_for_choice(*, job_id: uuid.UUID, tenant: str | None = None) -> Held | None:
+    """Lock the job row and return the state a caller chooses its one edge from, the way
+    procrastinate's ``procrastinate_cancel_job_v1`` and River's ``JobCancel`` do. The caller
+    then calls that edge in the same transaction; its guard cannot lose, because nobody else
+    moves the row before the commit (a competing edge waits on the lock and then matches zero
+    rows). Postgres: ``SELECT … FOR UPDATE`` (it waits for a competing uncommitted move and
+    returns the row as that move left it). SQLite (standalone): every transaction is ``BEGIN
+    IMMEDIATE`` (``project/settings.py``), so the caller holds the database's one write lock
+    from before this read. Must run inside ``transaction.atomic()``: the lock lasts until its
+    commit. None: no such job (for ``tenant``; None means any tenant)."""
+    if not connection.in_atomic_block:
+        raise RuntimeError("job_lock_for_choice runs inside the caller's transaction.atomic()")
+    row = (
+        _tenant_job(job_id, tenant)
+        .select_for_update()
+        .values_list(
+            "state",
+            "generation",
+            "lease_token",
+            "attempts",
+            "max_attempts",
+            "expired_at",
+            "traceparent",
+        )
+        .first()
+    )
+    if row is None:
+        return None
+    state, generation, token, attempts, max_attempts, expired_at, traceparent = row
+    return Held(
+        state=State(state),
+        generation=generation,
+        lease_token=token,
+        exhausted=attempts >= max_attempts,
+        expired=expired_at is not None,
+        traceparent=traceparent,
+    )
+
+
+def chosen(won: object) -> None:
+    """The row count of an edge chosen under ``job_lock_for_choice``: it must have won."""
+    if won is None or won is False or won == 0:
+        raise ChoiceLost("an edge chosen under the job row's lock matched no row")
+
+
 # --- the hooks every edge out of a leased state / into a terminal state runs -----------------
 
 
@@ -128,6 +206,8 @@ def _lease_ends(lease: Lease, *, outcome: AttemptOutcome, error_code: str | None
 
 def attempt_close(*, lease: Lease, outcome: AttemptOutcome, error_code: str | None) -> bool:
     """Close the attempt if it is still open (bookkeeping on the attempt row only)."""
+    if lease.attempt_id is None:  # the repair sweep's lease of a job with no attempt row
+        return False
     closed = ConversionAttempt.objects.filter(id=lease.attempt_id, finished_at__isnull=True).update(
         outcome=outcome,
         error_code=error_code,

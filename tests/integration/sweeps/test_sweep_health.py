@@ -99,6 +99,7 @@ def test_health_ready__back_to_200_when_the_overdue_sweep_runs_again(installed, 
         sweep_tasks.recover_expired_leases,
         sweep_tasks.requeue_due_retries,
         sweep_tasks.republish_stale_queued,
+        sweep_tasks.repair_leaseless_jobs,
         sweep_tasks.remove_stale_work_dirs,
         sweep_tasks.apply_retention,
     ):

@@ -192,6 +192,11 @@ SWEEPS = {
         # so a sequential scan of it is the right plan; the job rows go by primary key.
         (),
     ),
+    "repair_leaseless_jobs": (
+        lambda make: make(state="running") and None,  # a lease token, no lease or attempt row
+        recovery.conversion_jobs_repair_if_leaseless,
+        ("job_leased", "job_live_tenant"),
+    ),
     "expire_past_retention": (
         lambda make: None,
         lambda: retention.conversion_jobs_expire_if_past_retention(batch=50),
