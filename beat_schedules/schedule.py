@@ -9,9 +9,10 @@ come back to a pile of identical sweeps.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,17 @@ class Sweep:
 
 
 def sweeps() -> list[Sweep]:
+    """The schedule, each interval as ``QUIRE_SWEEP_INTERVALS_S`` may override it by short name
+    (docs/OPERABILITY.md); a name the schedule does not have is a configuration error."""
+    overrides: dict[str, float] = settings.QUIRE["SWEEP_INTERVALS_S"]
+    schedule = _default_sweeps()
+    unknown = sorted(set(overrides) - {s.key for s in schedule})
+    if unknown:
+        raise ImproperlyConfigured(f"QUIRE_SWEEP_INTERVALS_S names no sweep: {', '.join(unknown)}")
+    return [replace(s, every_s=overrides.get(s.key, s.every_s)) for s in schedule]
+
+
+def _default_sweeps() -> list[Sweep]:
     tick = settings.QUIRE["SWEEP_INTERVAL_S"]
     return [
         Sweep(

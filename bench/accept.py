@@ -143,10 +143,22 @@ class IdleLongPolls:
 
     async def _one(self, i: int, gate: asyncio.Semaphore) -> None:
         job_id = self.job_ids[i % len(self.job_ids)]
-        raw = (
-            f"GET /api/v1/jobs/{job_id}?wait=30 HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-            f'Authorization: Bearer {self.token}\r\nIf-None-Match: "v1"\r\n\r\n'
-        ).encode()
+
+        def request(etag: bytes) -> bytes:
+            """Without an ETag yet the first long-poll parks on the representation it finds;
+            then each sends back the ETag of the last answer (opaque: API_CONTRACT §2.2)."""
+            condition = b"If-None-Match: " + etag + b"\r\n" if etag else b""
+            return (
+                (
+                    f"GET /api/v1/jobs/{job_id}?wait=30 HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                    f"Authorization: Bearer {self.token}\r\n"
+                ).encode()
+                + condition
+                + b"\r\n"
+            )
+
+        etag = b""
+        raw = request(etag)
         while True:
             try:
                 async with gate:
@@ -161,9 +173,12 @@ class IdleLongPolls:
                         name, _, value = line.partition(b":")
                         if name.strip().lower() == b"content-length":
                             length = int(value)
+                        elif name.strip().lower() == b"etag":
+                            etag = value.strip()
                     if length:
                         await reader.readexactly(length)
                     self.answers[status] = self.answers.get(status, 0) + 1
+                    raw = request(etag)
                     writer.write(raw)
                     await writer.drain()
             except asyncio.CancelledError:

@@ -30,11 +30,19 @@ def conversion_job_state_version(*, job_id: uuid.UUID, tenant: str) -> int | Non
 
 def conversion_job_wait_status(
     *, job_id: uuid.UUID, tenant: str
-) -> tuple[str, int, int | None, int, int] | None:
-    """What a waiting client watches: (state, state_version, page total, done, failed)."""
+) -> tuple[str, int, int | None, int, int, datetime] | None:
+    """What a conditional or waiting read compares: (state, state_version, page total, done,
+    failed, updated_at), the columns the job's ETag is made of (api/representation.py)."""
     return (
         ConversionJob.objects.filter(id=job_id, tenant=tenant)
-        .values_list("state", "state_version", "source_page_count", "pages_done", "pages_failed")
+        .values_list(
+            "state",
+            "state_version",
+            "source_page_count",
+            "pages_done",
+            "pages_failed",
+            "updated_at",
+        )
         .first()
     )
 

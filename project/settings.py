@@ -9,6 +9,7 @@ Two profiles (docs/ARCHITECTURE.md §7):
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,23 @@ def env_float(name: str, default: float) -> float:
 
 def env_bool(name: str, default: bool) -> bool:
     return os.environ.get(name, str(default)).strip().lower() in {"1", "true", "yes", "on"}
+
+
+def env_seconds_by_name(name: str) -> dict[str, float]:
+    """``"apply_retention=60, remove_orphaned_artifacts=30"`` -> {name: seconds > 0}."""
+    from django.core.exceptions import ImproperlyConfigured
+
+    out: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in os.environ.get(name, "").split(","))):
+        key, sep, value = item.partition("=")
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = 0.0
+        if not sep or not key.strip() or not 0 < seconds < math.inf:
+            raise ImproperlyConfigured(f"{name}: {item!r} is not <name>=<seconds > 0>")
+        out[key.strip()] = seconds
+    return out
 
 
 VAR_DIR = Path(env_str("QUIRE_VAR_DIR", str(BASE_DIR / "var")))
@@ -293,6 +311,9 @@ QUIRE: dict[str, Any] = {
     "DISPATCH_TIMEOUT_S": env_float("QUIRE_DISPATCH_TIMEOUT_S", 600.0),
     "SWEEP_BATCH": env_int("QUIRE_SWEEP_BATCH", 500),
     "SWEEP_INTERVAL_S": env_float("QUIRE_SWEEP_INTERVAL_S", 1.0),
+    # per-sweep interval overrides by short name (beat_schedules/schedule.py), applied by
+    # install_beat_schedule: "apply_retention=60,remove_orphaned_artifacts=30"
+    "SWEEP_INTERVALS_S": env_seconds_by_name("QUIRE_SWEEP_INTERVALS_S"),
     "LONG_POLL_MAX_S": 30,
     # sweep health (docs/OPERABILITY.md §7): a sweep is overdue past FACTOR x its interval since its
     # last success; one that never succeeded also gets the start-up grace, counted from the install.

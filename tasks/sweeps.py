@@ -67,7 +67,7 @@ def _remove_stale_work_dirs() -> int:
 def remove_orphaned_artifacts() -> int:
     from conversion_jobs.services.artifacts import artifacts_remove_orphans
 
-    return artifacts_remove_orphans()
+    return _sweep("remove_orphaned_artifacts", artifacts_remove_orphans)
 
 
 @shared_task(name="tasks.sweeps.apply_retention", ignore_result=True)

@@ -3,6 +3,7 @@ serializers in ``serializers.py`` describe the same shapes for the OpenAPI docum
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from conversion_jobs.models import ConversionJob, ExecutionAuditEvent, PageCheckpoint
@@ -14,6 +15,39 @@ API = "/api/v1/jobs/"
 
 def _iso(value: Any) -> str | None:
     return value.isoformat().replace("+00:00", "Z") if value is not None else None
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_MICROSECOND = timedelta(microseconds=1)
+
+
+def job_etag(
+    *,
+    state_version: int,
+    pages_total: int | None,
+    pages_done: int,
+    pages_failed: int,
+    updated_at: datetime,
+) -> str:
+    """The job's strong validator (docs/API_CONTRACT.md §2.2, RFC 9110 §8.8.3): it changes
+    whenever the representation does. A transition bumps ``state_version``; every other write
+    that changes a field of the body (page counters, the page total, retention's expiry) sets
+    ``updated_at``, which the body shows too; the counters are named as well, so two writes
+    that land in one microsecond still differ. Built from the columns the cheap 304 path reads
+    (``selectors.conversion_job_wait_status``), never from a rendered body."""
+    total = "" if pages_total is None else pages_total
+    stamp = (updated_at - _EPOCH) // _MICROSECOND
+    return f'"v{state_version}.{total}.{pages_done}.{pages_failed}.{stamp}"'
+
+
+def job_etag_of(job: ConversionJob) -> str:
+    return job_etag(
+        state_version=job.state_version,
+        pages_total=job.source_page_count,
+        pages_done=job.pages_done,
+        pages_failed=job.pages_failed,
+        updated_at=job.updated_at,
+    )
 
 
 def job_representation(job: ConversionJob) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from django.http import (
     StreamingHttpResponse,
 )
 from django.http.response import HttpResponseBase
+from django.utils.http import parse_etags
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework.negotiation import DefaultContentNegotiation
@@ -40,6 +41,7 @@ from conversion_jobs.api.auth import (
 )
 from conversion_jobs.api.representation import (
     event_representation,
+    job_etag_of,
     job_representation,
     page_representation,
 )
@@ -103,7 +105,7 @@ class QuireView(APIView):
 
 def _job_response(job: ConversionJob, *, status: int, **headers: str) -> Response:
     response = Response(job_representation(job), status=status)
-    response["ETag"] = f'"v{job.state_version}"'
+    response["ETag"] = job_etag_of(job)
     for name, value in headers.items():
         response[name.replace("_", "-")] = value
     return response
@@ -115,7 +117,7 @@ def _rendered_job_response(job: ConversionJob, *, status: int, **headers: str) -
     same headers in the same order, without a ``Response`` to render later."""
     body = _NEGOTIATED.accepted_renderer.render(job_representation(job), "application/json", {})
     response = HttpResponse(body, status=status, content_type="application/json")
-    response["ETag"] = f'"v{job.state_version}"'
+    response["ETag"] = job_etag_of(job)
     for name, value in headers.items():
         response[name.replace("_", "-")] = value
     return response
@@ -423,9 +425,11 @@ def _count_handoff(reason: str) -> None:
     metrics.ACCEPT_PATHS.labels(path="thread", reason=reason).inc()
 
 
-def _etag_version(header: str | None) -> int | None:
-    match = re.fullmatch(r'\s*(?:W/)?"v(\d+)"\s*', header or "")
-    return int(match.group(1)) if match else None
+def _if_none_match(header: str | None) -> frozenset[str]:
+    """The entity tags of ``If-None-Match``, compared weakly (RFC 9110 §13.1.2: ``W/`` is
+    dropped); ``*`` and a malformed header name none."""
+    tags = parse_etags(header or "")
+    return frozenset(tag.removeprefix("W/") for tag in tags if tag != "*")
 
 
 class JobDetailView(QuireView):
@@ -436,7 +440,7 @@ class JobDetailView(QuireView):
             OpenApiParameter("wait", OpenApiTypes.INT, description="long-poll seconds (max 30)")
         ],
         responses={200: JobSerializer, 304: None, **problems(*AUTHENTICATED, 404)},
-        summary="Get a job (ETag = state_version; ?wait=N long-polls for a change)",
+        summary="Get a job (ETag names the representation; ?wait=N long-polls for a change)",
         operation_id="jobs_get",
     )
     def get(self, request: Request, job_id: uuid.UUID) -> Response | HttpResponse:
@@ -447,24 +451,28 @@ class JobDetailView(QuireView):
             )
         except ValueError as exc:
             raise InvalidRequest("wait must be a number of seconds") from exc
-        known = _etag_version(request.headers.get("If-None-Match"))
-        status = selectors.conversion_job_wait_status(job_id=job_id, tenant=tenant)
-        if status is None:
+        known = _if_none_match(request.headers.get("If-None-Match"))
+        row = selectors.conversion_job_wait_status(job_id=job_id, tenant=tenant)
+        if row is None:
             raise NotFound()
-        state, version = status[0], status[1]
-        baseline = known if known is not None else version
+        # The ETag from six columns: a 304 (and a long-poll's decision) needs no full row and
+        # no rendering; a 200 renders the body and its ETag from one read of the full row.
+        status = waiting.JobStatus(*row)
+        etag = status.etag
         if (
             wait > 0
             and not getattr(request, "quire_waited", False)
-            and version == baseline
-            and state not in TERMINAL_STATES
+            and (etag in known or not known)
+            and not status.terminal
         ):
             # Nothing to say yet: the async wrapper (waitable) sleeps on the event loop, not
-            # on this thread, and asks again.
-            return WaitThenAsk(job_id=job_id, tenant=tenant, baseline=baseline, wait_s=wait)
-        if known is not None and version == known:
+            # on this thread, until the representation is another one, and asks again.
+            return WaitThenAsk(
+                job_id=job_id, tenant=tenant, known=known or frozenset({etag}), wait_s=wait
+            )
+        if etag in known:
             response = HttpResponse(status=304)
-            response["ETag"] = f'"v{version}"'
+            response["ETag"] = etag
             return response
         return _job_response(self.job(job_id), status=200)
 
@@ -730,9 +738,11 @@ class WaitThenAsk(HttpResponse):
     """A sync view's answer to its async wrapper: wait for the job to change, then call me
     again. Never leaves the process."""
 
-    def __init__(self, *, job_id: uuid.UUID, tenant: str, baseline: int, wait_s: float) -> None:
+    def __init__(
+        self, *, job_id: uuid.UUID, tenant: str, known: frozenset[str], wait_s: float
+    ) -> None:
         super().__init__(status=204)
-        self.job_id, self.tenant, self.baseline = job_id, tenant, baseline
+        self.job_id, self.tenant, self.known = job_id, tenant, known
         self.deadline = time.monotonic() + wait_s
 
 
@@ -759,7 +769,7 @@ def waitable(view_cls: type[APIView]) -> Callable[..., Any]:
             await waiting.wait_for_change(
                 job_id=response.job_id,
                 tenant=response.tenant,
-                baseline=response.baseline,
+                known=response.known,
                 deadline=response.deadline,
             )
             request.quire_waited = True  # type: ignore[attr-defined]

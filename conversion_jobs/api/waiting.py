@@ -21,12 +21,14 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
 
 from conversion_jobs import selectors
+from conversion_jobs.api.representation import job_etag
 from conversion_jobs.states import TERMINAL_STATES
 
 logger = logging.getLogger(__name__)
@@ -51,10 +53,22 @@ class JobStatus:
     pages_total: int | None
     pages_done: int
     pages_failed: int
+    updated_at: datetime
 
     @property
     def terminal(self) -> bool:
         return self.state in TERMINAL_STATES
+
+    @property
+    def etag(self) -> str:
+        """The ETag of the representation this status was read from (representation.py)."""
+        return job_etag(
+            state_version=self.state_version,
+            pages_total=self.pages_total,
+            pages_done=self.pages_done,
+            pages_failed=self.pages_failed,
+            updated_at=self.updated_at,
+        )
 
     @property
     def event_id(self) -> str:
@@ -180,14 +194,15 @@ listener = JobChangeListener()
 
 
 async def wait_for_change(
-    *, job_id: uuid.UUID, tenant: str, baseline: int, deadline: float
+    *, job_id: uuid.UUID, tenant: str, known: frozenset[str], deadline: float
 ) -> JobStatus | None:
-    """Sleep until the job's ``state_version`` differs from ``baseline``, the job is terminal,
-    or ``deadline`` (monotonic) passes. Returns the last status read (None: the job is gone)."""
+    """Sleep until the job's representation is none of ``known`` (ETags: a state change and
+    page progress alike, docs/API_CONTRACT.md §2.2), the job is terminal, or ``deadline``
+    (monotonic) passes. Returns the last status read (None: the job is gone)."""
     with listener.subscribe(job_id) as event:
         while True:
             status = await status_read(job_id, tenant)
-            if status is None or status.state_version != baseline or status.terminal:
+            if status is None or status.etag not in known or status.terminal:
                 return status
             remaining = deadline - time.monotonic()
             if remaining <= 0:

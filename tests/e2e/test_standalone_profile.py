@@ -143,13 +143,16 @@ def test_standalone__web_long_polls_and_event_stream_fall_back_to_async_polling(
         "mint_token", "--tenant", "tenant-a", "--scope", "jobs:read jobs:submit"
     ).strip()
     job_id = str(uuid.UUID(_submit(standalone, tmp_path, pages=3, options={})))
+    etag = requests.get(
+        f"{base}/api/v1/jobs/{job_id}", headers={"Authorization": f"Bearer {token}"}, timeout=10
+    ).headers["ETag"]  # the current representation's: the long-polls park
 
     async def parked_and_probed() -> tuple[list[int], float]:
         async def long_poll() -> int:
             reader, writer = await asyncio.open_connection("127.0.0.1", web.port)
             writer.write(
                 f"GET /api/v1/jobs/{job_id}?wait=4 HTTP/1.1\r\nHost: x\r\n"
-                f'Authorization: Bearer {token}\r\nIf-None-Match: "v1"\r\n\r\n'.encode()
+                f"Authorization: Bearer {token}\r\nIf-None-Match: {etag}\r\n\r\n".encode()
             )
             head = await reader.readuntil(b"\r\n\r\n")
             writer.close()

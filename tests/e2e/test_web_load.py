@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 
 from conversion_jobs.api.auth import token_mint
+from conversion_jobs.api.representation import job_etag_of
 from conversion_jobs.services.cancellation import conversion_job_cancel
 from tests.e2e import harness
 
@@ -167,6 +168,7 @@ async def scenario(
         tenant="tenant-a", subject="load", scopes=["jobs:read", "jobs:submit"], ttl_s=600
     )
     out: dict[str, Any] = {}
+    etags = {job.id: job_etag_of(job) for job in jobs}  # as accepted: the rows do not move
 
     # 1. 1,000 long-polls, parked (their If-None-Match is current and the jobs do not move).
     gate = asyncio.Semaphore(100)  # connect politely; they all end up parked together
@@ -174,7 +176,9 @@ async def scenario(
     async def long_poll(job: Any) -> tuple[int, float]:
         async with gate:
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(get(f"/api/v1/jobs/{job.id}?wait={WAIT_S}", token, If_None_Match='"v1"'))
+            writer.write(
+                get(f"/api/v1/jobs/{job.id}?wait={WAIT_S}", token, If_None_Match=etags[job.id])
+            )
             await writer.drain()
         started = time.perf_counter()
         try:

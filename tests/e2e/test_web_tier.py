@@ -22,6 +22,7 @@ import requests
 from django.db import connection
 
 from conversion_jobs.api.auth import token_mint
+from conversion_jobs.api.representation import job_etag_of
 from conversion_jobs.models import ConversionJob
 from conversion_jobs.services.cancellation import conversion_job_cancel
 from tests.e2e import harness
@@ -29,6 +30,11 @@ from tests.e2e import harness
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres]
 
 SCOPES = ["jobs:read", "jobs:submit", "jobs:cancel"]
+
+
+def etag_now(job: Any) -> str:
+    """The job's current ETag, from its row now (api/representation.py)."""
+    return job_etag_of(ConversionJob.objects.get(id=job.id))
 
 
 def token(tenant: str = "tenant-a") -> str:
@@ -101,7 +107,7 @@ def test_long_poll_is_woken_by_the_transition_not_its_deadline(web, submit, with
     100 ms; ≈ 10 ms measured) is a benchmark figure (tests/e2e/test_web_load.py prints it,
     bench/latency.py), not a timed assertion that a loaded CI runner would make flaky."""
     job = submit(pages=1)
-    headers = auth(**({"If-None-Match": f'"v{job.state_version}"'} if with_etag else {}))
+    headers = auth(**({"If-None-Match": etag_now(job)} if with_etag else {}))
     committed: list[float] = []
     canceller = cancel_later(job.id, 1.0, committed)
     response = requests.get(f"{web}/api/v1/jobs/{job.id}?wait=20", headers=headers, timeout=30)
@@ -109,7 +115,7 @@ def test_long_poll_is_woken_by_the_transition_not_its_deadline(web, submit, with
     canceller.join()
     assert response.status_code == 200
     assert response.json()["state"] == "cancelled"
-    assert response.headers["ETag"] == f'"v{response.json()["state_version"]}"'
+    assert response.headers["ETag"] == etag_now(job)
     lag = answered - committed[0]
     assert lag < 3.0, f"answered {lag * 1000:.0f} ms after the transition committed"
 
@@ -138,7 +144,7 @@ def test_long_poll_times_out_with_304_and_problem_json_errors(web, submit):
     started = time.monotonic()
     response = requests.get(
         f"{web}/api/v1/jobs/{job.id}?wait=1",
-        headers=auth(**{"If-None-Match": f'"v{job.state_version}"'}),
+        headers=auth(**{"If-None-Match": etag_now(job)}),
         timeout=30,
     )
     assert response.status_code == 304
@@ -177,7 +183,7 @@ def test_the_listener_reconnects_after_its_connection_is_killed(web, submit):
     # One long-poll makes the worker process start its LISTEN connection.
     requests.get(
         f"{web}/api/v1/jobs/{job.id}?wait=0.5",
-        headers=auth(**{"If-None-Match": '"v1"'}),
+        headers=auth(**{"If-None-Match": etag_now(job)}),
         timeout=10,
     )
 
@@ -199,7 +205,7 @@ def test_the_listener_reconnects_after_its_connection_is_killed(web, submit):
     canceller = cancel_later(job.id, 2.0, committed)
     response = requests.get(
         f"{web}/api/v1/jobs/{job.id}?wait=20",
-        headers=auth(**{"If-None-Match": f'"v{job.state_version}"'}),
+        headers=auth(**{"If-None-Match": etag_now(job)}),
         timeout=30,
     )
     answered = time.monotonic()
@@ -623,7 +629,7 @@ def test_job_detail_without_wait_is_unchanged(web, submit):
     job = submit(pages=1)
     response = requests.get(f"{web}/api/v1/jobs/{job.id}", headers=auth(), timeout=10)
     assert response.status_code == 200
-    assert response.headers["ETag"] == f'"v{job.state_version}"'
+    assert response.headers["ETag"] == etag_now(job)
     again = requests.get(
         f"{web}/api/v1/jobs/{job.id}",
         headers=auth(**{"If-None-Match": response.headers["ETag"]}),
@@ -689,7 +695,7 @@ def test_small_uploads_are_accepted_on_the_loop_large_ones_and_errors_on_a_threa
     assert accepted.status_code == 202, accepted.text
     job_id = accepted.json()["id"]
     assert accepted.headers["Location"] == f"/api/v1/jobs/{job_id}"
-    assert accepted.headers["ETag"] == '"v1"'
+    assert accepted.headers["ETag"] == etag_now(ConversionJob.objects.get(id=job_id))
     assert accepted.headers["X-Frame-Options"] == "DENY"
     replay = post(small, **{"Idempotency-Key": key})
     assert (replay.status_code, replay.headers.get("Idempotent-Replayed")) == (200, "true")

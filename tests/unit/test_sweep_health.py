@@ -41,3 +41,27 @@ def test_sweep_late_by__never_succeeded_gets_the_start_up_grace_from_the_install
 def test_sweep_late_by__the_grace_ends_with_the_first_success():
     # Succeeded once at t=1, then nothing: overdue at t=12 although the grace has not run out.
     assert late(at=12, last=1) > 0
+
+
+def test_env_seconds_by_name__parses_the_sweep_interval_overrides(monkeypatch):
+    from project.settings import env_seconds_by_name
+
+    monkeypatch.setenv("X_INTERVALS", " apply_retention=60, remove_orphaned_artifacts=0.5 ,")
+    assert env_seconds_by_name("X_INTERVALS") == {
+        "apply_retention": 60.0,
+        "remove_orphaned_artifacts": 0.5,
+    }
+    monkeypatch.delenv("X_INTERVALS")
+    assert env_seconds_by_name("X_INTERVALS") == {}
+
+
+def test_env_seconds_by_name__refuses_what_is_not_a_positive_number_of_seconds(monkeypatch):
+    import pytest
+    from django.core.exceptions import ImproperlyConfigured
+
+    from project.settings import env_seconds_by_name
+
+    for bad in ("apply_retention", "apply_retention=", "=5", "a=0", "a=-1", "a=soon", "a=inf"):
+        monkeypatch.setenv("X_INTERVALS", bad)
+        with pytest.raises(ImproperlyConfigured, match="X_INTERVALS"):
+            env_seconds_by_name("X_INTERVALS")

@@ -99,15 +99,15 @@ class Command(BaseCommand):
         self._follow(api, pending, out, deadline=time.monotonic() + opts["timeout"])
 
     def _follow(self, api: Api, pending: dict[str, Path], out: Path, *, deadline: float) -> None:
-        versions: dict[str, int] = {}
+        etags: dict[str, str] = {}  # the ETag of the last representation seen, per job
         while pending and time.monotonic() < deadline:
             for job_id in list(pending):
-                headers = {"If-None-Match": f'"v{versions[job_id]}"'} if job_id in versions else {}
-                status, _, raw = api.call("GET", f"/api/v1/jobs/{job_id}?wait=2", headers=headers)
+                headers = {"If-None-Match": etags[job_id]} if job_id in etags else {}
+                status, got, raw = api.call("GET", f"/api/v1/jobs/{job_id}?wait=2", headers=headers)
                 if status == 304:
                     continue
                 job = json.loads(raw)
-                versions[job_id] = job["state_version"]
+                etags[job_id] = got.get("etag", "")
                 pages = job["pages"]
                 self.stdout.write(
                     f"  {pending[job_id].name}: {job['state']} "

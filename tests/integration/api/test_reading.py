@@ -7,23 +7,38 @@ import io
 import threading
 import time
 import uuid
+from datetime import timedelta
 
 import pytest
 from django.core.management import call_command
 from django.db import connections
 from django.db.models import F
+from django.db.models.functions import Now
+from django.utils import timezone
 
 from conversion_jobs.models import ConversionJob
 from tests.integration.api.conftest import problem
 
 
+def _get(client, job, **headers):
+    return client.get(f"/api/v1/jobs/{job.id}", **headers)
+
+
+def _current(client, job) -> tuple[str, dict]:
+    """The ETag and body of the job's representation now (an unconditional GET)."""
+    response = _get(client, job)
+    assert response.status_code == 200
+    return response["ETag"], response.json()
+
+
 @pytest.mark.django_db
-def test_get_job__etag_is_state_version_and_if_none_match_is_304(api, make_job):
+def test_get_job__etag_names_the_representation_and_if_none_match_is_304(api, make_job):
     job = make_job()
     client = api()
-    first = client.get(f"/api/v1/jobs/{job.id}")
+    first = _get(client, job)
     assert first.status_code == 200
-    assert first["ETag"] == '"v1"'
+    etag = first["ETag"]
+    assert etag.startswith('"v1.') and etag.endswith('"')  # a strong validator
     body = first.json()
     assert body["id"] == str(job.id) and body["state_version"] == 1
     assert set(body) >= {
@@ -45,55 +60,143 @@ def test_get_job__etag_is_state_version_and_if_none_match_is_304(api, make_job):
         "links",
     }
     assert body["links"]["self"] == f"/api/v1/jobs/{job.id}"
+    assert _get(client, job)["ETag"] == etag  # nothing changed: the same validator
 
-    same = client.get(f"/api/v1/jobs/{job.id}", HTTP_IF_NONE_MATCH='"v1"')
-    assert same.status_code == 304
-    assert same["ETag"] == '"v1"'
-    assert same.content == b""
+    for header in (etag, f"W/{etag}", f'"other", {etag}'):  # weak comparison, a list
+        same = _get(client, job, HTTP_IF_NONE_MATCH=header)
+        assert same.status_code == 304, header
+        assert same["ETag"] == etag
+        assert same.content == b""
+    for header in ('"v1"', "*", "garbage", '"other"'):  # the old form, anything else: 200
+        assert _get(client, job, HTTP_IF_NONE_MATCH=header).status_code == 200, header
 
     ConversionJob.objects.filter(id=job.id).update(state_version=F("state_version") + 1)
-    changed = client.get(f"/api/v1/jobs/{job.id}", HTTP_IF_NONE_MATCH='"v1"')
+    changed = _get(client, job, HTTP_IF_NONE_MATCH=etag)
     assert changed.status_code == 200
-    assert changed["ETag"] == '"v2"'
+    assert changed["ETag"] != etag and changed["ETag"].startswith('"v2.')
     assert changed.json()["state_version"] == 2
 
 
-def _bump_later(job_id, delay: float) -> threading.Thread:
-    def bump() -> None:
+#: Writes that change the body without a transition (no state_version bump), each as the code
+#: does it (services/checkpoints.py, services/execution.py, services/retention.py), and the
+#: bare column changes (no updated_at) a hand-written UPDATE might make.
+BODY_WRITES = {
+    "page done": {"pages_done": F("pages_done") + 1, "updated_at": Now()},
+    "page failed": {"pages_failed": F("pages_failed") + 1, "updated_at": Now()},
+    "page total known": {"source_page_count": 50, "updated_at": Now()},
+    "bare pages_done": {"pages_done": F("pages_done") + 1},
+    "bare pages_failed": {"pages_failed": F("pages_failed") + 1},
+    "updated_at only": {"updated_at": Now()},
+}
+
+
+@pytest.mark.django_db(transaction=True)  # each write its own transaction: its own now()
+@pytest.mark.parametrize("write", sorted(BODY_WRITES))
+def test_get_job__every_change_of_the_body_changes_the_etag(api, make_job, write):
+    """Issue 22 point 4 (RFC 9110 §8.8.3): a 304 only ever names the body last seen."""
+    job = make_job(state="running", source_page_count=None)
+    client = api()
+    etag, body = _current(client, job)
+    time.sleep(0.002)  # updated_at moves on even at coarse clocks
+    ConversionJob.objects.filter(id=job.id).update(**BODY_WRITES[write])
+    answer = _get(client, job, HTTP_IF_NONE_MATCH=etag)
+    assert answer.status_code == 200, write
+    assert answer.json() != body and answer.json()["state_version"] == body["state_version"]
+    assert answer["ETag"] != etag
+    assert _get(client, job, HTTP_IF_NONE_MATCH=answer["ETag"]).status_code == 304
+
+
+@pytest.mark.django_db
+def test_get_job__expiry_changes_the_etag(api, make_job):
+    job = make_job(state="succeeded")
+    client = api()
+    etag, body = _current(client, job)
+    assert body["result"] is not None
+    ConversionJob.objects.filter(id=job.id).update(
+        expired_at=Now(), updated_at=timezone.now() + timedelta(seconds=1)
+    )
+    answer = _get(client, job, HTTP_IF_NONE_MATCH=etag)
+    assert answer.status_code == 200 and answer.json()["result"] is None
+    assert answer["ETag"] != etag
+
+
+@pytest.mark.django_db
+def test_get_job__the_etag_of_a_submission_is_the_etag_of_its_read(
+    api, pdf_file, no_broker_publish
+):
+    client = api()
+    with open(pdf_file(), "rb") as fh:
+        accepted = client.post("/api/v1/jobs", {"file": fh, "output": "text"}, format="multipart")
+    assert accepted.status_code == 202
+    read = client.get(accepted["Location"], HTTP_IF_NONE_MATCH=accepted["ETag"])
+    assert read.status_code == 304 and read["ETag"] == accepted["ETag"]
+
+
+def _later(job_id, delay: float, **write) -> threading.Thread:
+    def change() -> None:
         try:
             time.sleep(delay)
-            ConversionJob.objects.filter(id=job_id).update(state_version=F("state_version") + 1)
+            ConversionJob.objects.filter(id=job_id).update(**write)
         finally:
             connections.close_all()
 
-    thread = threading.Thread(target=bump)
+    thread = threading.Thread(target=change)
     thread.start()
     return thread
+
+
+def _bump_later(job_id, delay: float) -> threading.Thread:
+    return _later(job_id, delay, state_version=F("state_version") + 1, updated_at=Now())
 
 
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("with_etag", [True, False])
 def test_get_job__wait_returns_as_soon_as_state_version_changes(api, make_job, with_etag):
     job = make_job()
-    headers = {"HTTP_IF_NONE_MATCH": '"v1"'} if with_etag else {}
+    client = api()
+    etag, _ = _current(client, job)
+    headers = {"HTTP_IF_NONE_MATCH": etag} if with_etag else {}
     bumper = _bump_later(job.id, 0.5)
     started = time.monotonic()
-    response = api().get(f"/api/v1/jobs/{job.id}?wait=2", **headers)
+    response = client.get(f"/api/v1/jobs/{job.id}?wait=2", **headers)
     elapsed = time.monotonic() - started
     bumper.join()
     assert response.status_code == 200
     assert response.json()["state_version"] == 2
-    assert response["ETag"] == '"v2"'
+    assert response["ETag"] == _current(client, job)[0] != etag
     assert 0.4 <= elapsed < 1.5, elapsed
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("with_etag", [True, False])
+def test_get_job__wait_returns_as_soon_as_a_page_is_done(api, make_job, with_etag):
+    """The long-poll wakes on page progress, not only on a state change (API_CONTRACT §2.2)."""
+    job = make_job(state="running", source_page_count=50)
+    client = api()
+    etag, _ = _current(client, job)
+    headers = {"HTTP_IF_NONE_MATCH": etag} if with_etag else {}
+    writer = _later(job.id, 0.5, pages_done=F("pages_done") + 1, updated_at=Now())
+    started = time.monotonic()
+    response = client.get(f"/api/v1/jobs/{job.id}?wait=3", **headers)
+    elapsed = time.monotonic() - started
+    writer.join()
+    assert response.status_code == 200
+    body = response.json()
+    assert (body["state_version"], body["pages"]["done"]) == (1, 1)
+    assert response["ETag"] != etag
+    assert 0.4 <= elapsed < 2.0, elapsed
 
 
 @pytest.mark.django_db(transaction=True)
 def test_get_job__wait_times_out_with_304_when_etag_matches(api, make_job):
     job = make_job()
+    client = api()
+    etag, _ = _current(client, job)
     started = time.monotonic()
-    response = api().get(f"/api/v1/jobs/{job.id}?wait=1", HTTP_IF_NONE_MATCH='"v1"')
+    response = client.get(f"/api/v1/jobs/{job.id}?wait=1", HTTP_IF_NONE_MATCH=etag)
     elapsed = time.monotonic() - started
     assert response.status_code == 304
+    assert response["ETag"] == etag
     assert 0.9 <= elapsed < 2.0, elapsed
 
 
@@ -111,10 +214,14 @@ def test_get_job__wait_times_out_with_200_without_etag(api, make_job):
 @pytest.mark.django_db
 def test_get_job__stale_etag_with_wait_answers_at_once(api, make_job):
     job = make_job(state_version=5)
+    client = api()
+    stale, _ = _current(client, job)
+    ConversionJob.objects.filter(id=job.id).update(pages_done=F("pages_done") + 1)
     started = time.monotonic()
-    response = api().get(f"/api/v1/jobs/{job.id}?wait=5", HTTP_IF_NONE_MATCH='"v3"')
+    response = client.get(f"/api/v1/jobs/{job.id}?wait=5", HTTP_IF_NONE_MATCH=stale)
     assert response.status_code == 200
-    assert response["ETag"] == '"v5"'
+    assert response.json()["pages"]["done"] == 1
+    assert response["ETag"] == _current(client, job)[0] != stale
     assert time.monotonic() - started < 1
 
 
@@ -258,12 +365,14 @@ def test_migrations__makemigrations_check_is_clean():
 @pytest.mark.parametrize("with_etag", [False, True])
 def test_get_job__wait_on_a_terminal_job_answers_at_once(api, make_job, with_etag):
     job = make_job(state="cancelled", state_version=3)
-    headers = {"HTTP_IF_NONE_MATCH": '"v3"'} if with_etag else {}
+    client = api()
+    etag, _ = _current(client, job)
+    headers = {"HTTP_IF_NONE_MATCH": etag} if with_etag else {}
     started = time.monotonic()
-    response = api().get(f"/api/v1/jobs/{job.id}?wait=5", **headers)
+    response = client.get(f"/api/v1/jobs/{job.id}?wait=5", **headers)
     assert time.monotonic() - started < 1
     assert response.status_code == (304 if with_etag else 200)
-    assert response["ETag"] == '"v3"'
+    assert response["ETag"] == etag
 
 
 def _stream(response) -> str:

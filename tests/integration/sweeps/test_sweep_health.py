@@ -91,21 +91,38 @@ def test_health_ready__503_names_each_sweep_late_past_factor_times_interval(inst
     assert overdue["age_s"] >= overdue["allowed_s"]
 
 
+def run_sweep(sweep) -> None:
+    """The scheduled task itself, as the sweeper runs it (by its registered name)."""
+    from project.celery import app
+
+    app.tasks[sweep.task]()
+
+
 def test_health_ready__back_to_200_when_the_overdue_sweep_runs_again(installed, client):
-    SweepStatus.objects.update(last_success_at=timezone.now() - timedelta(hours=1))
+    SweepStatus.objects.update(last_success_at=timezone.now() - timedelta(days=1))
     assert ready(client)[0] == 503
-    for task in (
-        sweep_tasks.publish_outbox,
-        sweep_tasks.recover_expired_leases,
-        sweep_tasks.requeue_due_retries,
-        sweep_tasks.republish_stale_queued,
-        sweep_tasks.repair_leaseless_jobs,
-        sweep_tasks.remove_stale_work_dirs,
-        sweep_tasks.apply_retention,
-    ):
-        task()
+    for sweep in sweeps():
+        run_sweep(sweep)
     status, body = ready(client)
     assert status == 200, body
+
+
+def test_every_scheduled_sweep__writes_its_own_sweep_status_row(installed, client):
+    """Issue 22 point 3: every task of the schedule (read from it, so a new sweep is covered
+    without touching this test) records its success under its own key, and afterwards
+    /health/ready's sweep check holds even long past every start-up grace."""
+    SweepStatus.objects.update(installed_at=timezone.now() - timedelta(days=1))
+    status, body = ready(client)
+    assert status == 503 and {o["sweep"] for o in body["overdue_sweeps"]} == set(installed)
+    for sweep in sweeps():
+        before = dict(SweepStatus.objects.values_list("name", "last_success_at"))
+        run_sweep(sweep)
+        after = dict(SweepStatus.objects.values_list("name", "last_success_at"))
+        assert before[sweep.key] is None and after[sweep.key] is not None, sweep.task
+        assert {k for k in after if after[k] != before.get(k)} == {sweep.key}, sweep.task
+    status, body = ready(client)
+    assert status == 200, body
+    assert body["checks"]["sweeps"] is True and "overdue_sweeps" not in body
 
 
 def test_health_ready__the_factor_is_a_setting(installed, client, settings):
@@ -133,3 +150,34 @@ def test_sweep_succeeded__adds_its_row_when_the_schedule_predates_it(client):
     sweep_tasks.remove_stale_work_dirs()
     row = SweepStatus.objects.get(name="remove_stale_work_dirs")
     assert row.last_success_at is not None and row.interval_s == 60.0
+
+
+def test_sweeps__intervals_setting_overrides_each_named_sweep(settings):
+    settings.QUIRE = {
+        **settings.QUIRE,
+        "SWEEP_INTERVALS_S": {"remove_orphaned_artifacts": 2.5, "apply_retention": 0.5},
+    }
+    intervals = {s.key: s.every_s for s in sweeps()}
+    assert intervals["remove_orphaned_artifacts"] == 2.5
+    assert intervals["apply_retention"] == 0.5
+    assert intervals["remove_stale_work_dirs"] == 60.0  # not named: its own interval
+
+
+def test_sweeps__intervals_setting_naming_no_sweep_is_refused(settings):
+    from django.core.exceptions import ImproperlyConfigured
+
+    settings.QUIRE = {**settings.QUIRE, "SWEEP_INTERVALS_S": {"remove_orphans": 5.0}}
+    with pytest.raises(ImproperlyConfigured, match="remove_orphans"):
+        sweeps()
+
+
+def test_install_beat_schedule__writes_the_overridden_intervals(settings):
+    from django_celery_beat.models import PeriodicTask
+
+    keys = [s.key for s in sweeps()]
+    settings.QUIRE = {**settings.QUIRE, "SWEEP_INTERVALS_S": dict.fromkeys(keys, 0.25)}
+    call_command("install_beat_schedule", stdout=io.StringIO())
+    assert set(SweepStatus.objects.values_list("interval_s", flat=True)) == {0.25}
+    tasks = PeriodicTask.objects.filter(name__startswith="quire: ")
+    assert tasks.count() == len(keys)
+    assert {(t.interval.every, t.interval.period) for t in tasks} == {(250_000, "microseconds")}
