@@ -1,10 +1,12 @@
-"""Which secrets a process needs, and the start-up refusal (docs/OPERABILITY.md §2 "Secrets").
+"""Which secrets a process needs, and the start-up refusal (docs/OPERABILITY.md §2 "Required
+in production").
 
 The standalone profile runs out of the box on published development values (``quire-dev-only-…``)
 and says so in one warning line at start. The production profile (``DATABASE_URL`` or
-``CELERY_BROKER_URL`` set, as in ``project/settings.py``) refuses to start while a secret it uses
-is unset, holds a development value, or is weak: anyone who has read this repository could
-otherwise mint a token for any tenant and reverse the audit pseudonyms (docs/THREAT_MODEL.md).
+``CELERY_BROKER_URL`` set: :func:`production_profile`, which the settings ask too) refuses to
+start while a secret it uses is unset, holds a development value, or is weak: anyone who has
+read this repository could otherwise mint a token for any tenant and reverse the audit
+pseudonyms (docs/THREAT_MODEL.md).
 
 :func:`enforce` runs when the ``project`` package is imported, which every process does first
 (``manage.py`` through the settings, ``celery -A project``, gunicorn's master when it loads
@@ -89,7 +91,7 @@ def refusal(environ: Mapping[str, str]) -> str | None:
         f"quire: refusing to start in the production profile: {'; '.join(found)}. "
         f"Set each to a random value of at least {DEFAULT_MIN_LENGTH} characters "
         f"(DJANGO_SECRET_KEY {MIN_LENGTH['DJANGO_SECRET_KEY']}); `{HOW_TO_GENERATE}` prints a "
-        "set (docs/OPERABILITY.md §2 Secrets)"
+        "set (docs/OPERABILITY.md §2 Required in production)"
     )
 
 
