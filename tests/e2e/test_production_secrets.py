@@ -14,7 +14,6 @@ import os
 import secrets
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -59,10 +58,9 @@ def production_env(tmp_path: Path) -> dict[str, str]:
     )
 
 
-def run_line(kind: str, env: dict[str, str], *, timeout: float = 60) -> tuple[int, str, float]:
-    """(exit status, stdout + stderr, seconds) of the Procfile line, its group killed at the
-    timeout."""
-    started = time.monotonic()
+def run_line(kind: str, env: dict[str, str], *, timeout: float = 90) -> tuple[int, str]:
+    """(exit status, stdout + stderr) of the Procfile line; its group is killed at the timeout
+    (a line that did not refuse: it serves, or retries its closed ports, until then)."""
     proc = subprocess.Popen(
         ["bash", "-c", procfile_line(kind)],
         cwd=harness.REPO,
@@ -78,19 +76,19 @@ def run_line(kind: str, env: dict[str, str], *, timeout: float = 60) -> tuple[in
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         pytest.fail(f"{kind} did not refuse within {timeout:g}s:\n{out.decode()[-3000:]}")
-    return proc.returncode, out.decode(errors="replace"), time.monotonic() - started
+    return proc.returncode, out.decode(errors="replace")
 
 
 def assert_refused(kind: str, env: dict[str, str], name: str, why: str) -> None:
-    status, output, seconds = run_line(kind, env)
+    status, output = run_line(kind, env)
     lines = [line for line in output.splitlines() if line.strip()]
     assert status == EXIT_CODE, f"{kind} exited {status}:\n{output}"
+    # nothing before it either: gunicorn logs "Starting gunicorn" before it binds, celery its
+    # banner before it connects
     assert len(lines) == 1, f"{kind} said more than one line:\n{output}"
     assert lines[0].startswith("quire: refusing to start in the production profile: ")
     assert f"{name} {why}" in lines[0]
     assert "Traceback" not in output
-    # before any real work: no interpreter start-up of a second command, no retry loop
-    assert seconds < 30, f"{kind} took {seconds:.1f}s to refuse"
 
 
 @pytest.mark.parametrize("kind", KINDS)
