@@ -31,6 +31,14 @@ PYTHON = str(VENV_BIN / "python") if (VENV_BIN / "python").exists() else sys.exe
 T = TypeVar("T")
 PG_ADMIN_URL = os.environ.get("BENCH_PG_ADMIN_URL", "postgres://postgres@127.0.0.1:5432/postgres")
 
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+from conversion_jobs.secret_policy import SECRET_VARIABLES, generated  # noqa: E402
+
+# The production profile refuses development secrets (conversion_jobs/secret_policy.py): this
+# process and every process it starts share random ones of this run, unless they are set.
+os.environ.update({k: v for k, v in generated().items() if not os.environ.get(k)})
+
 
 # -- processes ------------------------------------------------------------------------------------
 
@@ -561,6 +569,7 @@ def quire_stack(*, db_name: str, keep: bool = False, **quire_env: str) -> Iterat
                 k: v
                 for k, v in base_env().items()
                 if not k.startswith(("CELERY_", "DATABASE_URL", "QUIRE_", "DJANGO_SETTINGS"))
+                or k in SECRET_VARIABLES
             }
             env.update(
                 PYTHONPATH=str(ROOT),

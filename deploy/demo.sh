@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Quire's main job on a fresh machine: set up, start the whole stack (web, worker, sweeper,
-# beat) in the standalone profile (SQLite + server-less broker; set DATABASE_URL and
-# CELERY_BROKER_URL for the production profile), submit the bundled sample documents through
+# beat) in the standalone profile (SQLite + server-less broker, published development secrets;
+# set DATABASE_URL, CELERY_BROKER_URL and the secrets of docs/OPERABILITY.md §2 for the
+# production profile), submit the bundled sample documents through
 # the real HTTP API, follow them to the end and save the results under var/demo-results/.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -15,7 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
 from kombu import Exchange, Queue
+
+from conversion_jobs import secret_policy
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -56,13 +59,45 @@ def env_seconds_by_name(name: str) -> dict[str, float]:
 VAR_DIR = Path(env_str("QUIRE_VAR_DIR", str(BASE_DIR / "var")))
 if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # aggregated counters across processes (Procfile)
     Path(os.environ["PROMETHEUS_MULTIPROC_DIR"]).mkdir(parents=True, exist_ok=True)
-STANDALONE = not os.environ.get("DATABASE_URL") and not os.environ.get("CELERY_BROKER_URL")
+STANDALONE = not secret_policy.production_profile(os.environ)
 DEBUG = env_bool("DJANGO_DEBUG", False)
 
-# Development defaults exist only so the standalone profile runs out of the box; production sets
-# every secret (docs/OPERABILITY.md lists them).
-SECRET_KEY = env_str("DJANGO_SECRET_KEY", "quire-dev-only-secret-key-change-me-0123456789abcdef")
+# Development secrets exist only so the standalone profile runs out of the box; the production
+# profile refuses to start without real ones (conversion_jobs/secret_policy.py, which already
+# stopped a process importing ``project``: this is for one whose environment changed since).
+if _secret_refusal := secret_policy.refusal(os.environ):
+    raise ImproperlyConfigured(_secret_refusal)
+
+
+def env_secret(name: str) -> str:
+    """The secret, or in the standalone profile its published development value (production:
+    "" only for one it does not use, QUIRE_JWT_KEY with an identity provider)."""
+    fallback = secret_policy.DEVELOPMENT_VALUES.get(name, "") if STANDALONE else ""
+    return os.environ.get(name) or fallback
+
+
+SECRET_KEY = env_secret("DJANGO_SECRET_KEY")
 ALLOWED_HOSTS = env_str("DJANGO_ALLOWED_HOSTS", "*").split(",")
+
+# HTTPS (docs/OPERABILITY.md §2 "HTTPS"): the production web serves plain HTTP behind a
+# TLS-terminating proxy, which redirects http to https and sets X-Forwarded-Proto. These
+# defaults keep `manage.py check --deploy` silent; each can be changed from the environment.
+_PROXY_SSL_HEADER = env_str(
+    "DJANGO_SECURE_PROXY_SSL_HEADER", "" if STANDALONE else "X-Forwarded-Proto"
+)
+SECURE_PROXY_SSL_HEADER = (
+    ("HTTP_" + _PROXY_SSL_HEADER.upper().replace("-", "_"), "https") if _PROXY_SSL_HEADER else None
+)
+SECURE_HSTS_SECONDS = env_int("DJANGO_SECURE_HSTS_SECONDS", 0 if STANDALONE else 31536000)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("DJANGO_SECURE_HSTS_INCLUDE_SUBDOMAINS", not STANDALONE)
+SECURE_HSTS_PRELOAD = env_bool("DJANGO_SECURE_HSTS_PRELOAD", not STANDALONE)
+SESSION_COOKIE_SECURE = env_bool("DJANGO_SESSION_COOKIE_SECURE", not STANDALONE)
+CSRF_COOKIE_SECURE = env_bool("DJANGO_CSRF_COOKIE_SECURE", not STANDALONE)
+# Off by default: the proxy redirects. Django's redirect would answer a load balancer's plain
+# HTTP probe of /health/ready with a 301, and an API client's POST with a redirect after its
+# token already crossed in clear; so check --deploy's reminder (security.W008) is silenced.
+SECURE_SSL_REDIRECT = env_bool("DJANGO_SECURE_SSL_REDIRECT", False)
+SILENCED_SYSTEM_CHECKS = ["security.W008"]
 
 INSTALLED_APPS = [
     "django.contrib.admin",
@@ -209,7 +244,7 @@ SPECTACULAR_SETTINGS = {
 # --- Quire ----------------------------------------------------------------------------------
 QUIRE: dict[str, Any] = {
     # secrets
-    "JWT_KEY": env_str("QUIRE_JWT_KEY", "quire-dev-only-jwt-key-change-me-0123456789abcdef"),
+    "JWT_KEY": env_secret("QUIRE_JWT_KEY"),
     "JWT_ALGORITHM": "HS256",
     # identity provider (production): when set, tokens are verified against its JWKS only
     # (RS256 / ES256), and iss / aud are required (conversion_jobs/api/auth.py).
@@ -222,11 +257,13 @@ QUIRE: dict[str, Any] = {
     "JWT_LEEWAY_S": env_float("QUIRE_JWT_LEEWAY_S", 0.0),
     # Verified tokens are remembered (by hash) until they expire, at most this long; 0: off.
     "JWT_CACHE_S": env_float("QUIRE_JWT_CACHE_S", 60.0),
-    "PSEUDONYM_KEY": env_str("QUIRE_PSEUDONYM_KEY", "quire-dev-only-pseudonym-key-change-me"),
+    "PSEUDONYM_KEY": env_secret("QUIRE_PSEUDONYM_KEY"),
     # seals document passwords at rest and keys their HMAC in the content identity (ADR 0019)
-    "PASSWORD_KEY": env_str("QUIRE_PASSWORD_KEY", "quire-dev-only-password-key-change-me"),
-    # storage (docs/ARCHITECTURE.md §6): "filesystem" (STORAGE_DIR) or "s3" (S3; credentials come
-    # from the environment's AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or the instance role)
+    "PASSWORD_KEY": env_secret("QUIRE_PASSWORD_KEY"),
+    # bearer token of /metrics; required in the production profile, unset (open) standalone
+    "METRICS_TOKEN": env_secret("QUIRE_METRICS_TOKEN"),
+    # storage (docs/ARCHITECTURE.md §6): "filesystem" (STORAGE_DIR) or "s3" (S3; credentials
+    # come from the environment's AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or the instance role)
     "STORAGE": env_str("QUIRE_STORAGE", "filesystem"),
     "STORAGE_DIR": Path(env_str("QUIRE_STORAGE_DIR", str(VAR_DIR / "storage"))),
     "S3": {
@@ -330,13 +367,9 @@ QUIRE: dict[str, Any] = {
 }
 
 if QUIRE["FAST_PUBLISH"] not in ("background", "inline"):
-    from django.core.exceptions import ImproperlyConfigured
-
     raise ImproperlyConfigured("QUIRE_FAST_PUBLISH must be 'background' or 'inline'")
 
 if QUIRE["JWT_JWKS_URL"] and not (QUIRE["JWT_ISSUER"] and QUIRE["JWT_AUDIENCE"]):
-    from django.core.exceptions import ImproperlyConfigured
-
     raise ImproperlyConfigured("QUIRE_JWT_JWKS_URL needs QUIRE_JWT_ISSUER and QUIRE_JWT_AUDIENCE")
 
 # --- Celery (project/celery.py reads these with namespace "CELERY") --------------------------

@@ -132,6 +132,15 @@ def token(
     return token_mint(tenant=tenant, subject=subject, scopes=list(scopes), ttl_s=ttl)
 
 
+def metrics_headers() -> dict[str, str]:
+    """What a scrape of ``/metrics`` sends: the bearer ``QUIRE_METRICS_TOKEN`` of this run (the
+    production profile requires one; the standalone profile has none and leaves it open)."""
+    from django.conf import settings
+
+    metrics_token = settings.QUIRE.get("METRICS_TOKEN")
+    return {"Authorization": f"Bearer {metrics_token}"} if metrics_token else {}
+
+
 @pytest.fixture
 def api() -> Callable[..., Any]:
     """``api(tenant=…, scopes=…)`` -> a DRF APIClient with a bearer token."""

@@ -19,6 +19,10 @@ applied by ``deploy/rabbitmq/apply.sh`` through ``docker exec`` (``RABBITMQCTL``
 broker *host* (a local ``rabbitmq-server``): the outage tests' private nodes
 (``tests/e2e/private_services.py``) and the separate-hosts test's network links; they fail
 with their own message there, they never skip.
+
+Then, in the production profile, the secrets the settings require (``tests/services.py:
+secrets_env``): random values for this run, exported before the settings load, so the test
+process and the processes its tests start agree on them.
 """
 
 from __future__ import annotations
@@ -134,7 +138,7 @@ def _start_rabbitmq(workdir: Path) -> tuple[Any, dict[str, str]]:
 def pytest_load_initial_conftests(
     early_config: pytest.Config, parser: pytest.Parser, args: list[str]
 ) -> Any:
-    from tests.services import docker_available
+    from tests.services import docker_available, secrets_env
 
     want_db, want_broker = wanted(os.environ, docker_available)
     started: list[Any] = []
@@ -159,4 +163,6 @@ def pytest_load_initial_conftests(
         raise pytest.UsageError(
             f"a Docker engine answers but a test service container did not start: {exc}"
         ) from exc
+    # Once the profile is known: the production profile's secrets, random for this run.
+    os.environ.update(secrets_env(os.environ))
     return (yield)

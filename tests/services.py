@@ -87,3 +87,16 @@ def s3_container(workdir: Path) -> tuple[Any, dict[str, str]]:
         "AWS_ACCESS_KEY_ID": access,
         "AWS_SECRET_ACCESS_KEY": secret,
     }
+
+
+def secrets_env(env: Mapping[str, str]) -> dict[str, str]:
+    """Fresh random values, for this run only, for every secret the production profile requires
+    and ``env`` lacks (conversion_jobs/secret_policy.py refuses development values there).
+    Exported by tests/containers_plugin.py before the settings load, so this process and every
+    process a test starts share them; nothing in the standalone profile (its development values
+    stay)."""
+    from conversion_jobs.secret_policy import generated, production_profile
+
+    if not production_profile(env):
+        return {}
+    return {name: value for name, value in generated().items() if not env.get(name)}

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -73,6 +74,28 @@ def _fits(value: Any, *, max_len: int, allow_empty: bool = False) -> bool:
         and len(value) <= max_len
         and value.isprintable()
     )
+
+
+#: RFC 7519 §2 NumericDate claims: JSON numbers only. PyJWT converts with ``int()``, so a
+#: string ``"exp": "1999999999"`` or a boolean ``"iat": true`` would otherwise pass.
+NUMERIC_DATE_CLAIMS = ("exp", "nbf", "iat")
+
+
+def _is_numeric_date(value: Any) -> bool:
+    """A JSON number (not a bool, which Python counts as an int) that is a finite float: an
+    integer too large for one is no date either (and would overflow the cache's arithmetic)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
+
+
+def _numeric_dates(claims: dict[str, Any]) -> None:
+    for claim in NUMERIC_DATE_CLAIMS:
+        if claim in claims and not _is_numeric_date(claims[claim]):
+            raise InvalidToken(f"the {claim} claim must be a number (RFC 7519 NumericDate)")
 
 
 def _principal_from(claims: dict[str, Any]) -> Principal:
@@ -244,6 +267,8 @@ def token_decode(token: str) -> Principal:
             claims = _decode_shared_secret(token, config)
     except jwt.PyJWTError as exc:
         raise InvalidToken() from exc
+    # On every verification (both key sources); only a token that passed is ever cached.
+    _numeric_dates(claims)
     principal = _principal_from(claims)
     if cache_s > 0:
         until = min(float(claims["exp"]) + float(config["JWT_LEEWAY_S"]), now + cache_s)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hmac
 import os
 
+from django.conf import settings
 from django.db import connection
 from django.db.migrations.executor import MigrationExecutor
 from django.http import HttpRequest, HttpResponse, JsonResponse
@@ -59,8 +60,6 @@ def _sweeps_overdue() -> list[dict[str, object]] | None:
 
 def sandbox_status():  # type: ignore[no-untyped-def]
     """The converter sandbox as this host can set it up (ADR 0013; cached 30 s)."""
-    from django.conf import settings
-
     from conversion_jobs.converters import sandbox
 
     sandbox.configure(work_dir=settings.QUIRE["WORK_DIR"])
@@ -90,16 +89,19 @@ def ready(request: HttpRequest) -> JsonResponse:
 
 
 def metrics_view(request: HttpRequest) -> HttpResponse:
-    """Prometheus text. Protected by ``QUIRE_METRICS_TOKEN`` (bearer) when it is set."""
+    """Prometheus text, behind the bearer ``QUIRE_METRICS_TOKEN``: the production profile
+    refuses to start without one (conversion_jobs/secret_policy.py); standalone leaves it open."""
     from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
     from prometheus_client import REGISTRY as DEFAULT_REGISTRY
 
     from conversion_jobs.observability.gauges import DatabaseGauges, SandboxGauges
 
-    token = os.environ.get("QUIRE_METRICS_TOKEN")
+    token = settings.QUIRE.get("METRICS_TOKEN")
     if token:
-        given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(given.encode(), token.encode()):
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            given.strip().encode(), token.encode()
+        ):
             return HttpResponse(status=401, headers={"WWW-Authenticate": 'Bearer realm="metrics"'})
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         from prometheus_client import multiprocess

@@ -25,6 +25,7 @@ from urllib.parse import urlsplit, urlunsplit
 import amqp
 
 from conversion_jobs.converters import zygote
+from conversion_jobs.secret_policy import SECRET_VARIABLES
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
@@ -249,11 +250,13 @@ def database_url_for(name: str, base: str) -> str:
 
 def process_env(**extra: str) -> dict[str, str]:
     """The environment of a Quire process started by a test: this one's, minus its own
-    service and Quire settings, plus short timings and test faults; ``extra`` on top."""
+    service and Quire settings but with its secrets (the run's, tests/services.py
+    secrets_env), plus short timings and test faults; ``extra`` on top."""
     env = {
         k: v
         for k, v in os.environ.items()
         if not k.startswith(("CELERY_", "DATABASE_URL", "QUIRE_", "PYTEST_"))
+        or k in SECRET_VARIABLES
     }
     env.update(TEST_TIMINGS)
     env.update(

@@ -105,7 +105,7 @@ def test_database_outage__503_while_down_and_every_process_carries_on_after(
         for path in ("", "/result", "/pages", "/pages/1"):
             answers_503(web.get(f"/api/v1/jobs/{done_id}{path}"))
         answers_503(web.get(f"/api/v1/jobs/{uuid.uuid4()}"))
-        answers_503(web.get("/metrics"))  # a plain Django view: the middleware answers
+        answers_503(web.metrics())  # a plain Django view: the middleware answers
         assert web.ready().status_code == 503
         probes += 1
         time.sleep(0.2)

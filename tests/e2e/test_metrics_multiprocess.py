@@ -48,7 +48,7 @@ SAMPLE = re.compile(r"^(?P<name>[a-z_]+)(?:\{(?P<labels>[^}]*)\})? (?P<value>\S+
 
 def scrape(web: Web) -> dict[str, float]:
     """``{'name{labels}': value}`` of one scrape (labels as exposed)."""
-    response = web.get("/metrics")
+    response = web.metrics()
     assert response.status_code == 200, response.text[:300]
     out = {}
     for line in response.text.splitlines():

@@ -25,6 +25,7 @@ from conversion_jobs.api.auth import token_mint
 from conversion_jobs.api.representation import job_etag_of
 from conversion_jobs.models import ConversionJob
 from conversion_jobs.services.cancellation import conversion_job_cancel
+from tests.conftest import metrics_headers
 from tests.e2e import harness
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres]
@@ -645,7 +646,7 @@ def test_job_detail_without_wait_is_unchanged(web, submit):
 def _accept_paths(base: str) -> dict[str, float]:
     """``quire_accept_paths_total`` by ``loop`` / ``thread:<reason>``, summed over the web's
     processes (multiprocess metrics)."""
-    text = requests.get(f"{base}/metrics", timeout=10).text
+    text = requests.get(f"{base}/metrics", headers=metrics_headers(), timeout=10).text
     out: dict[str, float] = {}
     for match in re.finditer(
         r'^quire_accept_paths_total\{path="(\w+)",reason="(\w*)"\} (\S+)$', text, re.M

@@ -16,7 +16,7 @@ from typing import Any
 import requests
 
 from tests import testdocs
-from tests.conftest import token
+from tests.conftest import metrics_headers, token
 from tests.e2e import harness
 from tests.e2e.private_services import free_port
 
@@ -62,6 +62,10 @@ class Web:
 
     def get(self, path: str, *, timeout: float = 10) -> requests.Response:
         return requests.get(f"{self.base}{path}", headers=self.headers, timeout=timeout)
+
+    def metrics(self, *, timeout: float = 10) -> requests.Response:
+        """A scrape of ``/metrics`` with the run's ``QUIRE_METRICS_TOKEN``."""
+        return requests.get(f"{self.base}/metrics", headers=metrics_headers(), timeout=timeout)
 
     def ready(self, *, timeout: float = 10) -> requests.Response:
         return requests.get(f"{self.base}/health/ready", timeout=timeout)

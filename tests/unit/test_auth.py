@@ -120,6 +120,62 @@ def test_token_decode__over_long_token_is_rejected_before_parsing():
         token_decode("a" * 10_000)
 
 
+#: Far enough ahead for a parametrized case collected long before it runs.
+_LATER = int(time.time()) + 3600
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"exp": str(_LATER)},
+        {"exp": f"{_LATER}.5"},
+        {"exp": True},
+        {"exp": [_LATER]},
+        {"exp": {"at": _LATER}},
+        {"exp": 10**400},
+        {"iat": "0"},
+        {"iat": True},
+        {"iat": False},
+        {"nbf": "0"},
+        {"nbf": True},
+        {"nbf": [0]},
+    ],
+    ids=lambda o: f"{next(iter(o))}:{type(next(iter(o.values()))).__name__}",
+)
+def test_token_decode__numeric_date_that_is_not_a_number_is_invalid_token(overrides):
+    """RFC 7519 §2 NumericDate is a JSON number: PyJWT's int() would take "1999999999" or
+    true (an ``iat`` / ``nbf`` of true is 1, long past, so accepted)."""
+    with pytest.raises(InvalidToken) as refused:
+        token_decode(_encode(_claims(**overrides)))
+    assert refused.value.code == "invalid_token"
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"exp": _LATER + 0.5},
+        {"exp": _LATER, "iat": time.time() - 60.25, "nbf": time.time() - 60},
+        {"exp": float(_LATER), "iat": 0, "nbf": 0.0},
+    ],
+    ids=["float_exp", "float_iat", "all_numbers"],
+)
+def test_token_decode__numeric_dates_int_or_float_are_accepted(overrides):
+    assert token_decode(_encode(_claims(**overrides))).tenant == "acme"
+
+
+def test_token_decode__numeric_date_is_checked_with_the_verified_cache_on(settings):
+    """A refused token is never cached, so the check runs on every presentation; a cached valid
+    token does not vouch for another one with the same claims but a string exp."""
+    settings.QUIRE = {**settings.QUIRE, "JWT_CACHE_S": 60.0}
+    good = _encode(_claims())
+    assert token_decode(good).tenant == "acme"
+    assert token_decode(good).tenant == "acme"  # from the cache
+    stringy = _encode(_claims(exp=str(_LATER)))
+    for _ in range(2):
+        with pytest.raises(InvalidToken):
+            token_decode(stringy)
+
+
 @pytest.mark.parametrize("missing", ["QUIRE_JWT_ISSUER", "QUIRE_JWT_AUDIENCE"])
 def test_settings__jwks_without_issuer_or_audience_refuses_to_load(missing):
     import os

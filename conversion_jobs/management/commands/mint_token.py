@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
 from conversion_jobs.api.auth import SCOPES, token_mint
@@ -25,6 +26,10 @@ class Command(BaseCommand):
         unknown = set(scopes) - set(SCOPES)
         if unknown:
             raise CommandError(f"unknown scope(s): {', '.join(sorted(unknown))}")
+        if settings.QUIRE["JWT_JWKS_URL"]:
+            # Tokens are verified against the identity provider's keys only: a shared-secret
+            # token would be refused, and production has no QUIRE_JWT_KEY to sign it with.
+            raise CommandError("QUIRE_JWT_JWKS_URL is set: tokens come from the identity provider")
         self.stdout.write(
             token_mint(
                 tenant=options["tenant"],

@@ -4,6 +4,7 @@ whether an operator turned it off (ADR 0013)."""
 import pytest
 
 from conversion_jobs.converters import sandbox, sessions
+from tests.conftest import metrics_headers
 
 pytestmark = pytest.mark.django_db
 
@@ -17,7 +18,7 @@ def fresh_probe():
 
 
 def _metrics(client) -> str:
-    response = client.get("/metrics")
+    response = client.get("/metrics", headers=metrics_headers())
     assert response.status_code == 200
     return response.content.decode()
 

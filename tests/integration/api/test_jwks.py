@@ -66,8 +66,21 @@ def test_jwks__token_signed_by_a_published_key_is_accepted(idp, index, make_job)
         {"aud": None},
         {"exp": int(time.time()) - 60},
         {"tenant": "t" * 65},
+        {"exp": str(int(time.time()) + 600)},
+        {"iat": True},
+        {"nbf": "0"},
     ],
-    ids=["wrong_iss", "no_iss", "wrong_aud", "no_aud", "expired", "long_tenant"],
+    ids=[
+        "wrong_iss",
+        "no_iss",
+        "wrong_aud",
+        "no_aud",
+        "expired",
+        "long_tenant",
+        "string_exp",
+        "bool_iat",
+        "string_nbf",
+    ],
 )
 def test_jwks__bad_claims_are_401(idp, claims):
     response = _get(idp.keys[0].sign(**claims))

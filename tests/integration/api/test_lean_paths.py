@@ -195,9 +195,19 @@ def test_submit__lean_path_skips_drf_dispatch_for_the_common_submission(both):
 
 
 #: A submission's auth failures: (headers, status, problem code).
+def _string_exp_auth() -> dict[str, str]:
+    """A correctly signed token whose exp is a string (RFC 7519 wants a number)."""
+    import jwt
+    from django.conf import settings
+
+    claims = {"sub": "x", "tenant": "tenant-a", "scope": "jobs:submit", "exp": str(2**31)}
+    return {"Authorization": f"Bearer {jwt.encode(claims, settings.QUIRE['JWT_KEY'])}"}
+
+
 AUTH_FAILURES = [
     ({}, 401, "not_authenticated"),
     ({"Authorization": "Bearer not-a-token"}, 401, "invalid_token"),
+    (_string_exp_auth(), 401, "invalid_token"),
     ({"Authorization": "Basic dXNlcjpwdw=="}, 401, "not_authenticated"),
     (_auth(scopes=("jobs:read",)), 403, "insufficient_scope"),
 ]

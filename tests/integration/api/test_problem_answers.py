@@ -74,8 +74,8 @@ def test_database_unreachable__is_problem_503_with_retry_after(api, monkeypatch)
     assert "127.0.0.1" not in response.content.decode()
 
 
-def test_metrics_without_its_token__is_problem_401(monkeypatch):
-    monkeypatch.setenv("QUIRE_METRICS_TOKEN", "metrics-secret")
+def test_metrics_without_its_token__is_problem_401(settings):
+    settings.QUIRE = {**settings.QUIRE, "METRICS_TOKEN": "metrics-secret"}
     response = Client().get("/metrics")
     problem(response, 401, "not_authenticated")
     assert response["WWW-Authenticate"].startswith("Bearer")

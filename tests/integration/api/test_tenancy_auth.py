@@ -176,6 +176,12 @@ BAD_TOKENS = {
         algorithm="HS256",
     ),
     "garbage": lambda: "not-a-token",
+    # RFC 7519 NumericDate: PyJWT alone would take the string
+    "string_exp": lambda: jwt.encode(
+        {"sub": "x", "tenant": "tenant-a", "scope": " ".join(SCOPES), "exp": str(2**31)},
+        settings.QUIRE["JWT_KEY"],
+        algorithm="HS256",
+    ),
 }
 
 

@@ -8,6 +8,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from django.test import Client
 from django.utils import timezone
 from rest_framework.test import APIClient
 
@@ -16,14 +17,14 @@ from conversion_jobs.services import recovery
 from conversion_jobs.services.execution import conversion_job_claim
 from conversion_jobs.services.runner import conversion_job_execute
 from tests import testdocs
-from tests.conftest import token
+from tests.conftest import metrics_headers, token
 from tests.integration.execution.jobkit import submit
 
 SAMPLE = re.compile(r"^(?P<name>[a-z_]+)(?:\{(?P<labels>[^}]*)\})? (?P<value>\S+)$")
 
 
-def scrape(client: APIClient) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    response = client.get("/metrics")
+def scrape() -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    response = Client().get("/metrics", headers=metrics_headers())
     assert response.status_code == 200
     values: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
     for line in response.content.decode().splitlines():
@@ -55,7 +56,7 @@ def test_metrics__one_scrape_tells_the_scripted_story(
     }
     client = APIClient()
     client.credentials(HTTP_AUTHORIZATION=f"Bearer {token(tenant='tenant-metrics')}")
-    before = scrape(client)
+    before = scrape()
 
     def pdf(name: str, pages: int = 1) -> Path:
         path = tmp_path / name
@@ -129,7 +130,7 @@ def test_metrics__one_scrape_tells_the_scripted_story(
     assert recovery.conversion_jobs_recover_if_lease_expired() == 1
     # left queued (generation 2) on purpose: it shows in the queue gauges
 
-    after = scrape(client)
+    after = scrape()
 
     def delta(name: str, **labels: str) -> float:
         return metric(after, name, **labels) - metric(before, name, **labels)
@@ -165,5 +166,5 @@ def test_metrics__one_scrape_tells_the_scripted_story(
     assert metric(after, "quire_capacity_utilisation_ratio") == pytest.approx(
         1 / settings.QUIRE["GLOBAL_CAPACITY"]
     )
-    text = APIClient().get("/metrics").content.decode()
+    text = Client().get("/metrics", headers=metrics_headers()).content.decode()
     assert "tenant-metrics" not in text and "a0.pdf" not in text

@@ -133,14 +133,14 @@ def test_health_ready__the_factor_is_a_setting(installed, client, settings):
     assert ready(client)[0] == 503
 
 
-def test_metrics__last_success_timestamp_per_sweep_from_the_database(installed, client):
-    values = scrape(client)
+def test_metrics__last_success_timestamp_per_sweep_from_the_database(installed):
+    values = scrape()
     for key in installed:
         assert ("quire_sweep_last_success_timestamp_seconds", frozenset({("sweep", key)})) in values
         assert metric(values, "quire_sweep_last_success_timestamp_seconds", sweep=key) == 0.0
     sweep_tasks.publish_outbox()
     at = SweepStatus.objects.get(name="publish_outbox").last_success_at
-    values = scrape(client)
+    values = scrape()
     got = metric(values, "quire_sweep_last_success_timestamp_seconds", sweep="publish_outbox")
     assert got == pytest.approx(at.timestamp(), abs=0.01)
 
