@@ -54,7 +54,7 @@ def test_repair__cancelling_job_without_a_lease_ends_cancelled_and_is_counted(
     make_job, client, no_broker_publish, caplog
 ):
     job = _stranded_by_the_old_recovery(make_job, cancelling=True)
-    before = metric(scrape(client), REPAIRED, result="cancelled")
+    before = metric(scrape(), REPAIRED, result="cancelled")
 
     with caplog.at_level(logging.INFO, logger="conversion_jobs.services.recovery"):
         assert sweep_tasks.repair_leaseless_jobs() == 1
@@ -65,7 +65,7 @@ def test_repair__cancelling_job_without_a_lease_ends_cancelled_and_is_counted(
     request = CancellationRequest.objects.get(job_id=job.id)
     assert (request.outcome, request.resolved_at is not None) == ("cancelled", True)
     assert audit_chain_verify(job_id=job.id)[1] == []
-    assert metric(scrape(client), REPAIRED, result="cancelled") == before + 1
+    assert metric(scrape(), REPAIRED, result="cancelled") == before + 1
     assert SweepStatus.objects.get(name="repair_leaseless_jobs").last_success_at is not None
     lines = [r.getMessage() for r in caplog.records if "repaired" in r.getMessage()]
     assert lines == ["repaired leaseless jobs: requeued=0 exhausted=0 cancelled=1"]
@@ -77,7 +77,7 @@ def test_repair__running_job_without_a_lease_runs_again_as_a_new_generation(
     make_job, client, no_broker_publish
 ):
     job = _stranded_by_the_old_recovery(make_job, cancelling=False)
-    before = metric(scrape(client), REPAIRED, result="requeued")
+    before = metric(scrape(), REPAIRED, result="requeued")
 
     assert recovery.conversion_jobs_repair_if_leaseless() == 1
 
@@ -85,7 +85,7 @@ def test_repair__running_job_without_a_lease_runs_again_as_a_new_generation(
     assert (after.state, after.generation, after.lease_token) == (State.QUEUED, 2, None)
     assert ConversionOutbox.objects.filter(job_id=job.id, generation=2).exists()
     assert audit_chain_verify(job_id=job.id)[1] == []
-    assert metric(scrape(client), REPAIRED, result="requeued") == before + 1
+    assert metric(scrape(), REPAIRED, result="requeued") == before + 1
 
 
 def test_repair__factory_job_with_its_budget_spent_fails_attempts_exhausted(
@@ -93,7 +93,7 @@ def test_repair__factory_job_with_its_budget_spent_fails_attempts_exhausted(
 ):
     # The factory's running job has a lease token and no lease or attempt row at all.
     job = make_job(state=State.RUNNING, attempts=5, max_attempts=5)
-    before = metric(scrape(client), REPAIRED, result="exhausted")
+    before = metric(scrape(), REPAIRED, result="exhausted")
 
     assert recovery.conversion_jobs_repair_if_leaseless() == 1
 
@@ -104,7 +104,7 @@ def test_repair__factory_job_with_its_budget_spent_fails_attempts_exhausted(
         None,
     )
     assert audit_chain_verify(job_id=job.id)[1] == []
-    assert metric(scrape(client), REPAIRED, result="exhausted") == before + 1
+    assert metric(scrape(), REPAIRED, result="exhausted") == before + 1
 
 
 def test_repair__leased_jobs_with_a_lease_or_an_open_attempt_are_left_alone(
@@ -127,7 +127,7 @@ def test_repair__leased_jobs_with_a_lease_or_an_open_attempt_are_left_alone(
     assert ConversionAttempt.objects.filter(job_id=half.id, finished_at=None).exists()
 
 
-def test_repair__the_metric_is_exposed_at_zero_from_the_first_scrape(client):
-    values = scrape(client)
+def test_repair__the_metric_is_exposed_at_zero_from_the_first_scrape():
+    values = scrape()
     for result in ("requeued", "exhausted", "cancelled"):
         assert (REPAIRED, frozenset({("result", result)})) in values
