@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import extend_schema_field
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema_field
 from rest_framework import serializers
 
 from conversion_jobs.models import Output
@@ -139,6 +141,54 @@ class ProblemSerializer(serializers.Serializer):
     retry_after = serializers.IntegerField(required=False)
 
 
-def problems(*statuses: int) -> dict[tuple[int, str], type[ProblemSerializer]]:
+def problems(*statuses: int) -> dict[tuple[int, str], OpenApiResponse]:
     """The RFC 9457 answers an operation can give, for ``extend_schema(responses=…)``."""
-    return {(status, PROBLEM): ProblemSerializer for status in statuses}
+    body = OpenApiResponse(
+        ProblemSerializer, description="An RFC 9457 problem; its code says which"
+    )
+    return {(status, PROBLEM): body for status in statuses}
+
+
+#: The media type a generated client reads as bytes. openapi-python-client (0.29) parses a
+#: response by the first media type it knows: ``text/*`` as text, ``application/json`` and
+#: ``+json`` as JSON, ``application/octet-stream`` as bytes, any other skipped. Listed first, it
+#: makes a download a ``File`` over ``response.content`` (``text/plain`` first made it
+#: ``BytesIO(response.text)``, a TypeError: issue 27); the types actually served follow it
+#: (docs/API_CONTRACT.md, "Generated clients").
+OCTET_STREAM = "application/octet-stream"
+#: What ``/result`` serves, by output: text, pdf, png (the ZIP of the page PNGs).
+RESULT_TYPES = ("text/plain", "application/pdf", "application/zip")
+#: What ``/pages/{n}`` serves, by output: text, pdf, png.
+PAGE_TYPES = ("text/plain", "application/pdf", "image/png")
+
+
+#: A download's headers: the ETag of its 200, 302 and 304, the Location of its 302.
+DOWNLOAD_HEADERS = [
+    OpenApiParameter(
+        "ETag",
+        OpenApiTypes.STR,
+        OpenApiParameter.HEADER,
+        description='"<sha256 of the bytes>" (a 302 and a 304 carry it too)',
+        response=[200, 302, 304],
+    ),
+    OpenApiParameter(
+        "Location",
+        OpenApiTypes.URI,
+        OpenApiParameter.HEADER,
+        description="The presigned URL, valid QUIRE_S3_PRESIGN_TTL_S seconds",
+        response=[302],
+    ),
+]
+
+
+def download(description: str, *media_types: str) -> dict[Any, OpenApiResponse]:
+    """A download's answers but its problems, for ``extend_schema(responses=…)``: the 200's
+    binary body (``format: binary``) under ``application/octet-stream`` first, then
+    ``media_types``; 302 to a presigned URL (S3 with ``QUIRE_S3_PRESIGN_TTL_S``); 304 for an
+    ``If-None-Match`` that is the ETag."""
+    body = OpenApiResponse(OpenApiTypes.BINARY, description=description)
+    return {
+        **{(200, media_type): body for media_type in (OCTET_STREAM, *media_types)},
+        302: OpenApiResponse(description="Fetch the bytes from the presigned URL in Location"),
+        304: OpenApiResponse(description="Not modified: If-None-Match is the ETag"),
+    }

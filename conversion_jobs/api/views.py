@@ -7,7 +7,7 @@ import io
 import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -26,7 +26,7 @@ from django.utils.http import parse_etags
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework.negotiation import DefaultContentNegotiation
-from rest_framework.renderers import JSONRenderer
+from rest_framework.renderers import BaseRenderer, JSONRenderer
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -46,11 +46,15 @@ from conversion_jobs.api.representation import (
     page_representation,
 )
 from conversion_jobs.api.serializers import (
+    DOWNLOAD_HEADERS,
+    PAGE_TYPES,
+    RESULT_TYPES,
     EventListSerializer,
     JobPageSerializer,
     JobSerializer,
     PageListSerializer,
     SubmitSerializer,
+    download,
     problems,
 )
 from conversion_jobs.api.uploads import StagedFile, StagingUploadHandler, small_form
@@ -83,9 +87,6 @@ IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,255}$")
 #: Every authenticated operation can answer these: a malformed request (query, host), no or an
 #: invalid token, a missing scope, the identity provider unreachable with no key cached.
 AUTHENTICATED = (400, 401, 403, 503)
-#: The media types a result or a page artifact is served with (by output).
-ARTIFACT_TYPES = ("text/plain", "image/png", "application/zip", "application/pdf")
-ARTIFACT = {(200, media_type): OpenApiTypes.BINARY for media_type in ARTIFACT_TYPES}
 
 
 class QuireView(APIView):
@@ -128,7 +129,16 @@ class JobCollectionView(QuireView):
 
     @extend_schema(
         request={"multipart/form-data": SubmitSerializer},
-        parameters=[OpenApiParameter("Idempotency-Key", OpenApiTypes.STR, OpenApiParameter.HEADER)],
+        parameters=[
+            OpenApiParameter(
+                "Idempotency-Key",
+                OpenApiTypes.STR,
+                OpenApiParameter.HEADER,
+                pattern=IDEMPOTENCY_KEY.pattern,
+                description="1-255 printable ASCII characters: a retry with the same key and"
+                " the same request answers the first job (200, Idempotent-Replayed: true)",
+            )
+        ],
         responses={
             202: JobSerializer,
             200: JobSerializer,
@@ -290,8 +300,14 @@ class JobCollectionView(QuireView):
     @extend_schema(
         parameters=[
             OpenApiParameter("state", OpenApiTypes.STR, enum=State.values),
-            OpenApiParameter("cursor", OpenApiTypes.STR),
-            OpenApiParameter("limit", {"type": "integer", "minimum": 1, "maximum": 100}),
+            OpenApiParameter(
+                "cursor", OpenApiTypes.STR, description="The previous page's next_cursor"
+            ),
+            OpenApiParameter(
+                "limit",
+                {"type": "integer", "minimum": 1, "maximum": 100},
+                description="Jobs per page (20 by default)",
+            ),
         ],
         responses={200: JobPageSerializer, **problems(*AUTHENTICATED)},
         summary="List the tenant's jobs, newest first",
@@ -437,7 +453,12 @@ class JobDetailView(QuireView):
 
     @extend_schema(
         parameters=[
-            OpenApiParameter("wait", OpenApiTypes.INT, description="long-poll seconds (max 30)")
+            OpenApiParameter(
+                "wait",
+                OpenApiTypes.NUMBER,
+                description="Long-poll: wait up to this many seconds (capped at"
+                " QUIRE_LONG_POLL_MAX_S, 30 by default) for the job to change",
+            )
         ],
         responses={200: JobSerializer, 304: None, **problems(*AUTHENTICATED, 404)},
         summary="Get a job (ETag names the representation; ?wait=N long-polls for a change)",
@@ -560,11 +581,33 @@ def _artifact_response(
     return response
 
 
+class DownloadNegotiation(DefaultContentNegotiation):
+    """A download's ``Accept`` is not negotiated: the bytes are sent with their own media type
+    and a problem as JSON, whatever it names (RFC 9110 §12.5.1 lets a server disregard it).
+    Swagger UI and schema-generated clients ask for the declared download types
+    (docs/API_CONTRACT.md, "Generated clients"), which no renderer offers: DRF answered 406."""
+
+    def select_renderer(
+        self, request: Request, renderers: Iterable[BaseRenderer], format_suffix: str | None = None
+    ) -> tuple[BaseRenderer, str]:
+        renderer = next(iter(renderers))
+        return renderer, renderer.media_type
+
+
 class JobResultView(QuireView):
     required_scopes = {"GET": "jobs:read"}
+    content_negotiation_class = DownloadNegotiation
 
     @extend_schema(
-        responses={**ARTIFACT, 304: None, **problems(*AUTHENTICATED, 404, 409, 500)},
+        parameters=DOWNLOAD_HEADERS,
+        responses={
+            **download(
+                "The result's bytes, with its media type: text/plain; charset=utf-8 (output"
+                " text), application/pdf (pdf), application/zip (png: the page PNGs)",
+                *RESULT_TYPES,
+            ),
+            **problems(*AUTHENTICATED, 404, 409, 500),
+        },
         summary="Download the result",
         operation_id="jobs_result",
     )
@@ -645,9 +688,18 @@ class JobPagesView(QuireView):
 
 class JobPageView(QuireView):
     required_scopes = {"GET": "jobs:read"}
+    content_negotiation_class = DownloadNegotiation
 
     @extend_schema(
-        responses={**ARTIFACT, 304: None, **problems(*AUTHENTICATED, 404, 409)},
+        parameters=DOWNLOAD_HEADERS,
+        responses={
+            **download(
+                "The page's bytes, with its media type: text/plain; charset=utf-8 (output"
+                " text), application/pdf (pdf), image/png (png)",
+                *PAGE_TYPES,
+            ),
+            **problems(*AUTHENTICATED, 404, 409),
+        },
         summary="Download one page artifact",
         operation_id="jobs_page",
     )

@@ -63,6 +63,74 @@ def test_schema__operation_ids_are_unique_and_bearer_is_documented(schema):
     }
 
 
+def test_schema__operation_ids_are_the_published_names(schema):
+    # They are the function names of generated clients (docs/API_CONTRACT.md, "Generated
+    # clients"): renaming one breaks every generated client's callers.
+    ids = {
+        (path, method): operation["operationId"] for path, method, operation in _operations(schema)
+    }
+    assert ids == {
+        ("/api/v1/capabilities", "get"): "capabilities",
+        ("/api/v1/jobs", "get"): "jobs_list",
+        ("/api/v1/jobs", "post"): "jobs_submit",
+        ("/api/v1/jobs/{job_id}", "get"): "jobs_get",
+        ("/api/v1/jobs/{job_id}/cancel", "post"): "jobs_cancel",
+        ("/api/v1/jobs/{job_id}/retry", "post"): "jobs_retry",
+        ("/api/v1/jobs/{job_id}/result", "get"): "jobs_result",
+        ("/api/v1/jobs/{job_id}/pages", "get"): "jobs_pages",
+        ("/api/v1/jobs/{job_id}/pages/{page}", "get"): "jobs_page",
+        ("/api/v1/jobs/{job_id}/events", "get"): "jobs_events",
+    }
+
+
+@pytest.mark.parametrize(
+    ("path", "served"),
+    [
+        ("/api/v1/jobs/{job_id}/result", ["text/plain", "application/pdf", "application/zip"]),
+        ("/api/v1/jobs/{job_id}/pages/{page}", ["text/plain", "application/pdf", "image/png"]),
+    ],
+)
+def test_schema__downloads_are_binary_with_octet_stream_first(schema, path, served):
+    # A generator reads the body by the first media type it knows: text/plain first made
+    # openapi-python-client decode the bytes as text (issue 27).
+    responses = schema["paths"][path]["get"]["responses"]
+    content = responses["200"]["content"]
+    assert list(content) == ["application/octet-stream", *served]
+    for media_type in content.values():
+        assert media_type["schema"] == {"type": "string", "format": "binary"}
+    assert "ETag" in responses["200"]["headers"]
+    assert set(responses["302"]["headers"]) == {"ETag", "Location"}
+    assert "content" not in responses["302"] and "content" not in responses["304"]
+
+
+def test_schema__idempotency_key_wait_and_the_cursor_page_are_declared(schema):
+    submit = schema["paths"]["/api/v1/jobs"]["post"]
+    (key,) = submit["parameters"]
+    assert (key["name"], key["in"], key["schema"]["type"]) == (
+        "Idempotency-Key",
+        "header",
+        "string",
+    )
+    assert re.fullmatch(key["schema"]["pattern"], "k" * 255)
+    assert not re.fullmatch(key["schema"]["pattern"], "k" * 256)
+    read = schema["paths"]["/api/v1/jobs/{job_id}"]["get"]
+    assert {(p["name"], p["in"], p["schema"]["type"]) for p in read["parameters"]} == {
+        ("job_id", "path", "string"),
+        ("wait", "query", "number"),
+    }
+    listing = schema["paths"]["/api/v1/jobs"]["get"]
+    assert {p["name"]: p["schema"] for p in listing["parameters"]}["limit"] == {
+        "type": "integer",
+        "minimum": 1,
+        "maximum": 100,
+    }
+    ref = listing["responses"]["200"]["content"]["application/json"]["schema"]["$ref"]
+    page = schema["components"]["schemas"][ref.rsplit("/", 1)[1]]
+    assert set(page["required"]) == {"jobs", "next_cursor"}
+    assert page["properties"]["jobs"]["items"] == {"$ref": "#/components/schemas/Job"}
+    assert page["properties"]["next_cursor"] == {"type": "string", "nullable": True}
+
+
 @pytest.mark.django_db
 def test_docs__swagger_ui_is_served_from_the_package_and_names_no_external_host():
     client = Client()

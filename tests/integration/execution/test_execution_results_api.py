@@ -137,3 +137,39 @@ def test_text_pages__above_the_inline_limit_are_files(tmp_path, api, no_broker_p
     assert all(r.content is None and storage.exists(r.artifact_key) for r in rows)
     page = api().get(f"/api/v1/jobs/{job.id}/pages/1")
     assert _body(page) == storage.open_object(rows[0].artifact_key).read()
+
+
+@pytest.mark.parametrize(
+    "accept",
+    [
+        "application/octet-stream",
+        "text/plain",
+        # what openapi-generator sends: every media type the operation declares
+        "application/octet-stream, text/plain, application/pdf, application/zip, "
+        "application/problem+json",
+    ],
+)
+def test_result__an_accept_naming_a_declared_type_gets_the_bytes(
+    tmp_path, api, no_broker_publish, accept
+):
+    # Swagger UI and schema-generated clients send the declared download types in Accept
+    # (docs/API_CONTRACT.md, "Generated clients"): a download is never refused with a 406.
+    job = submit(
+        testdocs.make_pdf(tmp_path / "a.pdf", pages=2, text_of=unique_text()), output="text"
+    )
+    client = api()
+    early = client.get(f"/api/v1/jobs/{job.id}/result", HTTP_ACCEPT=accept)
+    assert (early.status_code, early["Content-Type"]) == (409, "application/problem+json")
+    assert early.json()["code"] == "not_ready"
+    assert execute(job) == "succeeded"
+    job.refresh_from_db()
+    for path, sha256 in (
+        ("result", job.result_sha256),
+        ("pages/2", job.pages.get(page_number=2).artifact_sha256),
+    ):
+        response = client.get(f"/api/v1/jobs/{job.id}/{path}", HTTP_ACCEPT=accept)
+        assert response.status_code == 200, path
+        assert response["Content-Type"] == "text/plain; charset=utf-8"
+        assert hashlib.sha256(response.getvalue()).hexdigest() == sha256
+    missing = client.get(f"/api/v1/jobs/{job.id}/pages/3", HTTP_ACCEPT=accept)
+    assert (missing.status_code, missing["Content-Type"]) == (404, "application/problem+json")
