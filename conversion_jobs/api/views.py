@@ -257,6 +257,7 @@ class JobCollectionView(QuireView):
             "upload": submission.upload,
             "output": submission.output,
             "raw_options": submission.raw_options,
+            "raw_metadata": submission.raw_metadata,
             "idempotency_key": submission.key,
             "traceparent": tracing.current_traceparent(),
         }
@@ -349,6 +350,7 @@ class _Submission:
     output: str
     raw_options: Any
     key: str | None
+    raw_metadata: Any = None
 
 
 def _content_type(request: HttpRequest) -> str:
@@ -397,7 +399,11 @@ def _submission(
     if key is not None and not IDEMPOTENCY_KEY.match(key):
         raise InvalidRequest("Idempotency-Key must be 1-255 printable ASCII characters")
     return _Submission(
-        upload=upload.staged, output=output, raw_options=form.get("options"), key=key
+        upload=upload.staged,
+        output=output,
+        raw_options=form.get("options"),
+        key=key,
+        raw_metadata=form.get("metadata"),
     )
 
 
