@@ -26,6 +26,7 @@ from django.conf import settings
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 EXCERPT_BYTES = 1024
 DEFAULT_PORTS = frozenset({80, 443})
+DEFAULT_PORT_RANGES = ((80, 80), (443, 443))
 
 _SHARED = ipaddress.ip_network("100.64.0.0/10")  # CGNAT (RFC 6598)
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")  # well-known NAT64 prefix (RFC 6052)
@@ -56,7 +57,8 @@ class Target:
 class Policy:
     networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
     hosts: frozenset[str]
-    ports: frozenset[int]
+    #: port ranges (inclusive) besides which nothing is dialled
+    ports: tuple[tuple[int, int], ...]
 
     @classmethod
     def from_settings(cls) -> Policy:
@@ -69,8 +71,15 @@ class Policy:
                 networks.append(ipaddress.ip_network(item, strict=False))
             except ValueError:
                 hosts.add(item.rstrip("."))
-        ports = {int(p) for p in settings.QUIRE["WEBHOOK_ALLOWED_PORTS"].split(",") if p.strip()}
-        return cls(tuple(networks), frozenset(hosts), DEFAULT_PORTS | frozenset(ports))
+        ports = [(p, p) for p in sorted(DEFAULT_PORTS)]
+        for item in settings.QUIRE["WEBHOOK_ALLOWED_PORTS"].split(","):
+            low, _, high = item.strip().partition("-")
+            if low:
+                ports.append((int(low), int(high or low)))
+        return cls(tuple(networks), frozenset(hosts), tuple(ports))
+
+    def admits_port(self, port: int) -> bool:
+        return any(low <= port <= high for low, high in self.ports)
 
     def admits(self, address: IPAddress) -> bool:
         return any(address in network for network in self.networks)
@@ -93,7 +102,7 @@ def url_check(url: str, policy: Policy | None = None) -> Target:
     if not host or any(c.isspace() for c in url):
         raise Refused("url_invalid")
     port = port or (443 if parts.scheme == "https" else 80)
-    if port not in policy.ports:
+    if not policy.admits_port(port):
         raise Refused("port_not_allowed")
     literal = _literal(host)
     if literal is not None and host not in policy.hosts and not policy.admits(literal):

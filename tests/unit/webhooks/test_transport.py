@@ -11,7 +11,7 @@ import pytest
 from conversion_jobs.webhooks import transport
 from conversion_jobs.webhooks.transport import Policy, Refused, address_refusal, url_check
 
-NONE = Policy((), frozenset(), transport.DEFAULT_PORTS)
+NONE = Policy((), frozenset(), transport.DEFAULT_PORT_RANGES)
 
 
 def _refusal(url: str, policy: Policy = NONE) -> str:
@@ -93,7 +93,7 @@ def test_transport__global_address_admitted(address):
 
 def test_transport__allowlist_admits_cidr_and_name():
     policy = Policy(
-        (ipaddress.ip_network("127.0.0.0/8"),), frozenset({"localhost"}), frozenset({80, 8080})
+        (ipaddress.ip_network("127.0.0.0/8"),), frozenset({"localhost"}), ((80, 80), (8080, 8080))
     )
     assert _refusal("http://127.0.0.1:8080/hook", policy) == "admitted"
     assert _refusal("http://localhost:8080/hook", policy) == "admitted"
@@ -107,12 +107,20 @@ def test_transport__policy_from_settings(settings):
     settings.QUIRE = {
         **settings.QUIRE,
         "WEBHOOK_ALLOWLIST": " 127.0.0.0/8, Receiver.Internal. ,::1",
-        "WEBHOOK_ALLOWED_PORTS": "8080, 9000",
+        "WEBHOOK_ALLOWED_PORTS": "8080, 9000-9010",
     }
     policy = Policy.from_settings()
     assert policy.hosts == {"receiver.internal"}
     assert ipaddress.ip_network("::1/128") in policy.networks
-    assert policy.ports == {80, 443, 8080, 9000}
+    assert [p for p in (80, 443, 8080, 9000, 9005, 9010) if policy.admits_port(p)] == [
+        80,
+        443,
+        8080,
+        9000,
+        9005,
+        9010,
+    ]
+    assert not policy.admits_port(9011) and not policy.admits_port(22)
 
 
 def test_transport__host_header_and_target():
@@ -123,6 +131,6 @@ def test_transport__host_header_and_target():
         "/a/b?x=1",
         "hooks.example.com",
     )
-    policy = Policy((), frozenset(), frozenset({80, 443, 8080}))
+    policy = Policy((), frozenset(), ((80, 80), (443, 443), (8080, 8080)))
     assert url_check("http://h.example:8080", policy).host_header == "h.example:8080"
     assert url_check("http://h.example:8080", policy).target == "/"
