@@ -32,7 +32,10 @@ class Receiver:
     counts earlier requests with the same ``webhook-id``."""
 
     def __init__(
-        self, script: Callable[[Received, int], Reply] | None = None, host: str = "127.0.0.1"
+        self,
+        script: Callable[[Received, int], Reply] | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
     ) -> None:
         self.script = script or (lambda r, n: Reply())
         self.requests: list[Received] = []
@@ -68,7 +71,8 @@ class Receiver:
             def log_message(self, *args: Any) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer((host, 0), Handler)
+        ThreadingHTTPServer.allow_reuse_address = True
+        self.server = ThreadingHTTPServer((host, port), Handler)
         self.server.daemon_threads = True
         self.port = self.server.server_address[1]
         self.url = f"http://{host}:{self.port}/hook"

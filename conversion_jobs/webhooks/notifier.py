@@ -13,14 +13,18 @@ was given (capped). 410 disables the endpoint; so does failing without a success
 ``QUIRE_WEBHOOK_DISABLE_AFTER_S``. Each attempt is a ``webhook_attempt`` row.
 
 ``run`` is the process's loop: woken by ``NOTIFY quire_webhook`` (a trigger on the message
-table, delivered on the terminal commit) and by a delivery's end, with a polling fallback.
+table, delivered on the terminal commit) and by a delivery's end (a freed slot, maybe for an
+endpoint at its cap), with a polling fallback for retries coming due.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import random
+import select
 import threading
 import time
 import uuid
@@ -48,6 +52,8 @@ from conversion_jobs.webhooks.models import (
 from conversion_jobs.webhooks.outbox import payload_render
 
 log = logging.getLogger("quire.notifier")
+# httpx logs every request with its URL at INFO: a receiver's URL may carry its own token.
+logging.getLogger("httpx").setLevel(logging.WARNING)
 
 #: the jitter applied to each scheduled delay (a factor drawn from this range)
 JITTER = (0.8, 1.2)
@@ -231,10 +237,15 @@ def _deliver_in_thread(claimed: Claimed, client: httpx.Client) -> str | None:
 
 
 class _Wakeup:
-    """``LISTEN quire_webhook`` on a connection of its own (Postgres); a sleep elsewhere."""
+    """What the loop sleeps on: ``LISTEN quire_webhook`` on a connection of its own (Postgres)
+    and a pipe a finished delivery writes to (its slot is free), with a timeout."""
 
     def __init__(self) -> None:
         self.conn: Any = None
+        self.closed = False
+        self.read_fd, self.write_fd = os.pipe()
+        os.set_blocking(self.read_fd, False)
+        os.set_blocking(self.write_fd, False)
         if connection.vendor == "postgresql":
             import psycopg
 
@@ -249,19 +260,29 @@ class _Wakeup:
             )
             self.conn.execute(f"LISTEN {CHANNEL}")
 
-    def wait(self, timeout: float) -> None:
-        if self.conn is None:
-            time.sleep(timeout)
+    def poke(self, *_: Any) -> None:
+        """A delivery ended (a ``Future`` done callback)."""
+        if self.closed:
             return
-        for _ in self.conn.notifies(timeout=timeout, stop_after=1):
-            break
-        # drain the rest without waiting: one claim answers them all
-        for _ in self.conn.notifies(timeout=0.0):
-            pass
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self.write_fd, b"x")
+
+    def wait(self, timeout: float) -> None:
+        watched = [self.read_fd] + ([self.conn.fileno()] if self.conn is not None else [])
+        select.select(watched, [], [], timeout)
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self.read_fd, 4096):
+                pass
+        if self.conn is not None:  # consume what arrived: one claim answers them all
+            for _ in self.conn.notifies(timeout=0.0):
+                pass
 
     def close(self) -> None:
+        self.closed = True
         if self.conn is not None:
             self.conn.close()
+        os.close(self.read_fd)
+        os.close(self.write_fd)
 
 
 def run(stop: threading.Event) -> None:
@@ -288,7 +309,9 @@ def run(stop: threading.Event) -> None:
                 stop.wait(poll)
                 continue
             for one in claimed:
-                inflight.add(pool.submit(_deliver_in_thread, one, client))
+                future = pool.submit(_deliver_in_thread, one, client)
+                future.add_done_callback(wakeup.poke)
+                inflight.add(future)
             if claimed and len(claimed) == free:
                 # maybe more is due: go on as soon as a slot frees
                 done, _ = wait(inflight, timeout=poll, return_when=FIRST_COMPLETED)

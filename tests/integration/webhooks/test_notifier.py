@@ -366,3 +366,39 @@ def test_notifier__loop_wakes_on_the_terminal_commit(
         thread.join(timeout=10)
     assert not thread.is_alive()
     assert signing.PREFIX == "whsec_"
+
+
+def test_notifier__endpoint_at_its_cap_drains_without_waiting_for_the_poll(
+    hooks_settings, receiver, make_job
+):
+    """A delivery's end wakes the loop: 20 due messages of one endpoint capped at 2 in flight
+    are all delivered long before one poll interval (5 s) has passed."""
+    hooks_settings.QUIRE = {
+        **hooks_settings.QUIRE,
+        "WEBHOOK_POLL_S": 5.0,
+        "WEBHOOK_ENDPOINT_CONCURRENCY": 2,
+    }
+    r = receiver()
+    endpoint, _ = _endpoint(r.url)
+    for _ in range(20):
+        _message(endpoint, make_job)
+    stop = threading.Event()
+
+    def loop() -> None:
+        try:
+            notifier.run(stop)
+        finally:
+            connections.close_all()
+
+    started = time.monotonic()
+    thread = threading.Thread(target=loop)
+    thread.start()
+    try:
+        deadline = started + 4
+        while len(r.requests) < 20 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(r.requests) == 20, len(r.requests)
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+    assert WebhookMessage.objects.filter(state="delivered").count() == 20
