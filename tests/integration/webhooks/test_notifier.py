@@ -330,9 +330,11 @@ def test_notifier__two_claimers_never_take_the_same_message(hooks_settings, make
     assert set(got[0]) | set(got[1]) == ids
 
 
+@pytest.mark.postgres
 def test_notifier__loop_wakes_on_the_terminal_commit(
     hooks_settings, receiver, make_job, no_broker_publish
 ):
+    """Postgres: NOTIFY quire_webhook at the commit (the standalone profile polls)."""
     from conversion_jobs.services import transitions
 
     hooks_settings.QUIRE = {**hooks_settings.QUIRE, "WEBHOOK_POLL_S": 5.0}
