@@ -364,6 +364,8 @@ QUIRE: dict[str, Any] = {
     "RESULT_RETENTION_S": env_float("QUIRE_RESULT_RETENTION_S", 7 * 86400),
     "OUTBOX_RETENTION_S": env_float("QUIRE_OUTBOX_RETENTION_S", 86400),
     "AUDIT_RETENTION_S": env_float("QUIRE_AUDIT_RETENTION_S", 400 * 86400),
+    # delivered and failed webhook messages (and their attempts) are kept this long
+    "WEBHOOK_RETENTION_S": env_float("QUIRE_WEBHOOK_RETENTION_S", 30 * 86400),
     # webhooks (docs/OPERABILITY.md, ADR 0020): the notifier's retry schedule (seconds after
     # each failed attempt; Svix's by default), the rotation grace of a replaced secret, how long
     # an endpoint may fail without a success before it is disabled

@@ -129,7 +129,8 @@ KNOWN_SERIES: dict[Counter | Histogram, list[dict[str, str]]] = {
     PAGES: [{"outcome": o} for o in ("done", "failed")],
     TERMINAL: [{"state": s} for s in ("succeeded", "partial", "failed", "cancelled")],
     RETENTION_PURGES: [
-        {"kind": k} for k in ("outbox_rows", "jobs_expired", "jobs_purged", "audit_events")
+        {"kind": k}
+        for k in ("outbox_rows", "jobs_expired", "jobs_purged", "audit_events", "webhook_messages")
     ],
     ENGINE_STARTS: [{"engine": "libreoffice"}],
     WEBHOOK_DELIVERIES: [{"outcome": o} for o in WEBHOOK_OUTCOMES],
