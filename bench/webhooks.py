@@ -161,7 +161,7 @@ def flaky(stack, jobs: int) -> None:
             proc.stop()
 
 
-def down(stack, down_s: float, jobs: int) -> None:
+def down(stack, down_s: float, jobs: int, schedule: str = DOWN_SCHEDULE) -> None:
     from conversion_jobs.models import WebhookMessage
     from conversion_jobs.webhooks.endpoints import webhook_endpoint_create
     from tests.webhook_receiver import Receiver
@@ -171,7 +171,7 @@ def down(stack, down_s: float, jobs: int) -> None:
     endpoint, secret = webhook_endpoint_create(
         tenant="down", actor="bench", url=receiver.url, events=ALL
     )
-    stack.cluster.notifier(QUIRE_WEBHOOK_RETRY_SCHEDULE=DOWN_SCHEDULE)
+    stack.cluster.notifier(QUIRE_WEBHOOK_RETRY_SCHEDULE=schedule)
     receiver.close()
     went_down = time.monotonic()
     for _ in range(jobs):
@@ -181,14 +181,14 @@ def down(stack, down_s: float, jobs: int) -> None:
     back_at = time.monotonic()
     _wait(
         lambda: WebhookMessage.objects.filter(endpoint=endpoint, state="delivered").count() == jobs,
-        600,
+        1800,
         "every message after the receiver came back",
     )
     after = time.monotonic() - back_at
     failed = WebhookMessage.objects.filter(endpoint=endpoint, state="failed").count()
     by_job = _verify_all(back, [secret])
     print(
-        f"(c) receiver down {down_s:.0f} s (schedule {DOWN_SCHEDULE}, shortened), {jobs} jobs: "
+        f"(c) receiver down {down_s:.0f} s (schedule {schedule}, shortened), {jobs} jobs: "
         f"delivered {len(by_job)}/{jobs}, failed {failed}, last delivered {after:.1f} s after "
         f"it came back; load {os.getloadavg()}",
         flush=True,
@@ -202,6 +202,7 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1000)
     parser.add_argument("--down-s", type=float, default=120.0)
     parser.add_argument("--down-jobs", type=int, default=50)
+    parser.add_argument("--down-schedule", default=DOWN_SCHEDULE)
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--skip", default="")
     parser.add_argument("--keep", action="store_true")
@@ -217,7 +218,7 @@ def main() -> None:
         if "flaky" not in skip:
             flaky(stack, args.jobs)
         if "down" not in skip:
-            down(stack, args.down_s, args.down_jobs)
+            down(stack, args.down_s, args.down_jobs, args.down_schedule)
 
 
 if __name__ == "__main__":
