@@ -4,8 +4,9 @@ Each Procfile line (``web``, ``worker``, ``sweeper``, ``beat``, ``release``, ``n
 started the way a Procfile runner starts it (``bash -c`` of the line) with one secret unset or
 set to its published development value: it must exit 78 at once with one line naming the
 variable. Its services point at closed ports, so a process that did not refuse would hang
-retrying them (or serve) until the timeout, never exit 78. With proper values the same lines start (the rest of
-the e2e suite); here the web's ``/metrics`` is checked from outside to need its token.
+retrying them (or serve) until the timeout, never exit 78. With proper values the same lines
+start (the rest of the e2e suite); here the web's ``/metrics`` is checked from outside to need
+its token.
 """
 
 from __future__ import annotations
