@@ -32,6 +32,31 @@ class InvalidOptions(InvalidRequest):
     code = "invalid_options"
 
 
+class InvalidMetadata(InvalidRequest):
+    """metadata must be a JSON object of at most 2048 bytes."""
+
+    code = "invalid_metadata"
+
+
+class InvalidWebhook(InvalidRequest):
+    """The webhook endpoint is not valid."""
+
+    code = "invalid_webhook"
+
+
+class InvalidWebhookUrl(InvalidWebhook):
+    """The webhook URL is not acceptable (https or http, a host name or a global address, an
+    allowed port, no credentials)."""
+
+    code = "invalid_webhook_url"
+
+
+class InvalidWebhookEvents(InvalidWebhook):
+    """events must be a non-empty list of job.succeeded, job.partial, job.failed, job.cancelled."""
+
+    code = "invalid_webhook_events"
+
+
 class InvalidCursor(InvalidRequest):
     """The pagination cursor is not valid."""
 

@@ -62,6 +62,9 @@ class ConversionJob(models.Model):
     #: the job may still run; wiped (NULL) once it is terminal. Never in ``options`` or the API.
     password_sealed = models.TextField(null=True, blank=True, editable=False)
     policy_version = models.PositiveIntegerField(default=1)
+    #: the client's own ``metadata`` object (at most 2 KB of JSON), echoed in the job and its
+    #: webhook events; not part of the content identity (docs/API_CONTRACT.md §3)
+    metadata = models.JSONField(null=True, blank=True)
 
     attempts = models.PositiveIntegerField(default=0)
     max_attempts = models.PositiveIntegerField(default=5)
@@ -436,3 +439,14 @@ class SweepStatus(models.Model):
 
     def __str__(self) -> str:
         return f"sweep {self.name}"
+
+
+# The webhook tables live beside their service (conversion_jobs/webhooks/); imported here so
+# the app registers them.
+from conversion_jobs.webhooks.models import (  # noqa: E402, F401
+    EventType,
+    MessageState,
+    WebhookAttempt,
+    WebhookEndpoint,
+    WebhookMessage,
+)

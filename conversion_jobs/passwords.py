@@ -29,8 +29,22 @@ def _key(purpose: bytes) -> bytes:
     return hmac.new(secret, b"quire-password:" + purpose, hashlib.sha256).digest()
 
 
-def _fernet() -> Fernet:
-    return Fernet(base64.urlsafe_b64encode(_key(b"seal")))
+def _fernet(purpose: bytes = b"seal") -> Fernet:
+    return Fernet(base64.urlsafe_b64encode(_key(purpose)))
+
+
+def seal_for(value: str, *, purpose: bytes) -> str:
+    """``value`` sealed under the service key's ``purpose`` subkey (webhook signing secrets use
+    ``b"webhook-secret"``: conversion_jobs/webhooks/signing.py)."""
+    return _fernet(purpose).encrypt(value.encode()).decode()
+
+
+def unseal_for(token: str, *, purpose: bytes) -> str | None:
+    """The value sealed by ``seal_for``, or None (another key)."""
+    try:
+        return _fernet(purpose).decrypt(token.encode()).decode()
+    except InvalidToken:
+        return None
 
 
 def seal(password: str) -> str:

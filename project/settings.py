@@ -364,6 +364,28 @@ QUIRE: dict[str, Any] = {
     "RESULT_RETENTION_S": env_float("QUIRE_RESULT_RETENTION_S", 7 * 86400),
     "OUTBOX_RETENTION_S": env_float("QUIRE_OUTBOX_RETENTION_S", 86400),
     "AUDIT_RETENTION_S": env_float("QUIRE_AUDIT_RETENTION_S", 400 * 86400),
+    # delivered and failed webhook messages (and their attempts) are kept this long
+    "WEBHOOK_RETENTION_S": env_float("QUIRE_WEBHOOK_RETENTION_S", 30 * 86400),
+    # webhooks (docs/OPERABILITY.md, ADR 0020): the notifier's retry schedule (seconds after
+    # each failed attempt; Svix's by default), the rotation grace of a replaced secret, how long
+    # an endpoint may fail without a success before it is disabled
+    "WEBHOOK_RETRY_SCHEDULE": env_str(
+        "QUIRE_WEBHOOK_RETRY_SCHEDULE", "5,300,1800,7200,18000,36000,36000"
+    ),
+    "WEBHOOK_ROTATION_GRACE_S": env_float("QUIRE_WEBHOOK_ROTATION_GRACE_S", 86400.0),
+    "WEBHOOK_DISABLE_AFTER_S": env_float("QUIRE_WEBHOOK_DISABLE_AFTER_S", 5 * 86400.0),
+    # the transport (docs/THREAT_MODEL.md, SSRF): CIDRs and host names admitted although not
+    # globally routable (empty: none), ports besides 80 and 443, the per-request timeout
+    "WEBHOOK_ALLOWLIST": env_str("QUIRE_WEBHOOK_ALLOWLIST", ""),
+    "WEBHOOK_ALLOWED_PORTS": env_str("QUIRE_WEBHOOK_ALLOWED_PORTS", ""),
+    "WEBHOOK_TIMEOUT_S": env_float("QUIRE_WEBHOOK_TIMEOUT_S", 15.0),
+    # a Retry-After answer delays the next attempt, at most this long
+    "WEBHOOK_RETRY_AFTER_MAX_S": env_float("QUIRE_WEBHOOK_RETRY_AFTER_MAX_S", 3600.0),
+    # at most this many deliveries in flight per endpoint, and in all (notifier threads)
+    "WEBHOOK_ENDPOINT_CONCURRENCY": env_int("QUIRE_WEBHOOK_ENDPOINT_CONCURRENCY", 4),
+    "WEBHOOK_CONCURRENCY": env_int("QUIRE_WEBHOOK_CONCURRENCY", 16),
+    # the notifier's polling fallback (Postgres wakes it with NOTIFY on every commit)
+    "WEBHOOK_POLL_S": env_float("QUIRE_WEBHOOK_POLL_S", 1.0),
 }
 
 if QUIRE["FAST_PUBLISH"] not in ("background", "inline"):

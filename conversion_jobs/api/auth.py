@@ -40,7 +40,7 @@ from conversion_jobs.pseudonym import actor_pseudonym
 
 log = logging.getLogger(__name__)
 
-SCOPES = ("jobs:submit", "jobs:read", "jobs:cancel", "jobs:admin")
+SCOPES = ("jobs:submit", "jobs:read", "jobs:cancel", "jobs:admin", "webhooks:manage")
 #: Asymmetric algorithms accepted from an identity provider's JWKS (never HS*: the public key
 #: must not double as a shared secret).
 JWKS_ALGORITHMS = ("RS256", "ES256")

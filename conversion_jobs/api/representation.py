@@ -67,6 +67,7 @@ def job_representation(job: ConversionJob) -> dict[str, Any]:
         "output": job.output,
         # a password is never echoed, nor its keyed HMAC (conversion_jobs/passwords.py)
         "options": {k: v for k, v in job.options.items() if k != IDENTITY_KEY},
+        "metadata": job.metadata,
         "source": {
             "media_type": job.source_media_type,
             "size": job.source_size,

@@ -28,6 +28,11 @@ class SubmitSerializer(serializers.Serializer):
         required=False,
         help_text='A JSON object as text: {"dpi": 150, "pages": "1-5", "allow_partial": true}',
     )
+    metadata = serializers.CharField(
+        required=False,
+        help_text="The client's own JSON object as text (at most 2048 bytes), echoed in the job "
+        "and its webhook events.",
+    )
 
 
 class BearerJWTScheme(OpenApiAuthenticationExtension):
@@ -80,6 +85,7 @@ class JobSerializer(serializers.Serializer):
     state_version = serializers.IntegerField()
     output = serializers.ChoiceField(choices=Output.choices)
     options = serializers.JSONField()
+    metadata = serializers.JSONField(allow_null=True)
     source = SourceSerializer()  # type: ignore[assignment]
     attempts = serializers.IntegerField()
     max_attempts = serializers.IntegerField()

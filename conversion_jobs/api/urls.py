@@ -1,6 +1,6 @@
 from django.urls import path
 
-from conversion_jobs.api import views
+from conversion_jobs.api import views, webhooks
 
 urlpatterns = [
     path("jobs", views.JobCollectionView.as_view(), name="jobs"),
@@ -12,4 +12,31 @@ urlpatterns = [
     path("jobs/<uuid:job_id>/pages/<int:page>", views.JobPageView.as_view(), name="job-page"),
     path("jobs/<uuid:job_id>/events", views.waitable(views.JobEventsView), name="job-events"),
     path("capabilities", views.CapabilitiesView.as_view(), name="capabilities"),
+    path("webhooks", webhooks.WebhookCollectionView.as_view(), name="webhooks"),
+    path("webhooks/<uuid:endpoint_id>", webhooks.WebhookDetailView.as_view(), name="webhook"),
+    path(
+        "webhooks/<uuid:endpoint_id>/rotate-secret",
+        webhooks.WebhookRotateView.as_view(),
+        name="webhook-rotate",
+    ),
+    path(
+        "webhooks/<uuid:endpoint_id>/recover",
+        webhooks.WebhookRecoverView.as_view(),
+        name="webhook-recover",
+    ),
+    path(
+        "webhooks/<uuid:endpoint_id>/messages",
+        webhooks.WebhookMessagesView.as_view(),
+        name="webhook-messages",
+    ),
+    path(
+        "webhooks/<uuid:endpoint_id>/messages/<str:message_id>/attempts",
+        webhooks.WebhookAttemptsView.as_view(),
+        name="webhook-attempts",
+    ),
+    path(
+        "webhooks/<uuid:endpoint_id>/messages/<str:message_id>/replay",
+        webhooks.WebhookReplayView.as_view(),
+        name="webhook-replay",
+    ),
 ]

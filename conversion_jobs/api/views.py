@@ -267,6 +267,7 @@ class JobCollectionView(QuireView):
             "upload": submission.upload,
             "output": submission.output,
             "raw_options": submission.raw_options,
+            "raw_metadata": submission.raw_metadata,
             "idempotency_key": submission.key,
             "traceparent": tracing.current_traceparent(),
         }
@@ -365,6 +366,7 @@ class _Submission:
     output: str
     raw_options: Any
     key: str | None
+    raw_metadata: Any = None
 
 
 def _content_type(request: HttpRequest) -> str:
@@ -413,7 +415,11 @@ def _submission(
     if key is not None and not IDEMPOTENCY_KEY.match(key):
         raise InvalidRequest("Idempotency-Key must be 1-255 printable ASCII characters")
     return _Submission(
-        upload=upload.staged, output=output, raw_options=form.get("options"), key=key
+        upload=upload.staged,
+        output=output,
+        raw_options=form.get("options"),
+        key=key,
+        raw_metadata=form.get("metadata"),
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import datetime
 
 from django.db.models import Count, Min
 from django.utils import timezone
@@ -68,6 +69,7 @@ class DatabaseGauges(Collector):
         for name, at in SweepStatus.objects.order_by("name").values_list("name", "last_success_at"):
             last_success.add_metric([name], at.timestamp() if at else 0.0)
         yield last_success
+        yield from _webhook_gauges(now)
 
     @classmethod
     def registry(cls) -> CollectorRegistry:
@@ -99,3 +101,25 @@ class SandboxGauges(Collector):
         registry = CollectorRegistry(auto_describe=False)
         registry.register(cls())
         return registry
+
+
+def _webhook_gauges(now: datetime) -> Iterator[GaugeMetricFamily]:
+    """The webhook backlog (pending messages, and the age of the oldest one due) and the
+    disabled endpoints (docs/OPERABILITY.md, webhooks)."""
+    from conversion_jobs.webhooks.models import MessageState, WebhookEndpoint, WebhookMessage
+
+    pending = WebhookMessage.objects.filter(state=MessageState.PENDING)
+    agg = pending.aggregate(n=Count("id"), m=Min("created_at"))
+    yield GaugeMetricFamily(
+        "quire_webhook_backlog", "Webhook messages not yet delivered or failed", value=agg["n"]
+    )
+    yield GaugeMetricFamily(
+        "quire_webhook_backlog_oldest_age_seconds",
+        "Age of the oldest pending webhook message",
+        value=(now - agg["m"]).total_seconds() if agg["m"] else 0.0,
+    )
+    yield GaugeMetricFamily(
+        "quire_webhook_endpoints_disabled",
+        "Webhook endpoints disabled (by their tenant, a 410, or failing too long)",
+        value=WebhookEndpoint.objects.filter(enabled=False).count(),
+    )

@@ -81,6 +81,18 @@ CONVERSION_DURATION = Histogram(
     ["input", "engine"],
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 180),
 )
+WEBHOOK_DELIVERIES = Counter(
+    "quire_webhook_deliveries",
+    "Webhook delivery attempts by outcome (delivered, retry, failed, refused)",
+    ["outcome"],
+)
+WEBHOOK_LATENCY = Histogram(
+    "quire_webhook_delivery_seconds",
+    "Time from a webhook request's start to its answer's headers",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 15),
+)
+#: the outcomes of a webhook delivery attempt (``webhook_attempt.outcome``)
+WEBHOOK_OUTCOMES = ("delivered", "retry", "failed", "refused")
 
 #: Every label value the code can set, so each series exists (at zero) from the first scrape
 #: after a start or a deploy instead of appearing with its first event (docs/OPERABILITY.md §8).
@@ -117,9 +129,11 @@ KNOWN_SERIES: dict[Counter | Histogram, list[dict[str, str]]] = {
     PAGES: [{"outcome": o} for o in ("done", "failed")],
     TERMINAL: [{"state": s} for s in ("succeeded", "partial", "failed", "cancelled")],
     RETENTION_PURGES: [
-        {"kind": k} for k in ("outbox_rows", "jobs_expired", "jobs_purged", "audit_events")
+        {"kind": k}
+        for k in ("outbox_rows", "jobs_expired", "jobs_purged", "audit_events", "webhook_messages")
     ],
     ENGINE_STARTS: [{"engine": "libreoffice"}],
+    WEBHOOK_DELIVERIES: [{"outcome": o} for o in WEBHOOK_OUTCOMES],
     ENGINE_RECYCLES: [
         {"engine": "libreoffice", "reason": r}
         for r in (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from conversion_jobs.db import violated_constraint
 from conversion_jobs.exceptions import (
     CapacityExceeded,
     IdempotencyKeyReused,
+    InvalidMetadata,
     InvalidRequest,
     QuireError,
     StorageUnavailable,
@@ -165,6 +167,7 @@ def conversion_job_accept(
     raw_options: Any,
     idempotency_key: str | None,
     traceparent: str = "",
+    raw_metadata: Any = None,
 ) -> Acceptance:
     """(none) -> QUEUED, generation 1, with its outbox row, idempotency record and audit event in
     one statement (``transitions.job_insert_queued``). Returns the job and whether it is new; an
@@ -183,7 +186,9 @@ def conversion_job_accept(
     # No pre-check read for an inline source on Postgres: its statement settles duplicates.
     fold = inline and db.vendor == "postgresql"
     try:
-        checked = _checked(upload=upload, output=output, raw_options=raw_options)
+        checked = _checked(
+            upload=upload, output=output, raw_options=raw_options, raw_metadata=raw_metadata
+        )
         digest, fingerprint = checked.digest, checked.fingerprint
         precheck = functools.partial(
             _precheck_answer,
@@ -285,9 +290,34 @@ class _Checked:
     sealed: str | None
     digest: str
     fingerprint: str
+    metadata: dict[str, Any] | None = None
 
 
-def _checked(*, upload: StagedUpload, output: str, raw_options: Any) -> _Checked:
+#: The largest client ``metadata`` object, as compact UTF-8 JSON (docs/API_CONTRACT.md §3).
+METADATA_MAX_BYTES = 2048
+
+
+def checked_metadata(raw: Any) -> dict[str, Any] | None:
+    """The client's ``metadata`` form field: absent, or a JSON object of at most 2 KB. Not part
+    of the content identity or the idempotency fingerprint: a duplicate or a replay answers the
+    job as first accepted, its metadata included."""
+    if raw is None or raw == "":
+        return None
+    try:
+        value = json.loads(raw) if isinstance(raw, (str, bytes)) else raw
+    except ValueError as exc:
+        raise InvalidMetadata("metadata must be a JSON object") from exc
+    if not isinstance(value, dict):
+        raise InvalidMetadata("metadata must be a JSON object")
+    size = len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode())
+    if size > METADATA_MAX_BYTES:
+        raise InvalidMetadata(f"metadata must be at most {METADATA_MAX_BYTES} bytes of JSON")
+    return value
+
+
+def _checked(
+    *, upload: StagedUpload, output: str, raw_options: Any, raw_metadata: Any = None
+) -> _Checked:
     """The acceptance's checks, in memory (no query). Raises a QuireError (415, 422)."""
     if upload.content is not None:
         media_type = converters.sniff_media_type_bytes(upload.content)
@@ -310,7 +340,8 @@ def _checked(*, upload: StagedUpload, output: str, raw_options: Any) -> _Checked
         del password
     digest = options_digest(options)
     fingerprint = request_fingerprint(source_sha256=upload.sha256, output=output, options=options)
-    return _Checked(media_type, options, sealed, digest, fingerprint)
+    metadata = checked_metadata(raw_metadata)
+    return _Checked(media_type, options, sealed, digest, fingerprint, metadata)
 
 
 def _new_job(
@@ -340,6 +371,7 @@ def _new_job(
         queued_at=timezone.now(),
         traceparent=traceparent,
         password_sealed=checked.sealed,
+        metadata=checked.metadata,
     )
     return transitions.NewJob(
         job=job,
@@ -378,6 +410,7 @@ async def conversion_job_accept_on_loop(
     raw_options: Any,
     idempotency_key: str | None,
     traceparent: str = "",
+    raw_metadata: Any = None,
 ) -> Acceptance:
     """(none) -> QUEUED for an inline source on Postgres, awaited on the web's event loop with
     no thread and no blocking call (ADR 0016, ADR 0017 session 11): the same checks, the same
@@ -400,7 +433,9 @@ async def conversion_job_accept_on_loop(
     if upload.content is None:
         raise HandOff(HANDOFF_CHECKS)
     try:
-        checked = _checked(upload=upload, output=output, raw_options=raw_options)
+        checked = _checked(
+            upload=upload, output=output, raw_options=raw_options, raw_metadata=raw_metadata
+        )
     except QuireError as exc:
         raise HandOff(HANDOFF_CHECKS) from exc
     new = _new_job(

@@ -1,5 +1,6 @@
 """Retention (issue 6): expire results and sources after configured ages, prune published
-outbox rows, and purge whole audit chains past their own retention.
+outbox rows and finished webhook messages, and purge whole audit chains past their own
+retention.
 
 Rows first, files second: a job is marked ``expired_at`` (its page rows deleted, an ``expired``
 audit event appended) in one transaction; its files are deleted afterwards and ``purged_at``
@@ -41,6 +42,7 @@ class RetentionResult:
     jobs_expired: int = 0
     jobs_purged: int = 0
     audit_events_purged: int = 0
+    webhook_messages_pruned: int = 0
 
 
 def _ago(key: str) -> datetime:
@@ -110,6 +112,24 @@ def conversion_jobs_purge_files_if_expired(*, batch: int) -> int:
     return purged
 
 
+def webhook_messages_prune_finished(*, batch: int) -> int:
+    """Delivered and failed webhook messages created before ``QUIRE_WEBHOOK_RETENTION_S``, with
+    their attempts (a pending one stays, however old: it is still owed)."""
+    from conversion_jobs.webhooks.models import MessageState, WebhookAttempt, WebhookMessage
+
+    cutoff = _ago("WEBHOOK_RETENTION_S")
+    ids = list(
+        WebhookMessage.objects.filter(created_at__lt=cutoff)
+        .exclude(state=MessageState.PENDING)
+        .values_list("id", flat=True)[:batch]
+    )
+    if not ids:
+        return 0
+    with transaction.atomic():
+        WebhookAttempt.objects.filter(message_id__in=ids).delete()
+        return int(WebhookMessage.objects.filter(id__in=ids).delete()[0])
+
+
 def audit_chains_purge_if_past_retention(*, batch: int) -> int:
     """Whole chains only (a job's newest event older than the cutoff), through the one audited
     path the append-only trigger allows."""
@@ -138,6 +158,7 @@ def retention_apply(*, batch: int | None = None) -> RetentionResult:
         jobs_expired=conversion_jobs_expire_if_past_retention(batch=batch),
         jobs_purged=conversion_jobs_purge_files_if_expired(batch=batch),
         audit_events_purged=audit_chains_purge_if_past_retention(batch=batch),
+        webhook_messages_pruned=webhook_messages_prune_finished(batch=batch),
     )
     from conversion_jobs.observability import metrics
 
@@ -145,4 +166,5 @@ def retention_apply(*, batch: int | None = None) -> RetentionResult:
     metrics.RETENTION_PURGES.labels(kind="jobs_expired").inc(result.jobs_expired)
     metrics.RETENTION_PURGES.labels(kind="jobs_purged").inc(result.jobs_purged)
     metrics.RETENTION_PURGES.labels(kind="audit_events").inc(result.audit_events_purged)
+    metrics.RETENTION_PURGES.labels(kind="webhook_messages").inc(result.webhook_messages_pruned)
     return result

@@ -13,7 +13,7 @@ nobody else changes while the worker holds the lease, so their order alone decid
 
 Every edge that leaves a leased state ends the attempt and its lease (``_lease_ends``); every
 edge into a terminal state runs ``_terminal`` (lease end, pending cancellation requests
-resolved, the terminal metric, the audit event). No caller repeats them.
+resolved, the terminal metric, the audit event, the webhook messages). No caller repeats them.
 
 The hot edges (claim, publish) and the acceptance insert are one SQL statement each on Postgres
 (a CTE that moves the job and writes its attempt, lease, checkpoints, outbox and audit rows in
@@ -72,6 +72,7 @@ from conversion_jobs.services.dispatch import outbox_publish_after_commit
 from conversion_jobs.services.leases import Lease, lease_ttl
 from conversion_jobs.services.prepared import Byteas, Int4s, Int8s, Texts, prepared_cursor
 from conversion_jobs.states import LEASED_STATES, TERMINAL_STATES, TRANSITIONS, State
+from conversion_jobs.webhooks.outbox import EVENT_OF_STATE, PUBLISH_MESSAGES, messages_enqueue
 
 Fn = TypeVar("Fn", bound=Callable[..., Any])
 
@@ -245,7 +246,8 @@ def _terminal(
 ) -> None:
     """The terminal hook: lease ended and attempt closed (if the job held one), pending
     cancellation requests resolved (cancelled: with their latency; anything else: lost to
-    completion), the audit event, the terminal metric after commit. Runs inside the
+    completion), the audit event, the webhook messages of the endpoints subscribed now
+    (``webhooks/outbox.py``), the terminal metric after commit. Runs inside the
     transaction whose guarded UPDATE won. (``_PUBLISH_SQL`` is this hook in SQL.)"""
     if state not in TERMINAL_STATES:
         raise ValueError(f"{state} is not terminal")
@@ -260,6 +262,7 @@ def _terminal(
         actor=actor,
         details=details,
     )
+    messages_enqueue(job_id=job_id, state=state)
     transaction.on_commit(lambda: metrics.TERMINAL.labels(state=state.value).inc())
 
 
@@ -876,7 +879,8 @@ def done_pages_record(*, lease: Lease, checkpoints: list[PageCheckpoint]) -> boo
 #: running -> succeeded | partial in one round trip, with the terminal hook in SQL: the job
 #: (fenced on generation, token and state, under its row lock), its last page checkpoints, the
 #: lease ended, the attempt closed, pending cancellation requests lost to completion, the audit
-#: event. Zero rows from ``moved``: the publish lost and every other part wrote nothing.
+#: event, the webhook messages of the subscribed endpoints (``webhooks/outbox.py``). Zero rows
+#: from ``moved``: the publish lost and every other part wrote nothing.
 _PUBLISH_SQL = """
 WITH locked AS (
     SELECT id, audit_seq, audit_head FROM conversion_job
@@ -892,8 +896,8 @@ WITH locked AS (
         state_version = j.state_version + 1, updated_at = now(),
         audit_seq = l.audit_seq + 1, audit_head = {hash}
     FROM locked l WHERE j.id = l.id
-    RETURNING j.id, j.audit_seq, j.audit_head, l.audit_head AS audit_prev
-), pages AS ({upsert_done_pages}), lease_end AS (
+    RETURNING j.id, j.tenant, j.audit_seq, j.audit_head, l.audit_head AS audit_prev
+), pages AS ({upsert_done_pages}), hooks AS ({publish_messages}), lease_end AS (
     DELETE FROM worker_lease
     WHERE job_id = %(job)s AND token = %(token)s AND EXISTS (SELECT 1 FROM moved)
 ), attempt AS (
@@ -917,7 +921,9 @@ WITH locked AS (
     FROM moved
 )
 SELECT (SELECT count(*) FROM moved), (SELECT count(*) FROM attempt)
-""".replace("{upsert_done_pages}", _UPSERT_DONE_PAGES)
+""".replace("{upsert_done_pages}", _UPSERT_DONE_PAGES).replace(
+    "{publish_messages}", PUBLISH_MESSAGES
+)
 
 
 def _publish_postgres(
@@ -934,6 +940,7 @@ def _publish_postgres(
         "token": lease.token,
         "attempt": lease.attempt_id,
         "state": state.value,
+        "event": EVENT_OF_STATE[state].value,
         "n_done": len(checkpoints),
         "details": canonical_json(details),
         "at": at,

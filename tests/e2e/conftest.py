@@ -147,6 +147,7 @@ def submit(settings: Any, tmp_path: Path) -> Callable[..., Any]:
         output: str = "text",
         options: dict[str, Any] | None = None,
         tenant: str = "tenant-a",
+        metadata: dict[str, Any] | None = None,
     ) -> Any:
         src = tmp_path / f"{uuid.uuid4().hex}.pdf"
         salt = uuid.uuid4().hex
@@ -163,6 +164,7 @@ def submit(settings: Any, tmp_path: Path) -> Callable[..., Any]:
             output=output,
             raw_options=options or {},
             idempotency_key=None,
+            raw_metadata=metadata,
         )
         assert accepted.created
         return accepted.job

@@ -331,6 +331,10 @@ def process_tree(pid: int) -> list[int]:
     return out
 
 
+#: Procfile kinds that use no broker (the webhook notifier: ADR 0020)
+NO_BROKER = frozenset({"notifier"})
+
+
 @dataclass
 class Proc:
     kind: str
@@ -416,8 +420,10 @@ class Cluster:
         self._counter += 1
         name = f"{kind}{self._counter}"
         full_env = {**self.env, "PORT": str(self._counter), **env}
-        if full_env.get("DATABASE_URL", "").startswith("postgres") and not full_env.get(
-            "CELERY_BROKER_URL"
+        if (
+            kind not in NO_BROKER
+            and full_env.get("DATABASE_URL", "").startswith("postgres")
+            and not full_env.get("CELERY_BROKER_URL")
         ):
             # Without a broker URL the process would fall back to the standalone profile's
             # filesystem broker, which nothing reads here: its publishes would vanish and only
@@ -451,6 +457,12 @@ class Cluster:
 
     def beat(self, **env: str) -> Proc:
         return self.start("beat", **env)
+
+    def notifier(self, **env: str) -> Proc:
+        """The webhook notifier: the database only (no broker, no worker credentials)."""
+        for name in ("CELERY_BROKER_URL", "QUIRE_BROKER_PUBLISHER_URL", "QUIRE_BROKER_WORKER_URL"):
+            env.pop(name, None)
+        return self.start("notifier", **env)
 
     def web(self, **env: str) -> Proc:
         """The Procfile's ``web`` process on a free loopback port, once it answers

@@ -1,11 +1,12 @@
 """e2e: the production profile refuses development and missing secrets (issue 22 points 5, 6).
 
-Each Procfile line (``web``, ``worker``, ``sweeper``, ``beat``, ``release``) is started the way
-a Procfile runner starts it (``bash -c`` of the line) with one secret unset or set to its
-published development value: it must exit 78 at once with one line naming the variable. Its
-services point at closed ports, so a process that did not refuse would hang retrying them (or
-serve) until the timeout, never exit 78. With proper values the same lines start (the rest of
-the e2e suite); here the web's ``/metrics`` is checked from outside to need its token.
+Each Procfile line (``web``, ``worker``, ``sweeper``, ``beat``, ``release``, ``notifier``) is
+started the way a Procfile runner starts it (``bash -c`` of the line) with one secret unset or
+set to its published development value: it must exit 78 at once with one line naming the
+variable. Its services point at closed ports, so a process that did not refuse would hang
+retrying them (or serve) until the timeout, never exit 78. With proper values the same lines
+start (the rest of the e2e suite); here the web's ``/metrics`` is checked from outside to need
+its token.
 """
 
 from __future__ import annotations
@@ -103,6 +104,16 @@ def test_procfile_line__refuses_to_start_with_a_development_secret(kind, tmp_pat
     name = DEVELOPMENT[kind]
     env = {**production_env(tmp_path), name: DEVELOPMENT_VALUES[name]}
     assert_refused(kind, env, name, "holds a published development value")
+
+
+def test_procfile_line__notifier_refuses_an_unset_or_development_secret(tmp_path):
+    """The webhook notifier (ADR 0020): it opens the sealed signing secrets with
+    QUIRE_PASSWORD_KEY, and refuses like every other line."""
+    env = production_env(tmp_path)
+    del env["QUIRE_PASSWORD_KEY"]
+    assert_refused("notifier", env, "QUIRE_PASSWORD_KEY", "is unset")
+    env = {**production_env(tmp_path), "DJANGO_SECRET_KEY": DEVELOPMENT_VALUES["DJANGO_SECRET_KEY"]}
+    assert_refused("notifier", env, "DJANGO_SECRET_KEY", "holds a published development value")
 
 
 def test_release__refuses_a_weak_secret_before_migrating(tmp_path):

@@ -162,6 +162,26 @@ CASES: dict[str, tuple[dict[str, str], str, Any, int, str]] = {
         400,
         "thread:checks",
     ),
+    "with_metadata": (
+        {},
+        "",
+        lambda: (
+            _form()[: -len(f"--{multipart.BOUNDARY}--\r\n")]
+            + multipart.body(multipart.part("metadata", b'{"batch": "b-1", "n": 2}'))
+        ),
+        202,
+        "loop",
+    ),
+    "bad_metadata": (
+        {},
+        "",
+        lambda: (
+            _form()[: -len(f"--{multipart.BOUNDARY}--\r\n")]
+            + multipart.body(multipart.part("metadata", b"[1]"))
+        ),
+        400,
+        "thread:checks",
+    ),
     "no_file": ({}, "", lambda: _form(file=False), 400, "thread:checks"),
     "bad_key": ({"Idempotency-Key": "é"}, "", _form, 400, "thread:checks"),
     "not_multipart": (
@@ -418,3 +438,16 @@ def test_submit__jwks_token_not_yet_verified_goes_to_the_thread(apps, settings_q
     thread = apps.thread("POST", JOBS, {**_auth(), **FORM}, _form(salt="x"))
     assert _normal(loop)[0] == _normal(thread)[0]
     assert moved(before) == {"thread:auth": 1}
+
+
+def test_submit__metadata_stored_and_echoed_on_the_loop(apps):
+    body = _form()[: -len(f"--{multipart.BOUNDARY}--\r\n")] + multipart.body(
+        multipart.part("metadata", b'{"batch": "b-9"}')
+    )
+    before = paths()
+    status, _, answer = apps.on_loop("POST", JOBS, {**_auth(tenant="tenant-meta"), **FORM}, body)[
+        :3
+    ]
+    assert status == 202 and moved(before) == {"loop": 1}
+    assert json.loads(answer)["metadata"] == {"batch": "b-9"}
+    assert ConversionJob.objects.get(tenant="tenant-meta").metadata == {"batch": "b-9"}

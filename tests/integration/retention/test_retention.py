@@ -156,3 +156,37 @@ def test_retention__expired_job_leaves_the_content_identity(
     assert client.get(f"/api/v1/jobs/{ids[0]}").json()["result"] is None
     retry = client.post(f"/api/v1/jobs/{ids[1]}/retry")
     assert (retry.status_code, retry.json()["code"]) == (409, "not_retryable")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_retention__prunes_finished_webhook_messages_only(make_job, settings):
+    from conversion_jobs.models import WebhookAttempt, WebhookEndpoint, WebhookMessage
+
+    settings.QUIRE = {**settings.QUIRE, "WEBHOOK_RETENTION_S": 60}
+    job = make_job(state="succeeded")
+    endpoint = WebhookEndpoint.objects.create(
+        tenant="tenant-a", url="https://hooks.example.com/", events=["job.succeeded"]
+    )
+    old = timezone.now() - timedelta(hours=1)
+
+    def message(state: str, created_at):
+        made = WebhookMessage.objects.create(
+            endpoint=endpoint,
+            job_id=job.id,
+            event_type="job.succeeded",
+            state=state,
+            created_at=created_at,
+            next_attempt_at=created_at,
+            delivered_at=created_at if state == "delivered" else None,
+        )
+        WebhookAttempt.objects.create(message=made, at=created_at, outcome="retry")
+        return made
+
+    message("delivered", old)
+    message("failed", old)
+    owed = message("pending", old)
+    fresh = message("delivered", timezone.now())
+
+    assert retention.retention_apply().webhook_messages_pruned == 2
+    assert set(WebhookMessage.objects.values_list("id", flat=True)) == {owed.id, fresh.id}
+    assert set(WebhookAttempt.objects.values_list("message_id", flat=True)) == {owed.id, fresh.id}
