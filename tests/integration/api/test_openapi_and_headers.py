@@ -80,6 +80,22 @@ def test_schema__operation_ids_are_the_published_names(schema):
         ("/api/v1/jobs/{job_id}/pages", "get"): "jobs_pages",
         ("/api/v1/jobs/{job_id}/pages/{page}", "get"): "jobs_page",
         ("/api/v1/jobs/{job_id}/events", "get"): "jobs_events",
+        ("/api/v1/webhooks", "get"): "webhooks_list",
+        ("/api/v1/webhooks", "post"): "webhooks_create",
+        ("/api/v1/webhooks/{endpoint_id}", "get"): "webhooks_get",
+        ("/api/v1/webhooks/{endpoint_id}", "patch"): "webhooks_update",
+        ("/api/v1/webhooks/{endpoint_id}", "delete"): "webhooks_delete",
+        ("/api/v1/webhooks/{endpoint_id}/messages", "get"): "webhooks_messages",
+        (
+            "/api/v1/webhooks/{endpoint_id}/messages/{message_id}/attempts",
+            "get",
+        ): "webhooks_message_attempts",
+        (
+            "/api/v1/webhooks/{endpoint_id}/messages/{message_id}/replay",
+            "post",
+        ): "webhooks_message_replay",
+        ("/api/v1/webhooks/{endpoint_id}/recover", "post"): "webhooks_recover",
+        ("/api/v1/webhooks/{endpoint_id}/rotate-secret", "post"): "webhooks_rotate_secret",
     }
 
 
