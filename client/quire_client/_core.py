@@ -33,13 +33,15 @@ Upload = str | os.PathLike[str] | bytes | IO[bytes]
 class RetryPolicy:
     """How 429 / 503 answers and connection errors are retried.
 
-    ``max_attempts`` bounds the tries of one call (the first included); ``max_wait_s`` caps a
-    single wait, whatever ``Retry-After`` asks; without ``Retry-After`` the wait is exponential
-    from ``backoff_s`` (with jitter), also capped."""
+    ``max_attempts`` bounds the tries of one call (the first included) on 429 / 503;
+    ``connection_attempts`` on connection errors (a server that is down is reported soon);
+    ``max_wait_s`` caps a single wait, whatever ``Retry-After`` asks; without ``Retry-After``
+    the wait is exponential from ``backoff_s`` (with jitter), also capped."""
 
     max_attempts: int = 8
     max_wait_s: float = 30.0
     backoff_s: float = 0.5
+    connection_attempts: int = 4
 
     def delay(self, attempt: int, retry_after: float | None) -> float:
         """Seconds to wait before try ``attempt + 1`` (``attempt`` counts from 1)."""

@@ -82,7 +82,7 @@ class AsyncClient:
                     method, path, **{**kwargs, **(build() if build else {})}
                 )
             except _core.TRANSPORT_ERRORS as exc:
-                if not idempotent or attempt >= self.retry.max_attempts:
+                if not idempotent or attempt >= self.retry.connection_attempts:
                     raise errors.ConnectionFailed(f"{type(exc).__name__}: {exc}") from exc
                 await self._sleep(self.retry.delay(attempt, None))
                 continue
@@ -185,7 +185,7 @@ class AsyncClient:
                 break
             except _core.TRANSPORT_ERRORS as exc:
                 failures += 1
-                if failures >= self.retry.max_attempts:
+                if failures >= self.retry.connection_attempts:
                     raise errors.ConnectionFailed(f"{type(exc).__name__}: {exc}") from exc
                 await self._sleep(self.retry.delay(failures, None))
         job = await self.get(job_id)
@@ -280,7 +280,7 @@ class AsyncClient:
                 break
             except (errors.ConnectionFailed, errors.ServiceUnavailable, errors.RateLimited):
                 part.unlink(missing_ok=True)
-                if attempt >= self.retry.max_attempts:
+                if attempt >= self.retry.connection_attempts:
                     raise
                 await self._sleep(self.retry.delay(attempt, None))
             except BaseException:

@@ -87,7 +87,7 @@ class Client:
                     method, path, **{**kwargs, **(build() if build else {})}
                 )
             except _core.TRANSPORT_ERRORS as exc:
-                if not idempotent or attempt >= self.retry.max_attempts:
+                if not idempotent or attempt >= self.retry.connection_attempts:
                     raise errors.ConnectionFailed(f"{type(exc).__name__}: {exc}") from exc
                 self._sleep(self.retry.delay(attempt, None))
                 continue
@@ -210,7 +210,7 @@ class Client:
                 break  # not an event stream (an older server, a proxy): long-polls
             except _core.TRANSPORT_ERRORS as exc:
                 failures += 1
-                if failures >= self.retry.max_attempts:
+                if failures >= self.retry.connection_attempts:
                     raise errors.ConnectionFailed(f"{type(exc).__name__}: {exc}") from exc
                 self._sleep(self.retry.delay(failures, None))
         yield from self._watch_polling(job_id)
@@ -309,7 +309,7 @@ class Client:
                 break
             except (errors.ConnectionFailed, errors.ServiceUnavailable, errors.RateLimited):
                 part.unlink(missing_ok=True)
-                if attempt >= self.retry.max_attempts:
+                if attempt >= self.retry.connection_attempts:
                     raise
                 self._sleep(self.retry.delay(attempt, None))
             except BaseException:
