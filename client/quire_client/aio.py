@@ -42,16 +42,21 @@ class AsyncClient:
         if token:
             headers["Authorization"] = f"Bearer {token}"
         self.retry = retry or RetryPolicy()
-        self._http = httpx.AsyncClient(
-            base_url=base_url.rstrip("/"),
-            headers=headers,
-            timeout=httpx.Timeout(timeout, read=max(timeout, LONG_POLL_S + 15.0)),
-            transport=transport,
-            follow_redirects=False,
-            limits=httpx.Limits(
+        config: dict[str, Any] = {
+            "base_url": base_url.rstrip("/"),
+            "headers": headers,
+            "timeout": httpx.Timeout(timeout, read=max(timeout, LONG_POLL_S + 15.0)),
+            "transport": transport,
+            "follow_redirects": False,
+            "limits": httpx.Limits(
                 max_connections=max_connections, max_keepalive_connections=max_connections
             ),
-        )
+        }
+        # Two pools: short requests, and long-lived event streams and downloads. httpcore
+        # scans every connection of a pool for each request, so keeping the held streams out
+        # of the submissions' pool keeps a busy batch's CPU per submission down (bench/cli.py).
+        self._http = httpx.AsyncClient(**config)
+        self._streams = httpx.AsyncClient(**config)
         self._sleep: Callable[[float], Any] = asyncio.sleep
 
     async def __aenter__(self) -> AsyncClient:
@@ -63,6 +68,7 @@ class AsyncClient:
     async def aclose(self) -> None:
         """Close the connection pool."""
         await self._http.aclose()
+        await self._streams.aclose()
 
     async def _request(
         self,
@@ -152,7 +158,7 @@ class AsyncClient:
             headers = {"Last-Event-ID": last_id} if last_id else {}
             try:
                 async with httpx_sse.aconnect_sse(
-                    self._http,
+                    self._streams,
                     "GET",
                     f"{API}/jobs/{job_id}/events",
                     headers=headers,
@@ -290,7 +296,7 @@ class AsyncClient:
 
     async def _stream_to(self, path: str, part: Path, sha256: str | None) -> tuple[str | None, str]:
         try:
-            async with self._http.stream("GET", path, follow_redirects=True) as response:
+            async with self._streams.stream("GET", path, follow_redirects=True) as response:
                 if response.status_code != 200:
                     await response.aread()
                     _core.raise_for_problem(response)

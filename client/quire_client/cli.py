@@ -57,7 +57,7 @@ class Config:
             self.url,
             self.token,
             retry=CLI_RETRY,
-            max_connections=2 * concurrency + 4,
+            max_connections=concurrency + 4,
         )
 
 
