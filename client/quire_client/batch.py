@@ -42,6 +42,7 @@ class Item:
     error_code: str | None = None
     result_path: Path | None = None
     skipped: bool = False
+    job: Job | None = None  # the last representation seen (a terminal one needs no following)
 
 
 @dataclass
@@ -192,6 +193,7 @@ class Batch:
                 except errors.NotFound:
                     item.job_id = None
                 else:
+                    item.job = job
                     self.reporter.submitted(item, job)
                     follow.put_nowait(item)
                     continue
@@ -208,7 +210,7 @@ class Batch:
                 # Refused for this file (415, 413, 422, 400): listed with its code.
                 self._finish(item, state="rejected", error_code=exc.code)
                 continue
-            item.job_id = job.id
+            item.job_id, item.job = job.id, job
             self.manifest.submitted(str(item.source), job_id=job.id)
             self.reporter.submitted(item, job)
             follow.put_nowait(item)
@@ -216,9 +218,13 @@ class Batch:
     async def _follower(self, follow: asyncio.Queue[Item | None]) -> None:
         while (item := await follow.get()) is not None:
             assert item.job_id is not None  # noqa: S101 - only submitted items are followed
-            async for snapshot in self.client.watch(item.job_id):
-                self.reporter.progress(item, snapshot)
-            job = await self.client.get(item.job_id)
+            job = item.job
+            if job is None or not job.terminal:
+                # A job already terminal when submitted or picked up again (a replay, a
+                # re-run) has nothing to follow: straight to its result.
+                async for snapshot in self.client.watch(item.job_id):
+                    self.reporter.progress(item, snapshot)
+                job = await self.client.get(item.job_id)
             await self._conclude(item, job)
 
     async def _conclude(self, item: Item, job: Job) -> None:
