@@ -129,6 +129,7 @@ class Stack:
         path = "/health/ready" if "beat" in kinds else "/health/live"
         while not _ready(self.port, path):
             if time.monotonic() > deadline:
+                self.stop()
                 raise RuntimeError(f"the stack did not become ready; see {work}")
             time.sleep(0.5)
 
