@@ -2,8 +2,9 @@
 # Quire's main job on a fresh machine: set up, start the whole stack (web, worker, sweeper,
 # beat) in the standalone profile (SQLite + server-less broker, published development secrets;
 # set DATABASE_URL, CELERY_BROKER_URL and the secrets of docs/OPERABILITY.md §2 for the
-# production profile), submit the bundled sample documents through
-# the real HTTP API, follow them to the end and save the results under var/demo-results/.
+# production profile), convert the bundled sample documents with the `quire` CLI
+# (client/README.md) through the real HTTP API - live progress over SSE, results downloaded and
+# verified against their sha256 - into var/demo-results/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash deploy/setup.sh
@@ -23,5 +24,11 @@ for _ in $(seq 1 60); do
 done
 curl -fsS "http://$QUIRE_BIND/health/ready" || { echo "stack did not become ready; see $LOG"; tail -50 "$LOG"; exit 1; }
 echo
-python manage.py demo_submit --url "http://$QUIRE_BIND" docs/samples/contract.pdf docs/samples/scan.png docs/samples/memo.docx
+export QUIRE_URL="http://$QUIRE_BIND"
+QUIRE_TOKEN=$(python manage.py mint_token --tenant demo --scope jobs:submit jobs:read jobs:cancel)
+export QUIRE_TOKEN
+# PDF -> text; the scan and the Word memo -> PDF (via LibreOffice). Exit 0: all succeeded.
+quire submit docs/samples/contract.pdf --output text --out var/demo-results
+quire submit docs/samples/scan.png docs/samples/memo.docx --output pdf --out var/demo-results
+ls -l var/demo-results
 echo "demo: done (stack log: $LOG)"

