@@ -88,12 +88,17 @@ class Canary:
     """A listener that only counts the connections it gets (it should get none)."""
 
     def __init__(self, host: str = "127.0.0.2") -> None:
+        """``host`` "::" listens on every IPv4 and IPv6 address at once (dual stack)."""
         import socket
 
         self.connections = 0
-        self.sock = socket.socket()
+        if host == "::":
+            self.sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+            self.sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        else:
+            self.sock = socket.socket()
         self.sock.bind((host, 0))
-        self.sock.listen(16)
+        self.sock.listen(64)
         self.sock.settimeout(0.2)
         self.port = self.sock.getsockname()[1]
         self.closed = threading.Event()

@@ -4,8 +4,6 @@ receiver that verifies every delivery with the ``standardwebhooks`` reference li
 from __future__ import annotations
 
 import contextlib
-import socket
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -21,7 +19,7 @@ from conversion_jobs.webhooks import signing
 from conversion_jobs.webhooks.endpoints import webhook_endpoint_create, webhook_endpoint_rotate
 from conversion_jobs.webhooks.models import WebhookAttempt
 from tests.e2e import harness
-from tests.webhook_receiver import Receiver, Reply
+from tests.webhook_receiver import Canary, Receiver, Reply
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 ALL = ["job.succeeded", "job.partial", "job.failed", "job.cancelled"]
@@ -57,37 +55,6 @@ def receivers() -> Iterator[Any]:
     yield make
     for r in made:
         r.close()
-
-
-class DualStackCanary:
-    """A listener on every local address, IPv4 and IPv6 (``[::]`` dual stack), one port: any
-    connection the notifier makes to a loopback, unspecified or mapped form reaches it."""
-
-    def __init__(self) -> None:
-        self.connections = 0
-        self.sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        self.sock.bind(("::", 0))
-        self.sock.listen(64)
-        self.sock.settimeout(0.2)
-        self.port = self.sock.getsockname()[1]
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while not self.stop.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                continue
-            self.connections += 1
-            conn.close()
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(timeout=2)
-        self.sock.close()
 
 
 @contextlib.contextmanager
@@ -133,7 +100,7 @@ def test_webhooks__each_terminal_event_delivered_with_metadata_410_and_redirect(
     gone_endpoint, _ = webhook_endpoint_create(
         tenant="tenant-a", actor="e2e", url=gone.url, events=["job.succeeded"]
     )
-    canary = DualStackCanary()
+    canary = Canary(host="::")
     try:
         redirect = receivers(
             lambda got, n: Reply(302, headers={"Location": f"http://127.0.0.1:{canary.port}/"})
@@ -243,7 +210,9 @@ def test_webhooks__flaky_receiver_rotation_and_notifier_kill9_lose_nothing(
 def test_webhooks__ssrf_forms_refused_with_their_reason_canary_untouched(start, make_job):
     """The notifier runs with no allowlist; the endpoints are rows written directly (their
     URLs would be refused at registration too: that check has its own tests)."""
-    canary = DualStackCanary()
+    # every local address, IPv4 and IPv6, one port: any connection the notifier makes to a
+    # loopback, unspecified or mapped form reaches it
+    canary = Canary(host="::")
     name = f"quire-hook-{uuid.uuid4().hex[:8]}.test"
     port = canary.port
     forms = {
