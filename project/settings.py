@@ -239,6 +239,12 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
+    # Component names are function and class names of generated clients (docs/API_CONTRACT.md,
+    # "Generated clients"): fixed here, so a new enum elsewhere cannot rename them.
+    "ENUM_NAME_OVERRIDES": {
+        "StateEnum": "conversion_jobs.states.State",
+        "WebhookEventTypeEnum": "conversion_jobs.webhooks.models.EventType",
+    },
 }
 
 # --- Quire ----------------------------------------------------------------------------------

@@ -107,6 +107,7 @@ class AsyncClient:
         output: str,
         options: dict[str, Any] | None = None,
         idempotency_key: str | None = None,
+        metadata: dict[str, Any] | None = None,
     ) -> Job:
         """Submit a document for conversion; see :meth:`quire_client.Client.submit`. A path
         is read into memory once per try (the sync client streams it)."""
@@ -115,6 +116,8 @@ class AsyncClient:
         data = {"output": output}
         if (encoded := _core.options_json(options)) is not None:
             data["options"] = encoded
+        if metadata is not None:
+            data["metadata"] = json.dumps(metadata, separators=(",", ":"))
 
         def build() -> dict[str, Any]:
             name, body, owned = _core.open_upload(file)

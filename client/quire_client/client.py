@@ -108,13 +108,16 @@ class Client:
         output: str,
         options: dict[str, Any] | None = None,
         idempotency_key: str | None = None,
+        metadata: dict[str, Any] | None = None,
     ) -> Job:
         """Submit a document (a path, bytes or a binary file object) for conversion to
         ``output`` (``text``, ``png``, ``pdf``) with ``options`` (``dpi``, ``pages``,
-        ``password``, ``allow_partial``). Always sends an Idempotency-Key (a fresh one unless
-        given), so a retried submit never creates a second job; the same key with the same
-        document, output and options returns the original job. Returns the accepted job (202)
-        or the existing one (200: a replay, or an identical live or succeeded job).
+        ``password``, ``allow_partial``), and the client's own ``metadata`` object (≤ 2 KB of
+        JSON, echoed in the job and in its webhook events). Always sends an Idempotency-Key (a
+        fresh one unless given), so a retried submit never creates a second job; the same key
+        with the same document, output and options returns the original job. Returns the
+        accepted job (202) or the existing one (200: a replay, or an identical live or succeeded
+        job).
 
         Raises :class:`~quire_client.errors.UnsupportedMediaType`,
         :class:`~quire_client.errors.InvalidOptions`,
@@ -124,6 +127,8 @@ class Client:
         data = {"output": output}
         if (encoded := _core.options_json(options)) is not None:
             data["options"] = encoded
+        if metadata is not None:
+            data["metadata"] = json.dumps(metadata, separators=(",", ":"))
         opened: list[Any] = []
 
         def build() -> dict[str, Any]:

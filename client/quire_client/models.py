@@ -78,7 +78,8 @@ class Links:
 @dataclass(frozen=True)
 class Job:
     """The job representation (``GET /api/v1/jobs/{id}``). ``etag`` is the response's ETag
-    (``"v<state_version>"``), kept for conditional reads; it is not part of the body."""
+    (opaque: it changes with every change of the body), kept for conditional reads; it is not
+    part of the body."""
 
     id: str
     state: str
@@ -97,6 +98,8 @@ class Job:
     finished_at: datetime | None
     result: ResultSummary | None
     links: Links
+    #: The client's own ``metadata`` object given at submit (≤ 2 KB), echoed; None without one.
+    metadata: dict[str, Any] | None = None
     etag: str | None = field(default=None, compare=False)
 
     @property
@@ -129,6 +132,7 @@ class Job:
             if data.get("result")
             else None,
             links=Links(**_known(Links, data["links"])),
+            metadata=data.get("metadata"),
             etag=etag,
         )
 

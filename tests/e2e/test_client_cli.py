@@ -327,7 +327,7 @@ def test_client__sync_async_calls_and_429_retry_against_the_live_server(stack, t
     ]
     with Client(url, token(tenant)) as client:
         first = client.submit(docs[0], output="png", options={"dpi": 40}, idempotency_key="k-1")
-        assert first.state in ("queued", "running") and first.etag == f'"v{first.state_version}"'
+        assert first.state in ("queued", "running") and first.etag
         replay = client.submit(docs[0], output="png", options={"dpi": 40}, idempotency_key="k-1")
         assert replay.id == first.id
         with pytest.raises(errors.IdempotencyKeyReused) as reused:
