@@ -58,6 +58,7 @@ class Config:
             self.token,
             retry=CLI_RETRY,
             max_connections=concurrency + 4,
+            lanes=concurrency,
         )
 
 
