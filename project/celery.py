@@ -53,6 +53,9 @@ class QuireConsumer(Consumer):
 
 
 app = Celery("quire")
+# Celery's current app is per thread; as the default it is every thread's. conversion_jobs reaches
+# it this way (services/broker.py's celery_app), never by importing this package.
+app.set_default()
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks(["tasks.conversion", "tasks.sweeps"], related_name=None)  # type: ignore[arg-type]
 

@@ -39,12 +39,6 @@ from conversion_jobs.api.auth import (
     Principal,
     verification_may_block,
 )
-from conversion_jobs.api.representation import (
-    event_representation,
-    job_etag_of,
-    job_representation,
-    page_representation,
-)
 from conversion_jobs.api.serializers import (
     DOWNLOAD_HEADERS,
     PAGE_TYPES,
@@ -69,6 +63,12 @@ from conversion_jobs.exceptions import (
 )
 from conversion_jobs.models import ConversionJob, Output, PageState
 from conversion_jobs.observability import metrics, tracing
+from conversion_jobs.representation import (
+    event_representation,
+    job_etag_of,
+    job_representation,
+    page_representation,
+)
 from conversion_jobs.services.acceptance import (
     HANDOFF_CHECKS,
     Acceptance,

@@ -28,7 +28,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 
 from conversion_jobs import selectors
-from conversion_jobs.api.representation import job_etag
+from conversion_jobs.representation import job_etag
 from conversion_jobs.states import TERMINAL_STATES
 
 logger = logging.getLogger(__name__)

@@ -40,7 +40,7 @@ from .errors import (
     InvalidInput,
 )
 from .isolation import ChildSession, process_group_members
-from .sessions import MAX_IDLE_S, fresh_child
+from .sessions import MAX_IDLE_S, fresh_child, on_release_all
 
 
 @dataclass(frozen=True)
@@ -295,3 +295,4 @@ def stop(reason: str = "shutdown") -> None:
 
 
 atexit.register(stop)
+on_release_all(stop)
