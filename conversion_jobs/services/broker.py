@@ -32,10 +32,9 @@ def celery_app() -> Celery:
     settings module lives there), which creates the app and makes it Celery's default app, in
     every thread; an app of another name means that did not happen, and publishing with
     Celery's fallback app (its own broker URL) instead would lose messages silently."""
-    app = current_app._get_current_object()
-    if app.main != APP_NAME:
+    if current_app.main != APP_NAME:  # (a proxy of the current app: it follows a new default)
         raise ImproperlyConfigured("the Celery app of project/celery.py is not loaded")
-    return app
+    return current_app
 
 
 TASK_NAME = "tasks.conversion.run_conversion"

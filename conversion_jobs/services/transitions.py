@@ -56,10 +56,10 @@ from conversion_jobs.options import canonical_json
 from conversion_jobs.services.audit import (
     GENESIS,
     SYSTEM_ACTOR,
-    _event_hash,
     audit_event_append,
     chain_sql,
     event_body,
+    event_hash,
     slot,
     spliced_sql,
 )
@@ -384,7 +384,7 @@ def _first_event(new: NewJob) -> dict[str, Any]:
         "details": new.details,
         "created_at": now,
     }
-    job.audit_head = _event_hash(prev_hash=GENESIS, **first_event)
+    job.audit_head = event_hash(prev_hash=GENESIS, **first_event)
     return first_event
 
 
