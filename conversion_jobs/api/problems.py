@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from django.conf import settings
-from django.http import HttpRequest, JsonResponse
+from django.core import exceptions as dj
+from django.db import InterfaceError, OperationalError, connections
+from django.http import Http404, HttpRequest, JsonResponse
+from django.http.multipartparser import MultiPartParserError
 from rest_framework import exceptions as drf
 from rest_framework.response import Response
 
@@ -93,17 +97,11 @@ def database_unavailable() -> DatabaseUnavailable:
 
 def is_database_outage(exc: BaseException) -> bool:
     """A lost or refused database connection (not a query error such as a constraint)."""
-    from django.db import InterfaceError, OperationalError
-
     return isinstance(exc, OperationalError | InterfaceError)
 
 
 def error_from_django(exc: BaseException) -> QuireError | None:
     """The problem for an exception Django raises while reading a request (or None)."""
-    from django.core import exceptions as dj
-    from django.http import Http404
-    from django.http.multipartparser import MultiPartParserError
-
     if isinstance(exc, Http404):
         return NotFound()
     if isinstance(exc, dj.PermissionDenied):
@@ -157,15 +155,11 @@ class DatabaseUnavailableMiddleware:
     async_capable = True
 
     def __init__(self, get_response: Any) -> None:
-        from asgiref.sync import iscoroutinefunction, markcoroutinefunction
-
         self.get_response = get_response
         if iscoroutinefunction(get_response):
             markcoroutinefunction(self)
 
     def __call__(self, request: HttpRequest) -> Any:
-        from asgiref.sync import iscoroutinefunction
-
         if iscoroutinefunction(self):
             return self.__acall__(request)
         return self.get_response(request)
@@ -176,8 +170,6 @@ class DatabaseUnavailableMiddleware:
     def process_exception(self, request: HttpRequest, exception: Exception) -> JsonResponse | None:
         if not is_database_outage(exception):
             return None
-        from django.db import connections
-
         for conn in connections.all(initialized_only=True):
             conn.close_if_unusable_or_obsolete()
         return json_problem(request, database_unavailable())

@@ -80,6 +80,7 @@ from conversion_jobs.services.acceptance import (
 from conversion_jobs.services.cancellation import conversion_job_cancel
 from conversion_jobs.services.checkpoints import inline_result_read, is_inline_result
 from conversion_jobs.services.recovery import conversion_job_retry_failed
+from conversion_jobs.services.runner import engine_settings_from_settings, limits_from_settings
 from conversion_jobs.services.zipresult import is_zip_result, zip_result_stream
 from conversion_jobs.states import TERMINAL_STATES, State
 
@@ -863,11 +864,6 @@ class CapabilitiesView(APIView):
         operation_id="capabilities",
     )
     def get(self, request: Request) -> Response:
-        from conversion_jobs.services.runner import (
-            engine_settings_from_settings,
-            limits_from_settings,
-        )
-
         engine = engine_settings_from_settings()
         office = engine.warm and converters.capabilities().keys() & converters.OFFICE_TYPES
         return Response(

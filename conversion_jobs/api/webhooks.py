@@ -16,7 +16,7 @@ from rest_framework.response import Response
 
 from conversion_jobs.api.serializers import problems
 from conversion_jobs.api.views import AUTHENTICATED, QuireView
-from conversion_jobs.exceptions import InvalidRequest, InvalidWebhook
+from conversion_jobs.exceptions import InvalidRequest, InvalidWebhook, NotFound
 from conversion_jobs.representation import iso
 from conversion_jobs.webhooks import endpoints
 from conversion_jobs.webhooks.models import (
@@ -154,8 +154,6 @@ def _body(request: Request) -> dict[str, Any]:
 
 def _message_id(value: str) -> uuid.UUID:
     """``msg_<hex>`` (as the webhook-id header) -> the row's id; anything else is not found."""
-    from conversion_jobs.exceptions import NotFound
-
     try:
         return uuid.UUID(hex=value.removeprefix("msg_"))
     except ValueError as exc:

@@ -31,6 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from conversion_jobs.observability import metrics
+
 from .base import Limits
 from .errors import (
     ConversionError,
@@ -93,8 +95,6 @@ _host: _Host | None = None
 
 def _observe(event: str, **labels: object) -> None:
     """Metrics (prometheus_client only; this package stays Django-free)."""
-    from conversion_jobs.observability import metrics
-
     if event == "start":
         metrics.ENGINE_STARTS.labels(engine="libreoffice").inc()
     elif event == "recycle":
@@ -110,6 +110,8 @@ def _recycle(reason: str) -> None:
     host, _host = _host, None
     if host is None:
         return
+    # (function-level: officeengine loads pdfops and pypdfium2, which the worker's own process
+    # otherwise never imports; only its children convert)
     from .officeengine import bound_sockets, remove_sockets
 
     # A killed soffice leaves its sockets: note them (the host reported them; a host killed

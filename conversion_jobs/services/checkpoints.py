@@ -13,6 +13,7 @@ from django.db.models import Count, F, Subquery
 from django.db.models.functions import Now
 
 from conversion_jobs import storage
+from conversion_jobs.converters.assemble import join_text_pages
 from conversion_jobs.models import PageCheckpoint, PageState
 from conversion_jobs.observability import metrics
 from conversion_jobs.services.audit import audit_event_append
@@ -53,8 +54,6 @@ def inline_result_bytes(*, job_id: uuid.UUID, result_key: str) -> bytes | None:
     an earlier generation converted; no later generation writes a published job's pages):
     ``assemble_result``'s text, UTF-8 pages joined by form feed in page order. None if the key
     is not this job's inline result or a done page is not inline."""
-    from conversion_jobs.converters.assemble import join_text_pages
-
     parsed = storage.parse_key(result_key.removeprefix(INLINE_PREFIX))
     if not is_inline_result(result_key) or parsed is None or parsed.job_id != job_id:
         return None

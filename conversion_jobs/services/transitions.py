@@ -31,12 +31,13 @@ from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import connection, models, transaction
 from django.db.models import F, Q, QuerySet
 from django.db.models.functions import Coalesce, Now
 from django.utils import timezone
 
 from conversion_jobs import storage
+from conversion_jobs.loop_db import kept_cursor
 from conversion_jobs.models import (
     AttemptOutcome,
     CancellationOutcome,
@@ -359,8 +360,6 @@ async def job_insert_queued_on_loop(new: NewJob, db: Any) -> int | None:
     lost mid-statement - not known)."""
     if new.inline_content is None:
         raise ValueError("only an inline source is accepted on the loop")
-    from conversion_jobs.loop_db import kept_cursor
-
     sql, params = _accept_statement(new, _first_event(new))
     cursor = kept_cursor(db)  # server-side binding, prepared per connection
     await cursor.execute(sql, params)
@@ -433,8 +432,6 @@ def job_insert_params(job: ConversionJob) -> dict[str, Any]:
 def _insert_fields() -> tuple[tuple[str, str, type | None, Any, Any], ...]:
     """Per column: its parameter's name, the attribute, the Python type its field passes
     through (None: every value goes through the field), the integer wrapper."""
-    from django.db import models
-
     plain: dict[type, type] = {
         models.CharField: str,
         models.TextField: str,

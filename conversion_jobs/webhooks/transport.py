@@ -17,6 +17,7 @@ import ipaddress
 import socket
 import time
 from dataclasses import dataclass
+from email.utils import parsedate_to_datetime
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -276,8 +277,6 @@ def _retry_after(headers: httpx.Headers) -> float | None:
     try:
         return max(0.0, float(value.strip()))
     except ValueError:
-        from email.utils import parsedate_to_datetime
-
         try:
             when = parsedate_to_datetime(value)
         except (TypeError, ValueError):
