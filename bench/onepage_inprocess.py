@@ -90,14 +90,14 @@ def _run(what: str, n: int, warm: int) -> None:
 
     from conversion_jobs import converters, storage
     from conversion_jobs.models import ConversionJob, PageCheckpoint, PageState
-    from conversion_jobs.services import dispatch, execution
+    from conversion_jobs.services import broker, execution
     from conversion_jobs.services.acceptance import StagedUpload, conversion_job_accept
     from conversion_jobs.services.checkpoints import INLINE_PREFIX
     from conversion_jobs.services.runner import conversion_job_execute
     from conversion_jobs.states import State
     from tests import testdocs
 
-    dispatch.publish_conversion = lambda **_: None  # type: ignore[assignment]
+    broker.publish_conversion = lambda **_: None  # type: ignore[assignment]
 
     def queued() -> ConversionJob:
         sha = uuid.uuid4().hex * 2

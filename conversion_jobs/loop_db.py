@@ -25,8 +25,10 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import psycopg
 from django.conf import settings
 from django.db import connections
+from psycopg.pq import TransactionStatus
 
 #: After a failed connect, the pool refuses at once for this long (its caller hands the
 #: request to the sync path, which has its own connect timeout): an outage costs one
@@ -70,8 +72,6 @@ class LoopPool:
         async with self._bind():
             opened, conn = self._take()
             if conn is None:
-                import psycopg
-
                 opened = time.monotonic()
                 if opened < self._down_until:  # failed just now: do not wait out another
                     raise psycopg.OperationalError("the database was unreachable just now")
@@ -100,8 +100,6 @@ class LoopPool:
         return 0.0, None
 
     def _reusable(self, opened: float, conn: Any) -> bool:
-        from psycopg.pq import TransactionStatus
-
         if conn.closed or conn.broken or conn.info.transaction_status != TransactionStatus.IDLE:
             return False
         return self._max_age is None or time.monotonic() - opened < self._max_age

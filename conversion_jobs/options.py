@@ -22,6 +22,22 @@ TEST_FAULT = "_test_fault"
 def normalize_options(raw: Any, *, output: str, max_dpi: int = 600) -> dict[str, Any]:
     """The canonical options for ``output``: every key present, defaults filled in, so two
     requests that mean the same thing have the same content identity."""
+    raw = _options_object(raw)
+    normalized: dict[str, Any] = {
+        "dpi": _dpi(raw, output=output, max_dpi=max_dpi),
+        "pages": _parse_pages(raw["pages"]) if raw.get("pages") is not None else None,
+        "allow_partial": _allow_partial(raw),
+    }
+    if "password" in raw:
+        # Kept only until acceptance seals it (passwords.py); never stored or shown in clear.
+        normalized["password"] = _password(raw["password"])
+    if TEST_FAULT in raw:
+        normalized[TEST_FAULT] = _test_fault(raw[TEST_FAULT])
+    return normalized
+
+
+def _options_object(raw: Any) -> dict[str, Any]:
+    """The request's options as a dict of known keys (JSON text is parsed; empty is {})."""
     if raw in (None, ""):
         raw = {}
     if isinstance(raw, str | bytes):
@@ -35,43 +51,39 @@ def normalize_options(raw: Any, *, output: str, max_dpi: int = 600) -> dict[str,
     unknown = set(raw) - KNOWN - ({TEST_FAULT} if test_faults else set())
     if unknown:
         raise InvalidOptions(f"unknown option(s): {', '.join(sorted(unknown))}")
+    return raw
 
+
+def _dpi(raw: dict[str, Any], *, output: str, max_dpi: int) -> int | None:
     dpi = raw.get("dpi", DEFAULT_DPI)
     if output != "png" and "dpi" in raw:
         raise InvalidOptions("dpi applies to png output only")
     if not isinstance(dpi, int) or isinstance(dpi, bool) or not MIN_DPI <= dpi <= max_dpi:
         raise InvalidOptions(f"dpi must be an integer from {MIN_DPI} to {max_dpi}")
+    return dpi if output == "png" else None
 
-    pages = raw.get("pages")
-    if pages is not None:
-        pages = _parse_pages(pages)
 
+def _allow_partial(raw: dict[str, Any]) -> bool:
     allow_partial = raw.get("allow_partial", True)
     if not isinstance(allow_partial, bool):
         raise InvalidOptions("allow_partial must be true or false")
-    normalized: dict[str, Any] = {
-        "dpi": dpi if output == "png" else None,
-        "pages": pages,
-        "allow_partial": allow_partial,
-    }
-    if "password" in raw:
-        password = raw["password"]
-        if (
-            not isinstance(password, str)
-            or not 1 <= len(password) <= MAX_PASSWORD_CHARS
-            or "\x00" in password
-        ):
-            raise InvalidOptions(
-                f"password must be a string of 1 to {MAX_PASSWORD_CHARS} characters"
-            )
-        # Kept only until acceptance seals it (passwords.py); never stored or shown in clear.
-        normalized["password"] = password
-    if TEST_FAULT in raw:
-        fault = raw[TEST_FAULT]
-        if not isinstance(fault, dict) or not isinstance(fault.get("kind"), str):
-            raise InvalidOptions("_test_fault must be an object with a kind")
-        normalized[TEST_FAULT] = fault
-    return normalized
+    return allow_partial
+
+
+def _password(password: Any) -> str:
+    if (
+        not isinstance(password, str)
+        or not 1 <= len(password) <= MAX_PASSWORD_CHARS
+        or "\x00" in password
+    ):
+        raise InvalidOptions(f"password must be a string of 1 to {MAX_PASSWORD_CHARS} characters")
+    return password
+
+
+def _test_fault(fault: Any) -> dict[str, Any]:
+    if not isinstance(fault, dict) or not isinstance(fault.get("kind"), str):
+        raise InvalidOptions("_test_fault must be an object with a kind")
+    return fault
 
 
 def _parse_pages(value: Any) -> list[int]:

@@ -20,6 +20,9 @@ import uuid
 from cryptography.fernet import Fernet, InvalidToken
 from django.conf import settings
 
+from conversion_jobs.models import ConversionJob
+from conversion_jobs.states import TERMINAL_STATES
+
 #: The option key that replaces the password in the stored options and the identity.
 IDENTITY_KEY = "password_hmac"
 
@@ -68,9 +71,6 @@ def sealed_passwords_wipe(*, job_id: uuid.UUID | None = None) -> int:
     """Set ``password_sealed`` to NULL for terminal jobs (one job, or all). The worker calls it
     for its job when the attempt ends the job; the work-directory sweep for everything else
     (a job cancelled while queued, dead-lettered by a sweep)."""
-    from conversion_jobs.models import ConversionJob
-    from conversion_jobs.states import TERMINAL_STATES
-
     rows = ConversionJob.objects.filter(
         password_sealed__isnull=False, state__in=list(TERMINAL_STATES)
     )

@@ -32,7 +32,7 @@ def conversion_job_wait_status(
     *, job_id: uuid.UUID, tenant: str
 ) -> tuple[str, int, int | None, int, int, datetime] | None:
     """What a conditional or waiting read compares: (state, state_version, page total, done,
-    failed, updated_at), the columns the job's ETag is made of (api/representation.py)."""
+    failed, updated_at), the columns the job's ETag is made of (representation.py)."""
     return (
         ConversionJob.objects.filter(id=job_id, tenant=tenant)
         .values_list(

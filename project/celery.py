@@ -8,15 +8,20 @@ Configuration lives in ``project/settings.py`` (``CELERY_*``). Two things are co
   may not declare those objects (docs/adr/0003-no-native-delayed-delivery.md).
 * worker process hooks: OpenTelemetry instrumentation after fork; the converter fork server
   (``conversion_jobs/converters/zygote.py``) and a spare child started before the first job.
+
+This module loads with the ``project`` package, before Django's settings and apps, in every
+process: ``conversion_jobs`` is imported inside the hooks, which run only in a worker.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 
 from celery import Celery
 from celery.signals import celeryd_after_setup, worker_process_init
 from celery.worker.consumer import Consumer
+from django.conf import settings
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "project.settings")
 
@@ -53,6 +58,9 @@ class QuireConsumer(Consumer):
 
 
 app = Celery("quire")
+# Celery's current app is per thread; as the default it is every thread's. conversion_jobs reaches
+# it this way (services/broker.py's celery_app), never by importing this package.
+app.set_default()
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks(["tasks.conversion", "tasks.sweeps"], related_name=None)  # type: ignore[arg-type]
 
@@ -71,8 +79,6 @@ def _check_converter_sandbox(sender: str, instance: object, **_: object) -> None
     unsandboxed. On but impossible to set up: it does not consume the conversion queue at all
     (the jobs stay queued for a worker that can sandbox them; none is claimed, failed or
     lost), logs why, and the web's /health/ready says why."""
-    from django.conf import settings
-
     from conversion_jobs.converters import sandbox
 
     queues = instance.app.amqp.queues  # type: ignore[attr-defined]
@@ -86,10 +92,6 @@ def _check_converter_sandbox(sender: str, instance: object, **_: object) -> None
 
 @worker_process_init.connect
 def _start_converter_fork_server(**_: object) -> None:
-    import threading
-
-    from django.conf import settings
-
     from conversion_jobs import converters
     from conversion_jobs.converters import sandbox
 

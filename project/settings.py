@@ -41,8 +41,6 @@ def env_bool(name: str, default: bool) -> bool:
 
 def env_seconds_by_name(name: str) -> dict[str, float]:
     """``"apply_retention=60, remove_orphaned_artifacts=30"`` -> {name: seconds > 0}."""
-    from django.core.exceptions import ImproperlyConfigured
-
     out: dict[str, float] = {}
     for item in filter(None, (part.strip() for part in os.environ.get(name, "").split(","))):
         key, sep, value = item.partition("=")

@@ -8,7 +8,11 @@ from collections.abc import Callable
 
 from celery import shared_task
 
+from beat_schedules.schedule import sweep_interval
+from conversion_jobs.passwords import sealed_passwords_wipe
 from conversion_jobs.services import dispatch, recovery, sweep_health
+from conversion_jobs.services.artifacts import artifacts_remove_orphans
+from conversion_jobs.services.retention import retention_apply
 
 log = logging.getLogger("quire.sweeps")
 
@@ -17,8 +21,6 @@ def _sweep(name: str, run: Callable[[], int]) -> int:
     """Run one sweep; only a sweep that finished records a success. A sweep that moved
     anything says so at INFO (its name and count only), so what the sweeper did can be read
     from its log after the fact (docs/OPERABILITY.md, "Sweeps")."""
-    from beat_schedules.schedule import sweep_interval
-
     done = run()
     sweep_health.sweep_succeeded(name=name, interval_s=sweep_interval(name))
     if done:
@@ -57,23 +59,17 @@ def remove_stale_work_dirs() -> int:
 
 
 def _remove_stale_work_dirs() -> int:
-    from conversion_jobs.passwords import sealed_passwords_wipe
-
     sealed_passwords_wipe()  # a terminal job's document password goes with its leftovers
     return recovery.work_dirs_remove_stale()
 
 
 @shared_task(name="tasks.sweeps.remove_orphaned_artifacts", ignore_result=True)
 def remove_orphaned_artifacts() -> int:
-    from conversion_jobs.services.artifacts import artifacts_remove_orphans
-
     return _sweep("remove_orphaned_artifacts", artifacts_remove_orphans)
 
 
 @shared_task(name="tasks.sweeps.apply_retention", ignore_result=True)
 def apply_retention() -> int:
-    from conversion_jobs.services.retention import retention_apply
-
     def run() -> int:
         result = retention_apply()
         return result.jobs_expired + result.jobs_purged

@@ -207,10 +207,10 @@ def no_broker_publish(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[st
     """Record fast-path publishes instead of sending them (integration tests of the web side
     that must not leave messages in a broker no worker drains)."""
     sent: list[tuple[str, int]] = []
-    from conversion_jobs.services import dispatch
+    from conversion_jobs.services import broker
 
     monkeypatch.setattr(
-        dispatch,
+        broker,
         "publish_conversion",
         lambda *, job_id, generation, traceparent: sent.append((str(job_id), generation)),
     )

@@ -9,6 +9,13 @@ from django.conf import settings
 from django.db import connection
 from django.db.migrations.executor import MigrationExecutor
 from django.http import HttpRequest, HttpResponse, JsonResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest, multiprocess
+from prometheus_client import REGISTRY as DEFAULT_REGISTRY
+
+from conversion_jobs.converters import sandbox
+from conversion_jobs.observability.gauges import DatabaseGauges, SandboxGauges
+from conversion_jobs.services.broker import celery_app
+from conversion_jobs.services.sweep_health import sweeps_overdue
 
 _migrated = False
 
@@ -36,10 +43,8 @@ def _migrations_ok() -> bool:
 
 
 def _broker_ok() -> bool:
-    from project.celery import app
-
     try:
-        with app.connection_for_write() as conn:
+        with celery_app().connection_for_write() as conn:
             conn.ensure_connection(max_retries=1, timeout=1)
         return True
     except Exception:
@@ -48,22 +53,12 @@ def _broker_ok() -> bool:
 
 def _sweeps_overdue() -> list[dict[str, object]] | None:
     """The overdue sweeps (empty: all on time), or None when they cannot be read."""
-    from conversion_jobs.services.sweep_health import sweeps_overdue
-
     try:
         return [
             {"sweep": o.sweep, "age_s": o.age_s, "allowed_s": o.allowed_s} for o in sweeps_overdue()
         ]
     except Exception:
         return None
-
-
-def sandbox_status():  # type: ignore[no-untyped-def]
-    """The converter sandbox as this host can set it up (ADR 0013; cached 30 s)."""
-    from conversion_jobs.converters import sandbox
-
-    sandbox.configure(work_dir=settings.QUIRE["WORK_DIR"])
-    return sandbox.probe()
 
 
 def ready(request: HttpRequest) -> JsonResponse:
@@ -73,15 +68,15 @@ def ready(request: HttpRequest) -> JsonResponse:
     checks = {"database": _database_ok()}
     checks["migrations"] = checks["database"] and _migrations_ok()
     checks["broker"] = _broker_ok()
-    sandbox = sandbox_status()
-    checks["sandbox"] = sandbox.available or not sandbox.enabled
+    box = sandbox.status(work_dir=settings.QUIRE["WORK_DIR"])  # ADR 0013; cached 30 s
+    checks["sandbox"] = box.available or not box.enabled
     overdue = _sweeps_overdue() if checks["migrations"] else None
     checks["sweeps"] = overdue == []
     ok = all(checks.values())
     body: dict[str, object] = {
         "status": "ok" if ok else "unavailable",
         "checks": checks,
-        "sandbox": sandbox.as_dict(),
+        "sandbox": box.as_dict(),
     }
     if overdue:
         body["overdue_sweeps"] = overdue
@@ -91,11 +86,6 @@ def ready(request: HttpRequest) -> JsonResponse:
 def metrics_view(request: HttpRequest) -> HttpResponse:
     """Prometheus text, behind the bearer ``QUIRE_METRICS_TOKEN``: the production profile
     refuses to start without one (conversion_jobs/secret_policy.py); standalone leaves it open."""
-    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-    from prometheus_client import REGISTRY as DEFAULT_REGISTRY
-
-    from conversion_jobs.observability.gauges import DatabaseGauges, SandboxGauges
-
     token = settings.QUIRE.get("METRICS_TOKEN")
     if token:
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
@@ -104,8 +94,6 @@ def metrics_view(request: HttpRequest) -> HttpResponse:
         ):
             return HttpResponse(status=401, headers={"WWW-Authenticate": 'Bearer realm="metrics"'})
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        from prometheus_client import multiprocess
-
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)
     else:

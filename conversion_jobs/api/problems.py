@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from types import UnionType
 from typing import Any
 
+from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from django.conf import settings
-from django.http import HttpRequest, JsonResponse
+from django.core import exceptions as dj
+from django.db import InterfaceError, OperationalError, connections
+from django.http import Http404, HttpRequest, JsonResponse
+from django.http.multipartparser import MultiPartParserError
 from rest_framework import exceptions as drf
 from rest_framework.response import Response
 
@@ -65,15 +70,39 @@ def www_authenticate(error: NotAuthenticated) -> str:
     return 'Bearer realm="quire"'
 
 
+#: (exception type or union, its problem), matched in order.
+_ErrorTable = tuple[tuple[type[BaseException] | UnionType, type[QuireError]], ...]
+
+#: DRF's exceptions that have a problem of their own.
+_DRF_ERRORS: _ErrorTable = (
+    (drf.NotAuthenticated | drf.AuthenticationFailed, NotAuthenticated),
+    (drf.PermissionDenied, PermissionDenied),
+    (drf.NotFound, NotFound),
+    (drf.ParseError, MalformedBody),
+)
+
+#: The exceptions Django raises while reading a request, and their problems (in this order:
+#: the SuspiciousOperation subclasses before it).
+_DJANGO_ERRORS: _ErrorTable = (
+    (Http404, NotFound),
+    (dj.PermissionDenied, Forbidden),
+    (dj.TooManyFieldsSent, TooManyFields),
+    (dj.TooManyFilesSent, TooManyFiles),
+    (dj.RequestDataTooBig, RequestDataTooLarge),
+    (dj.DisallowedHost, InvalidHost),
+    (MultiPartParserError | UnicodeDecodeError, MalformedBody),
+    (dj.SuspiciousOperation | dj.BadRequest, InvalidRequest),
+)
+
+
+def _mapped(exc: BaseException, table: _ErrorTable) -> QuireError | None:
+    return next((problem() for kind, problem in table if isinstance(exc, kind)), None)
+
+
 def _from_drf(exc: drf.APIException) -> QuireError:
-    if isinstance(exc, drf.NotAuthenticated | drf.AuthenticationFailed):
-        return NotAuthenticated()
-    if isinstance(exc, drf.PermissionDenied):
-        return PermissionDenied()
-    if isinstance(exc, drf.NotFound):
-        return NotFound()
-    if isinstance(exc, drf.ParseError):
-        return MalformedBody()
+    mapped = _mapped(exc, _DRF_ERRORS)
+    if mapped is not None:
+        return mapped
     error = QuireError(str(exc.detail))
     error.status = exc.status_code
     error.code = {
@@ -93,34 +122,12 @@ def database_unavailable() -> DatabaseUnavailable:
 
 def is_database_outage(exc: BaseException) -> bool:
     """A lost or refused database connection (not a query error such as a constraint)."""
-    from django.db import InterfaceError, OperationalError
-
     return isinstance(exc, OperationalError | InterfaceError)
 
 
 def error_from_django(exc: BaseException) -> QuireError | None:
     """The problem for an exception Django raises while reading a request (or None)."""
-    from django.core import exceptions as dj
-    from django.http import Http404
-    from django.http.multipartparser import MultiPartParserError
-
-    if isinstance(exc, Http404):
-        return NotFound()
-    if isinstance(exc, dj.PermissionDenied):
-        return Forbidden()
-    if isinstance(exc, dj.TooManyFieldsSent):
-        return TooManyFields()
-    if isinstance(exc, dj.TooManyFilesSent):
-        return TooManyFiles()
-    if isinstance(exc, dj.RequestDataTooBig):
-        return RequestDataTooLarge()
-    if isinstance(exc, dj.DisallowedHost):
-        return InvalidHost()
-    if isinstance(exc, MultiPartParserError | UnicodeDecodeError):
-        return MalformedBody()
-    if isinstance(exc, dj.SuspiciousOperation | dj.BadRequest):
-        return InvalidRequest()
-    return None
+    return _mapped(exc, _DJANGO_ERRORS)
 
 
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
@@ -157,15 +164,11 @@ class DatabaseUnavailableMiddleware:
     async_capable = True
 
     def __init__(self, get_response: Any) -> None:
-        from asgiref.sync import iscoroutinefunction, markcoroutinefunction
-
         self.get_response = get_response
         if iscoroutinefunction(get_response):
             markcoroutinefunction(self)
 
     def __call__(self, request: HttpRequest) -> Any:
-        from asgiref.sync import iscoroutinefunction
-
         if iscoroutinefunction(self):
             return self.__acall__(request)
         return self.get_response(request)
@@ -176,8 +179,6 @@ class DatabaseUnavailableMiddleware:
     def process_exception(self, request: HttpRequest, exception: Exception) -> JsonResponse | None:
         if not is_database_outage(exception):
             return None
-        from django.db import connections
-
         for conn in connections.all(initialized_only=True):
             conn.close_if_unusable_or_obsolete()
         return json_problem(request, database_unavailable())

@@ -39,12 +39,6 @@ from conversion_jobs.api.auth import (
     Principal,
     verification_may_block,
 )
-from conversion_jobs.api.representation import (
-    event_representation,
-    job_etag_of,
-    job_representation,
-    page_representation,
-)
 from conversion_jobs.api.serializers import (
     DOWNLOAD_HEADERS,
     PAGE_TYPES,
@@ -69,6 +63,12 @@ from conversion_jobs.exceptions import (
 )
 from conversion_jobs.models import ConversionJob, Output, PageState
 from conversion_jobs.observability import metrics, tracing
+from conversion_jobs.representation import (
+    event_representation,
+    job_etag_of,
+    job_representation,
+    page_representation,
+)
 from conversion_jobs.services.acceptance import (
     HANDOFF_CHECKS,
     Acceptance,
@@ -80,6 +80,7 @@ from conversion_jobs.services.acceptance import (
 from conversion_jobs.services.cancellation import conversion_job_cancel
 from conversion_jobs.services.checkpoints import inline_result_read, is_inline_result
 from conversion_jobs.services.recovery import conversion_job_retry_failed
+from conversion_jobs.services.runner import engine_settings_from_settings, limits_from_settings
 from conversion_jobs.services.zipresult import is_zip_result, zip_result_stream
 from conversion_jobs.states import TERMINAL_STATES, State
 
@@ -863,11 +864,6 @@ class CapabilitiesView(APIView):
         operation_id="capabilities",
     )
     def get(self, request: Request) -> Response:
-        from conversion_jobs.services.runner import (
-            engine_settings_from_settings,
-            limits_from_settings,
-        )
-
         engine = engine_settings_from_settings()
         office = engine.warm and converters.capabilities().keys() & converters.OFFICE_TYPES
         return Response(

@@ -24,11 +24,13 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+import psycopg
 from asgiref.sync import sync_to_async
 from django.conf import settings
+from psycopg.conninfo import make_conninfo
 
 from conversion_jobs import selectors
-from conversion_jobs.api.representation import job_etag
+from conversion_jobs.representation import job_etag
 from conversion_jobs.states import TERMINAL_STATES
 
 logger = logging.getLogger(__name__)
@@ -141,8 +143,6 @@ class JobChangeListener:
                 event.set()
 
     async def _run(self) -> None:
-        import psycopg
-
         delay = RECONNECT_MIN_S
         while True:
             try:
@@ -170,8 +170,6 @@ class JobChangeListener:
 
 
 def _conninfo() -> str:
-    from psycopg.conninfo import make_conninfo
-
     db = settings.DATABASES["default"]
     params: dict[str, Any] = {
         "dbname": db.get("NAME") or None,

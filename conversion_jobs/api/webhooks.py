@@ -14,10 +14,10 @@ from rest_framework import serializers
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from conversion_jobs.api.representation import _iso
 from conversion_jobs.api.serializers import problems
 from conversion_jobs.api.views import AUTHENTICATED, QuireView
-from conversion_jobs.exceptions import InvalidRequest, InvalidWebhook
+from conversion_jobs.exceptions import InvalidRequest, InvalidWebhook, NotFound
+from conversion_jobs.representation import iso
 from conversion_jobs.webhooks import endpoints
 from conversion_jobs.webhooks.models import (
     EventType,
@@ -110,10 +110,10 @@ def endpoint_representation(endpoint: WebhookEndpoint, secret: str | None = None
         "description": endpoint.description,
         "enabled": endpoint.enabled,
         "disabled_reason": endpoint.disabled_reason,
-        "disabled_at": _iso(endpoint.disabled_at),
-        "previous_secret_expires_at": _iso(endpoint.previous_secret_expires_at),
-        "created_at": _iso(endpoint.created_at),
-        "updated_at": _iso(endpoint.updated_at),
+        "disabled_at": iso(endpoint.disabled_at),
+        "previous_secret_expires_at": iso(endpoint.previous_secret_expires_at),
+        "created_at": iso(endpoint.created_at),
+        "updated_at": iso(endpoint.updated_at),
     }
     if secret is not None:
         body["secret"] = secret
@@ -127,16 +127,16 @@ def message_representation(message: WebhookMessage) -> dict[str, Any]:
         "job_id": str(message.job_id),
         "state": message.state,
         "attempts": message.attempts,
-        "created_at": _iso(message.created_at),
-        "next_attempt_at": _iso(message.next_attempt_at) if message.state == "pending" else None,
-        "delivered_at": _iso(message.delivered_at),
+        "created_at": iso(message.created_at),
+        "next_attempt_at": iso(message.next_attempt_at) if message.state == "pending" else None,
+        "delivered_at": iso(message.delivered_at),
         "last_error": message.last_error,
     }
 
 
 def attempt_representation(attempt: WebhookAttempt) -> dict[str, Any]:
     return {
-        "at": _iso(attempt.at),
+        "at": iso(attempt.at),
         "outcome": attempt.outcome,
         "status_code": attempt.status_code,
         "latency_ms": attempt.latency_ms,
@@ -154,8 +154,6 @@ def _body(request: Request) -> dict[str, Any]:
 
 def _message_id(value: str) -> uuid.UUID:
     """``msg_<hex>`` (as the webhook-id header) -> the row's id; anything else is not found."""
-    from conversion_jobs.exceptions import NotFound
-
     try:
         return uuid.UUID(hex=value.removeprefix("msg_"))
     except ValueError as exc:

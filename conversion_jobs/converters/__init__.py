@@ -34,10 +34,10 @@ from .errors import (
     PasswordRequired,
     UnsupportedConversion,
 )
-from .isolation import TEST_FAULTS_ENV, kill_process_group, run_isolated
+from .isolation import TEST_FAULTS_ENV, kill_process_group
 from .registry import READ_AHEAD_PAGES, capabilities, converter_for
 from .sandbox import SandboxUnavailable
-from .sessions import ReuseSettings, begin_attempt, configure_reuse, release, warm
+from .sessions import ReuseSettings, begin_attempt, configure_reuse, release, run_isolated, warm
 from .sniff import sniff_media_type, sniff_media_type_bytes
 
 __all__ = [

@@ -67,6 +67,7 @@ def join_text_pages(pages: list[tuple[int, bytes]]) -> Iterator[bytes]:
 def _assemble_pdf(
     ordered: list[tuple[int, Path]], dest: Path, prepared_document: Path | None
 ) -> None:
+    # (function-level: pypdf costs ~0.2 s to import; only a PDF result's assembly needs it)
     from pypdf import PdfReader, PdfWriter
 
     if prepared_document is not None and sniff_media_type(Path(prepared_document)) == PDF:

@@ -97,6 +97,24 @@ class FirstPages:
 
 
 @dataclass(frozen=True)
+class PageRequest:
+    """What a converter's ``convert_page`` / ``request_pages`` asks of the document's child
+    session, built once from their keywords and handed down whole: the child's page ``op``, the
+    output, where the pages go and under which limits, and the page requests' extras
+    (``password``, ``inline_max_bytes``: a text page up to this size comes back as content)."""
+
+    op: str
+    prepared: Prepared
+    output: str
+    options: dict
+    dest_dir: Path
+    limits: Limits
+    should_stop: Callable[[], bool]
+    password: str | None = None
+    inline_max_bytes: int = 0
+
+
+@dataclass(frozen=True)
 class PageArtifact:
     """A converted page: a file at ``path``, or (a small text page asked for with
     ``inline_max_bytes``) its bytes in ``content``, which the child sent with its answer."""

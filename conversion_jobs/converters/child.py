@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import _thread
 import functools
+import gc
+import importlib
 import json
 import os
 import resource
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -37,52 +40,16 @@ from .errors import ConversionError, InvalidInput
 WATCHDOG_GRACE_S = 10.0
 
 
-def _op_pdf_prepare(**kwargs):
-    from .pdfops import pdf_prepare
+def _lazy(module: str, name: str) -> Callable[..., dict]:
+    """The op ``module.name``, imported when first called: a child loads only the code of the
+    ops it serves (the fork server preloads pdfops and imageops, ``preload``; the Office ops
+    and their helpers load in the children that convert Office documents)."""
 
-    return pdf_prepare(**kwargs)
+    def op(**kwargs: object) -> dict:
+        function = getattr(importlib.import_module(f".{module}", __package__), name)
+        return function(**kwargs)  # type: ignore[no-any-return]
 
-
-def _op_pdf_page(**kwargs):
-    from .pdfops import pdf_page
-
-    return pdf_page(**kwargs)
-
-
-def _op_image_prepare(**kwargs):
-    from .imageops import image_prepare
-
-    return image_prepare(**kwargs)
-
-
-def _op_image_page(**kwargs):
-    from .imageops import image_page
-
-    return image_page(**kwargs)
-
-
-def _op_office_prepare(**kwargs):
-    from .officeops import office_prepare
-
-    return office_prepare(**kwargs)
-
-
-def _op_office_scan(**kwargs):
-    from .containers import office_scan
-
-    return office_scan(**kwargs)
-
-
-def _op_office_engine_convert(**kwargs):
-    from .officeengine import office_engine_convert
-
-    return office_engine_convert(**kwargs)
-
-
-def _op_office_engine_start(**kwargs):
-    from .officeengine import office_engine_start
-
-    return office_engine_start(**kwargs)
+    return op
 
 
 def _op_probe(*, limits: Limits) -> dict:
@@ -112,7 +79,6 @@ def _op_attempt_access(
     """Test only (the worker sends it only with QUIRE_ENABLE_TEST_FAULTS=1, see
     ``isolation.TEST_OPS``): try to read each file, connect to each Unix socket and TCP
     address; report "ok" or the error for each. Sandboxed, every one must fail."""
-    import socket
 
     def attempt(action: Callable[[], None]) -> str:
         try:
@@ -145,14 +111,14 @@ def _op_attempt_access(
 
 
 OPS: dict[str, Callable[..., dict]] = {
-    "pdf_prepare": _op_pdf_prepare,
-    "pdf_page": _op_pdf_page,
-    "image_prepare": _op_image_prepare,
-    "image_page": _op_image_page,
-    "office_scan": _op_office_scan,
-    "office_prepare": _op_office_prepare,
-    "office_engine_convert": _op_office_engine_convert,
-    "office_engine_start": _op_office_engine_start,
+    "pdf_prepare": _lazy("pdfops", "pdf_prepare"),
+    "pdf_page": _lazy("pdfops", "pdf_page"),
+    "image_prepare": _lazy("imageops", "image_prepare"),
+    "image_page": _lazy("imageops", "image_page"),
+    "office_scan": _lazy("containers", "office_scan"),
+    "office_prepare": _lazy("officeops", "office_prepare"),
+    "office_engine_convert": _lazy("officeengine", "office_engine_convert"),
+    "office_engine_start": _lazy("officeengine", "office_engine_start"),
     "probe": _op_probe,
     "attempt_access": _op_attempt_access,
 }
@@ -202,8 +168,6 @@ def _reset() -> None:
     os.chdir("/")
     os.environ["HOME"] = os.environ["TMPDIR"] = "/nonexistent"
     tempfile.tempdir = None
-    import gc
-
     gc.collect()
 
 
@@ -238,6 +202,8 @@ def preload() -> None:
     if _preloaded:
         return
     _preloaded = True
+    # (function-level: what preloading means; a child the fork server did not start loads
+    # these with its first page instead)
     import PIL.Image
     import PIL.PngImagePlugin  # noqa: F401
 

@@ -31,6 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from conversion_jobs.observability import metrics
+
 from .base import Limits
 from .errors import (
     ConversionError,
@@ -40,7 +42,7 @@ from .errors import (
     InvalidInput,
 )
 from .isolation import ChildSession, process_group_members
-from .sessions import MAX_IDLE_S, fresh_child
+from .sessions import MAX_IDLE_S, fresh_child, on_release_all
 
 
 @dataclass(frozen=True)
@@ -93,8 +95,6 @@ _host: _Host | None = None
 
 def _observe(event: str, **labels: object) -> None:
     """Metrics (prometheus_client only; this package stays Django-free)."""
-    from conversion_jobs.observability import metrics
-
     if event == "start":
         metrics.ENGINE_STARTS.labels(engine="libreoffice").inc()
     elif event == "recycle":
@@ -110,6 +110,8 @@ def _recycle(reason: str) -> None:
     host, _host = _host, None
     if host is None:
         return
+    # (function-level: officeengine loads pdfops and pypdfium2, which the worker's own process
+    # otherwise never imports; only its children convert)
     from .officeengine import bound_sockets, remove_sockets
 
     # A killed soffice leaves its sockets: note them (the host reported them; a host killed
@@ -295,3 +297,4 @@ def stop(reason: str = "shutdown") -> None:
 
 
 atexit.register(stop)
+on_release_all(stop)

@@ -501,29 +501,6 @@ class ChildSession:
         self.close()
 
 
-def run_isolated(
-    *,
-    op: str,
-    args: dict,
-    limits: Limits,
-    timeout_s: float,
-    scratch_dir: Path,
-    should_stop: Callable[[], bool] = lambda: False,
-    fault: dict | None = None,
-) -> dict:
-    """Run ``op`` once in a fresh child and return its result dict; the child is gone after.
-
-    Raises the child's structured ConversionError, or ConversionTimeout, ConversionStopped,
-    ConverterCrashed. ``scratch_dir`` holds the child's private directory; it is removed
-    before returning.
-    """
-    from .sessions import fresh_child
-
-    with fresh_child() as session:
-        session.setup(limits=limits, scratch_dir=scratch_dir)
-        return session.call(op, args, timeout_s=timeout_s, should_stop=should_stop, fault=fault)
-
-
 def _export_fault_records(private: Path, dest_dir: Path) -> None:
     """Test faults only: copy the ``fault-*.json`` records a child wrote in its private
     directory to ``dest_dir`` before the group is killed, with its pids translated from the

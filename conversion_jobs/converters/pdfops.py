@@ -306,6 +306,8 @@ def _render(doc: pdfium.PdfDocument, page: int, dpi: int, dest: Path, limits: Li
 
 
 def _split(path: str, page: int, dest: Path) -> dict:
+    # (function-level: pypdf costs ~0.2 s; the fork server preloads this module for every child,
+    # and only a PDF page output splits)
     from pypdf import PdfReader, PdfWriter
     from pypdf.errors import PdfReadError
 

@@ -20,6 +20,7 @@ from .base import (
     FirstPages,
     Limits,
     PageArtifact,
+    PageRequest,
     Prepared,
 )
 from .errors import (
@@ -121,27 +122,20 @@ def _page_args(
 READ_AHEAD_PAGES = 16
 
 
-def _page_call(
-    *,
-    op: str,
-    prepared: Prepared,
-    page: int,
-    output: str,
-    options: dict,
-    dest_dir: Path,
-    limits: Limits,
-    should_stop: Callable[[], bool],
-    lookahead: Sequence[int] = (),
-    password: str | None = None,
-    inline_max_bytes: int = 0,
-) -> PageArtifact:
+def _page_call(request: PageRequest, *, page: int, lookahead: Sequence[int] = ()) -> PageArtifact:
     """Convert ``page`` in the document's session. ``lookahead``: the pages the caller will ask
     for next, in order; they are requested with this one (up to READ_AHEAD_PAGES) and the child
     converts them while the caller checkpoints; when half of them are collected, the next ones
     are requested (queued behind the first request), so the child never waits for the caller.
     Asking for a page out of that order ends the session (its child is killed and a fresh one
-    serves the page). ``inline_max_bytes`` (pdf text only): a page's text up to that many bytes
-    comes back in the answer (``PageArtifact.content``), with no file written or moved."""
+    serves the page). ``request.inline_max_bytes`` (pdf text only): a page's text up to that
+    many bytes comes back in the answer (``PageArtifact.content``), with no file written."""
+    prepared, limits, output, dest_dir = (
+        request.prepared,
+        request.limits,
+        request.output,
+        request.dest_dir,
+    )
     if not 1 <= page <= prepared.page_count:
         raise InvalidInput(f"page {page} does not exist (the document has {prepared.page_count})")
     dest: Path | None = None
@@ -149,21 +143,10 @@ def _page_call(
         # The page a read-ahead already asked for: no request to build, no child to probe.
         session = session_due(document=prepared.document, limits=limits, page=page)
         if session is None or len(session.ahead) <= READ_AHEAD_PAGES // 2:
-            session = _request_pages(
-                session=session,
-                op=op,
-                prepared=prepared,
-                page=page,
-                output=output,
-                options=options,
-                dest_dir=dest_dir,
-                limits=limits,
-                should_stop=should_stop,
-                lookahead=lookahead,
-                password=password,
-                inline_max_bytes=inline_max_bytes,
-            )
-        result = session.next_page(page, timeout_s=limits.page_timeout_s, should_stop=should_stop)
+            session = _request_pages(request, session=session, page=page, lookahead=lookahead)
+        result = session.next_page(
+            page, timeout_s=limits.page_timeout_s, should_stop=request.should_stop
+        )
         if BODY in result:  # inline: the page's text (UTF-8) came with the answer, no file
             return PageArtifact(path=None, media_type=result["media_type"], content=result[BODY])
         dest_dir.mkdir(parents=True, exist_ok=True)
@@ -178,24 +161,13 @@ def _page_call(
 
 
 def _request_pages(
-    *,
-    session: ChildSession | None,
-    op: str,
-    prepared: Prepared,
-    page: int,
-    output: str,
-    options: dict,
-    dest_dir: Path,
-    limits: Limits,
-    should_stop: Callable[[], bool],
-    lookahead: Sequence[int],
-    password: str | None,
-    inline_max_bytes: int,
+    request: PageRequest, *, session: ChildSession | None, page: int, lookahead: Sequence[int]
 ) -> ChildSession:
     """The session that will answer ``page``, with ``page`` and the next pages of ``lookahead``
     requested of it as needed: ``session`` (``page`` already due from it, half of its read-ahead
     or less left) or the thread's session of the document, or a fresh one."""
-    fault = test_fault_from(options)
+    prepared, dest_dir, limits = request.prepared, request.dest_dir, request.limits
+    fault = test_fault_from(request.options)
     if session is None:
         # The session of this document (the child keeps it open); a fresh child if an earlier
         # page's failure killed it.
@@ -219,56 +191,31 @@ def _request_pages(
             session.fault_records_to = dest_dir
         # The child writes in its private directory; each page is handed out when read.
         session.read_ahead(
-            op,
-            [(p, str(_page_dest(session.inside(), p, output))) for p in wanted],
+            request.op,
+            [(p, str(_page_dest(session.inside(), p, request.output))) for p in wanted],
             _page_args(
                 session=session,
-                output=output,
-                options=options,
+                output=request.output,
+                options=request.options,
                 limits=limits,
-                password=password,
-                inline_max_bytes=inline_max_bytes,
+                password=request.password,
+                inline_max_bytes=request.inline_max_bytes,
             ),
             timeout_s=limits.page_timeout_s,
-            should_stop=should_stop,
+            should_stop=request.should_stop,
             fault=fault,
         )
     return session
 
 
-def _request_first(
-    *,
-    op: str,
-    prepared: Prepared,
-    pages: Sequence[int],
-    output: str,
-    options: dict,
-    dest_dir: Path,
-    limits: Limits,
-    should_stop: Callable[[], bool],
-    password: str | None = None,
-    inline_max_bytes: int = 0,
-) -> None:
+def _request_first(request: PageRequest, *, pages: Sequence[int]) -> None:
     """``request_pages`` of a session converter: the read-ahead the first ``_page_call`` of
     ``pages`` would send (the same pages, so that call finds them due). A failure closes the
     session and is left to that call, which meets it again (with its page's tries)."""
-    if not pages or not 1 <= pages[0] <= prepared.page_count:
+    if not pages or not 1 <= pages[0] <= request.prepared.page_count:
         return
     try:
-        _request_pages(
-            session=None,
-            op=op,
-            prepared=prepared,
-            page=pages[0],
-            output=output,
-            options=options,
-            dest_dir=dest_dir,
-            limits=limits,
-            should_stop=should_stop,
-            lookahead=pages[1:],
-            password=password,
-            inline_max_bytes=inline_max_bytes,
-        )
+        _request_pages(request, session=None, page=pages[0], lookahead=pages[1:])
     except ConversionStopped:
         raise
     except ConversionError:
@@ -296,60 +243,32 @@ class _ChildPages:
         """The page requests' ``password`` and ``inline_max_bytes`` (none by default)."""
         return {}
 
-    def convert_page(
-        self,
-        *,
-        prepared,
-        page,
-        output,
-        options,
-        dest_dir,
-        limits,
-        should_stop,
-        lookahead=(),
-        inline_max_bytes=0,
-    ) -> PageArtifact:
+    def _request(
+        self, *, prepared, output, options, dest_dir, limits, should_stop, inline_max_bytes=0
+    ) -> PageRequest:
+        """The keywords of ``convert_page`` / ``request_pages`` (the ``Converter`` protocol,
+        base.py) as one request for the document's child session."""
         self._check_output(prepared.media_type, output)
-        return _page_call(
+        return PageRequest(
             op=self.page_op,
             prepared=prepared,
-            page=page,
             output=output,
             options=options,
             dest_dir=dest_dir,
             limits=limits,
             should_stop=should_stop,
-            lookahead=lookahead,
             **self._page_args_for(output, options, inline_max_bytes),
         )
 
-    def request_pages(
-        self,
-        *,
-        prepared,
-        pages,
-        output,
-        options,
-        dest_dir,
-        limits,
-        should_stop,
-        inline_max_bytes=0,
-    ) -> None:
+    def convert_page(self, *, page, lookahead=(), **request) -> PageArtifact:
+        return _page_call(self._request(**request), page=page, lookahead=lookahead)
+
+    def request_pages(self, *, pages, **request) -> None:
         try:
-            self._check_output(prepared.media_type, output)
+            built = self._request(**request)
         except UnsupportedConversion:
             return  # the first convert_page raises it
-        _request_first(
-            op=self.page_op,
-            prepared=prepared,
-            pages=pages,
-            output=output,
-            options=options,
-            dest_dir=dest_dir,
-            limits=limits,
-            should_stop=should_stop,
-            **self._page_args_for(output, options, inline_max_bytes),
-        )
+        _request_first(built, pages=pages)
 
 
 class PdfConverter(_ChildPages):

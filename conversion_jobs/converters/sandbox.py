@@ -341,6 +341,13 @@ def probe(*, fresh: bool = False) -> Status:
         return status
 
 
+def status(*, work_dir: Path) -> Status:
+    """:func:`probe` for a web or a worker whose work directory is ``work_dir``: what readiness
+    and the sandbox gauges report (``settings.QUIRE["WORK_DIR"]``)."""
+    configure(work_dir=work_dir)
+    return probe()
+
+
 def _probe_once() -> Status:
     root = None
     try:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import atexit
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -266,15 +267,24 @@ def release(prepared=None, *, spare: bool = True) -> None:
         warm()
 
 
+#: Run first by :func:`release_all` in the owning process: ``engines.py`` registers its
+#: ``stop`` (a hook, not an import: the engine module is built on this one).
+_release_hooks: list[Callable[[str], None]] = []
+
+
+def on_release_all(hook: Callable[[str], None]) -> None:
+    """Have :func:`release_all` call ``hook("shutdown")`` before it ends the children."""
+    _release_hooks.append(hook)
+
+
 def release_all() -> None:
     """End every session, the spare, the kept child and the warm engine of this process (at
     exit, or before its fork server is replaced): the engine lives in the fork server's sandbox,
     so it is recycled here rather than found dead, mid-conversion, by the next attempt."""
     global _spare, _kept
-    from .engines import stop as stop_engine
-
     if os.getpid() == _owner_pid:
-        stop_engine("shutdown")
+        for hook in _release_hooks:
+            hook("shutdown")
     with _lock:
         if os.getpid() != _owner_pid:
             return
@@ -292,3 +302,24 @@ def release_all() -> None:
 
 
 atexit.register(release_all)
+
+
+def run_isolated(
+    *,
+    op: str,
+    args: dict,
+    limits: Limits,
+    timeout_s: float,
+    scratch_dir: Path,
+    should_stop: Callable[[], bool] = lambda: False,
+    fault: dict | None = None,
+) -> dict:
+    """Run ``op`` once in a fresh child and return its result dict; the child is gone after.
+
+    Raises the child's structured ConversionError, or ConversionTimeout, ConversionStopped,
+    ConverterCrashed. ``scratch_dir`` holds the child's private directory; it is removed
+    before returning.
+    """
+    with fresh_child() as session:
+        session.setup(limits=limits, scratch_dir=scratch_dir)
+        return session.call(op, args, timeout_s=timeout_s, should_stop=should_stop, fault=fault)

@@ -51,7 +51,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from . import sandbox
+from . import child, sandbox
 from .base import EXIT_UNEXPECTED
 from .errors import ConverterCrashed
 
@@ -116,8 +116,6 @@ def _serve_child(fds: list[int], sock: socket.socket, request: dict) -> None:
         if argv:
             os.chdir(request.get("cwd") or "/")
             os.execvpe(argv[0], argv, request.get("env") or _child_env())  # noqa: S606
-        from . import child
-
         child.serve()  # never returns
     finally:
         os._exit(code)
@@ -129,8 +127,6 @@ def _answer(sock: socket.socket, payload: dict) -> None:
 
 def serve(sock: socket.socket) -> int:
     """The zygote's loop: fork on ``spawn``, wait on ``reap``; ends at end of file."""
-    from . import child
-
     set_process_name(ZYGOTE_NAME)  # also looks prctl up once for every child
     _answer(sock, {"hello": os.getpid()})  # the worker learns this process's pid (credentials)
     child.preload()

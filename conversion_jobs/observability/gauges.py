@@ -5,20 +5,21 @@ from __future__ import annotations
 from collections.abc import Iterator
 from datetime import datetime
 
+from django.conf import settings
 from django.db.models import Count, Min
 from django.utils import timezone
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from conversion_jobs.converters import sandbox
 from conversion_jobs.models import ConversionJob, ConversionOutbox, SweepStatus, WorkerLease
 from conversion_jobs.states import State
+from conversion_jobs.webhooks.models import MessageState, WebhookEndpoint, WebhookMessage
 
 
 class DatabaseGauges(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        from django.conf import settings
-
         now = timezone.now()
         by_state = GaugeMetricFamily("quire_jobs", "Jobs by state", labels=["state"])
         counts = dict(
@@ -82,9 +83,7 @@ class SandboxGauges(Collector):
     """The converter sandbox on this host, at scrape time (the probe is cached 30 s)."""
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        from conversion_jobs.api.health import sandbox_status
-
-        status = sandbox_status()
+        status = sandbox.status(work_dir=settings.QUIRE["WORK_DIR"])
         yield GaugeMetricFamily(
             "quire_sandbox_enabled",
             "1 unless an operator turned the converter sandbox off (QUIRE_SANDBOX=off)",
@@ -106,8 +105,6 @@ class SandboxGauges(Collector):
 def _webhook_gauges(now: datetime) -> Iterator[GaugeMetricFamily]:
     """The webhook backlog (pending messages, and the age of the oldest one due) and the
     disabled endpoints (docs/OPERABILITY.md, webhooks)."""
-    from conversion_jobs.webhooks.models import MessageState, WebhookEndpoint, WebhookMessage
-
     pending = WebhookMessage.objects.filter(state=MessageState.PENDING)
     agg = pending.aggregate(n=Count("id"), m=Min("created_at"))
     yield GaugeMetricFamily(

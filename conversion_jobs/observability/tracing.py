@@ -25,6 +25,8 @@ def configure(exporter: object | None = None) -> None:
     global _configured
     if _configured or (exporter is None and not enabled()):
         return
+    # (function-level here and below: the SDK, its exporters and instrumentors load only in a
+    # process that traces; OTEL_TRACES_EXPORTER is unset by default)
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor

@@ -9,11 +9,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psycopg
+from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.db import IntegrityError, transaction
+from django.db import DatabaseError, IntegrityError, transaction
 from django.utils import timezone
 
-from conversion_jobs import converters, faults, passwords, storage
+from conversion_jobs import converters, faults, loop_db, passwords, storage
 from conversion_jobs.db import violated_constraint
 from conversion_jobs.exceptions import (
     CapacityExceeded,
@@ -36,6 +38,7 @@ from conversion_jobs.services.admission import (
     admission_admitted_on_snapshot,
 )
 from conversion_jobs.services.artifacts import source_lock
+from conversion_jobs.services.dispatch import outbox_publish_committed_in_background
 from conversion_jobs.services.prepared import prepared_cursor
 from conversion_jobs.states import LIVE_STATES, State
 
@@ -427,9 +430,6 @@ async def conversion_job_accept_on_loop(
     a database error. After a connection lost mid-statement the job may exist: the sync path
     then answers it as the duplicate (or the key's replay) it is, and the outbox sweep
     publishes it."""
-    from conversion_jobs import loop_db
-    from conversion_jobs.services.dispatch import outbox_publish_committed_in_background
-
     if upload.content is None:
         raise HandOff(HANDOFF_CHECKS)
     try:
@@ -448,8 +448,6 @@ async def conversion_job_accept_on_loop(
         idempotency_key=idempotency_key,
         traceparent=traceparent,
     )
-    import psycopg
-
     try:
         async with loop_db.pool().connection() as db:
             # Admitted while holding the connection its statement uses: acceptances in flight
@@ -499,9 +497,6 @@ async def _on_thread(fn: Any, reason: str, **kwargs: Any) -> Any:
     """``fn(**kwargs)`` on the request's sync thread (Django's ORM, the thread's connection),
     awaited. Its refusal (a QuireError) or a database error hands the request to the sync
     path (``reason``; a database error: ``HANDOFF_DATABASE``), which answers it itself."""
-    from asgiref.sync import sync_to_async
-    from django.db import DatabaseError
-
     try:
         return await sync_to_async(fn, thread_sensitive=True)(**kwargs)
     except QuireError as exc:

@@ -25,7 +25,7 @@ GENESIS = "0" * 64
 SYSTEM_ACTOR = "system"
 
 
-def _event_hash(
+def event_hash(
     *,
     prev_hash: str,
     job_id: uuid.UUID,
@@ -116,7 +116,7 @@ def audit_event_append(
         "details": details,
         "created_at": created_at,
     }
-    digest = _event_hash(prev_hash=prev, **fields)
+    digest = event_hash(prev_hash=prev, **fields)
     job.update(audit_seq=seq, audit_head=digest)
     ExecutionAuditEvent.objects.create(**fields, prev_hash=prev, hash=digest)
 
@@ -192,7 +192,7 @@ def chain_sql(
     *, prev: str, seq: str, body: str, params: dict[str, Any], exprs: dict[str, str] | None = None
 ) -> str:
     """The SQL expression of an event's hash, ``sha256(prev || body)`` in hex, exactly as
-    :func:`_event_hash` computes it in Python (the verifier), for a statement that knows the
+    :func:`event_hash` computes it in Python (the verifier), for a statement that knows the
     chain head (``prev``, ``seq``) only when it runs."""
     body_sql = spliced_sql(body, exprs={"seq": seq, **(exprs or {})}, params=params)
     return f"encode(sha256(convert_to(({prev}) || {body_sql}, 'UTF8')), 'hex')"
@@ -227,7 +227,7 @@ def audit_chain_verify(*, job_id: uuid.UUID | None = None) -> tuple[int, list[Ch
             breaks.append(ChainBreak(event.job_id, event.id, event.seq, "sequence gap"))
         if event.prev_hash != prev:
             breaks.append(ChainBreak(event.job_id, event.id, event.seq, "prev_hash mismatch"))
-        recomputed = _event_hash(
+        recomputed = event_hash(
             prev_hash=event.prev_hash,
             job_id=event.job_id,
             seq=event.seq,

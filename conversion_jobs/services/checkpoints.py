@@ -13,11 +13,13 @@ from django.db.models import Count, F, Subquery
 from django.db.models.functions import Now
 
 from conversion_jobs import storage
+from conversion_jobs.converters.assemble import join_text_pages
 from conversion_jobs.models import PageCheckpoint, PageState
 from conversion_jobs.observability import metrics
 from conversion_jobs.services.audit import audit_event_append
 from conversion_jobs.services.db_retry import db_retry
 from conversion_jobs.services.leases import Lease, LeaseLost, fenced
+from conversion_jobs.services.prepared import Byteas, Int4s, Int8s, Texts, prepared_cursor
 
 #: ``artifact_key`` prefix of a page whose artifact is the row's ``content`` (no file): the
 #: store's one marker for bytes kept in Postgres.
@@ -52,8 +54,6 @@ def inline_result_bytes(*, job_id: uuid.UUID, result_key: str) -> bytes | None:
     an earlier generation converted; no later generation writes a published job's pages):
     ``assemble_result``'s text, UTF-8 pages joined by form feed in page order. None if the key
     is not this job's inline result or a done page is not inline."""
-    from conversion_jobs.converters.assemble import join_text_pages
-
     parsed = storage.parse_key(result_key.removeprefix(INLINE_PREFIX))
     if not is_inline_result(result_key) or parsed is None or parsed.job_id != job_id:
         return None
@@ -156,13 +156,11 @@ def page_checkpoint_done(
 
 def page_checkpoints_record(*, lease: Lease, checkpoints: list[PageCheckpoint]) -> None:
     """Fenced upsert of a batch of page checkpoints. A batch of done pages on Postgres is one
-    statement (``transitions.done_pages_record``, one round trip); otherwise three round trips:
+    statement (:func:`done_pages_record`, one round trip); otherwise three round trips:
     the guarded UPDATE on the job row (it takes the row lock first, so a recovery or a cancel
     that commits before us makes it match zero rows: LeaseLost, nothing written), one upsert,
     COMMIT."""
     if connection.vendor == "postgresql" and all(c.state == PageState.DONE for c in checkpoints):
-        from conversion_jobs.services.transitions import done_pages_record
-
         if not done_pages_record(lease=lease, checkpoints=checkpoints):
             raise LeaseLost()
         for checkpoint in checkpoints:
@@ -300,3 +298,71 @@ class CheckpointBatch:
         for checkpoint in self.pending:
             self.checkpoints[checkpoint.page_number] = checkpoint
         self.pending = []
+
+
+#: The done pages of a batch (the ``p_*`` arrays), upserted from the row that ``moved``
+#: returned: part of ``_DONE_PAGES_SQL`` and of ``transitions._PUBLISH_SQL``. The arrays are
+#: bound by the server and sent in binary (``%(…)b``, ``prepared.prepared_cursor``): a page's
+#: text as it is.
+UPSERT_DONE_PAGES = """
+    INSERT INTO page_checkpoint
+        (job_id, page_number, state, attempts, artifact_key, artifact_sha256, artifact_size,
+         media_type, error_code, generation, updated_at, content)
+    SELECT m.id, p.page_number, 'done', p.attempts, p.artifact_key, p.artifact_sha256,
+           p.artifact_size, p.media_type, NULL, %(generation)s, now(), p.content
+    FROM moved m, unnest(%(p_number)b::int[], %(p_attempts)b::int[], %(p_key)b::text[],
+                         %(p_sha)b::text[], %(p_size)b::bigint[], %(p_media)b::text[],
+                         %(p_content)b::bytea[])
+         AS p(page_number, attempts, artifact_key, artifact_sha256, artifact_size, media_type,
+              content)
+    ON CONFLICT (job_id, page_number) DO UPDATE SET
+        state = EXCLUDED.state, attempts = EXCLUDED.attempts,
+        artifact_key = EXCLUDED.artifact_key, artifact_sha256 = EXCLUDED.artifact_sha256,
+        artifact_size = EXCLUDED.artifact_size, media_type = EXCLUDED.media_type,
+        error_code = NULL, generation = EXCLUDED.generation, updated_at = EXCLUDED.updated_at,
+        content = EXCLUDED.content
+"""
+
+
+def done_pages_params(checkpoints: list[PageCheckpoint]) -> dict[str, Any]:
+    """The ``p_*`` arrays ``UPSERT_DONE_PAGES`` reads, one element per page."""
+    return {
+        "p_number": Int4s([c.page_number for c in checkpoints]),
+        "p_attempts": Int4s([c.attempts for c in checkpoints]),
+        "p_key": Texts([c.artifact_key for c in checkpoints]),
+        "p_sha": Texts([c.artifact_sha256 for c in checkpoints]),
+        "p_size": Int8s([c.artifact_size for c in checkpoints]),
+        "p_media": Texts([c.media_type for c in checkpoints]),
+        "p_content": Byteas([c.content for c in checkpoints]),
+    }
+
+
+#: A batch of done pages on Postgres, one statement (its own transaction): the fenced UPDATE
+#: of the job row takes the row lock first (a recovery or a cancel that committed before us
+#: makes it match zero rows after the lock wait), and the upsert inserts only from its
+#: returned row, so a lost fence writes nothing. Counted like ``transitions._PUBLISH_SQL``'s pages.
+_DONE_PAGES_SQL = """
+WITH moved AS (
+    UPDATE conversion_job SET pages_done = pages_done + %(n_done)s, updated_at = now()
+    WHERE id = %(job)s AND generation = %(generation)s AND lease_token = %(token)s
+      AND state = 'running'
+    RETURNING id
+), pages AS ({upsert_done_pages})
+SELECT count(*) FROM moved
+""".replace("{upsert_done_pages}", UPSERT_DONE_PAGES)
+
+
+def done_pages_record(*, lease: Lease, checkpoints: list[PageCheckpoint]) -> bool:
+    """A checkpoint batch of done pages on Postgres (``_DONE_PAGES_SQL``), fenced; not an edge:
+    the job's state is only its guard. False: the fence matched nothing (nothing written)."""
+    params: dict[str, Any] = {
+        "job": lease.job_id,
+        "generation": lease.generation,
+        "token": lease.token,
+        "n_done": len(checkpoints),
+        **done_pages_params(checkpoints),
+    }
+    with prepared_cursor() as cursor:
+        cursor.execute(_DONE_PAGES_SQL, params)
+        (moved,) = cursor.fetchone()
+    return bool(moved)

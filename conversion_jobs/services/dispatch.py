@@ -7,14 +7,10 @@ the sweeper, so every path here prefers "publish again" over "maybe never".
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import socket
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 from django.conf import settings
 from django.db import connection, transaction
@@ -23,107 +19,14 @@ from django.db.models.functions import Now
 from django.utils import timezone
 
 from conversion_jobs.models import ConversionJob, ConversionOutbox
-from conversion_jobs.observability import metrics, tracing
+from conversion_jobs.observability import metrics
+from conversion_jobs.services import broker, publisher
 from conversion_jobs.states import State
 
 log = logging.getLogger(__name__)
 
-TASK_NAME = "tasks.conversion.run_conversion"
 #: The sweeper leaves fresh rows to the fast path for this long, so both rarely publish one row.
 FAST_PATH_GRACE = timedelta(seconds=2)
-
-
-def publish_conversion(*, job_id: uuid.UUID, generation: int, traceparent: str) -> None:
-    """One persistent message on ``conversion.v1``, confirmed by the broker or an exception."""
-    from project.celery import app
-
-    headers = {"traceparent": traceparent} if traceparent else {}
-    with tracing.span_from_traceparent(
-        "outbox.publish", traceparent, **{"quire.generation": generation}
-    ):
-        _send(app, job_id=job_id, generation=generation, headers=headers)
-
-
-_ORIGIN = f"gen{os.getpid()}@{socket.gethostname()}"
-
-
-def conversion_message(*, job_id: uuid.UUID, generation: int, traceparent: str) -> Any:
-    """The message :func:`publish_conversion` sends, built directly (Celery task protocol 2,
-    what ``app.send_task`` produces for ``run_conversion``: the same headers, properties and
-    body; ``tests/unit/test_dispatch_message.py`` holds the two together). For the background
-    publisher, which publishes batches on its own confirm-mode channel: ``send_task``'s routing,
-    signals and serializer lookups were two thirds of its CPU."""
-    import amqp
-
-    task_id = str(uuid.uuid4())
-    args = [str(job_id), generation]
-    headers: dict[str, Any] = {
-        "lang": "py",
-        "task": TASK_NAME,
-        "id": task_id,
-        "shadow": None,
-        "eta": None,
-        "expires": None,
-        "group": None,
-        "group_index": None,
-        "retries": 0,
-        "timelimit": [None, None],
-        "root_id": task_id,
-        "parent_id": None,
-        "argsrepr": repr(args),
-        "kwargsrepr": "{}",
-        "origin": _ORIGIN,
-        "ignore_result": True,
-        "replaced_task_nesting": 0,
-        "stamped_headers": None,
-        "stamps": {},
-    }
-    if traceparent:
-        headers["traceparent"] = traceparent
-    body = json.dumps(
-        [args, {}, {"callbacks": None, "errbacks": None, "chain": None, "chord": None}]
-    )
-    return amqp.Message(
-        body.encode(),
-        content_type="application/json",
-        content_encoding="utf-8",
-        application_headers=headers,
-        delivery_mode=2,
-        correlation_id=task_id,
-        reply_to="",
-        priority=0,
-    )
-
-
-def _send(app: Any, *, job_id: uuid.UUID, generation: int, headers: dict[str, str]) -> None:
-    app.send_task(
-        TASK_NAME,
-        args=[str(job_id), generation],
-        queue=settings.CONVERSION_QUEUE,
-        # Explicit: for a direct exchange Celery otherwise falls back to the default exchange,
-        # where the least-privilege publisher may not write.
-        exchange=settings.CONVERSION_EXCHANGE,
-        routing_key=settings.CONVERSION_QUEUE,
-        headers=headers,
-        # retry / retry_policy: the app's (CELERY_TASK_PUBLISH_RETRY_POLICY), one immediate
-        # retry on a fresh connection: a pooled connection that died with a broker restart must
-        # not push every first publish afterwards onto the sweeper. Anything more is the
-        # sweeper's job, so a request is never held up for long.
-        confirm_timeout=settings.QUIRE["PUBLISH_CONFIRM_TIMEOUT_S"],
-        ignore_result=True,
-    )
-
-
-def _error_code(exc: BaseException) -> str:
-    from kombu.exceptions import OperationalError as BrokerOperationalError
-
-    name = type(exc).__name__
-    if "Timeout" in name or isinstance(exc, TimeoutError):
-        return "broker_timeout"
-    # kombu wraps a refused or reset connection in its OperationalError.
-    if isinstance(exc, OSError | BrokerOperationalError) or "Connection" in name:
-        return "broker_unreachable"
-    return "publish_failed"
 
 
 def outbox_publish_after_commit(
@@ -132,8 +35,6 @@ def outbox_publish_after_commit(
     """Register the fast path: publish right after the surrounding transaction commits. In a
     web process the row is handed to the background publisher (``services/publisher.py``),
     elsewhere it is published inline."""
-    from conversion_jobs.services import publisher
-
     background = publisher.current()
     if background is not None:
         item = publisher.Pending(outbox_id, job_id, generation, traceparent)
@@ -154,8 +55,6 @@ def outbox_publish_committed_in_background(
     :func:`outbox_publish_after_commit` hands it after a commit. Never blocks; a full queue or
     no publisher leaves the row to the outbox sweep (the caller checks ``publisher.current()``
     before it writes, so the latter does not happen in a serving web)."""
-    from conversion_jobs.services import publisher
-
     background = publisher.current()
     if background is not None:
         background.submit(publisher.Pending(outbox_id, job_id, generation, traceparent))
@@ -174,9 +73,9 @@ def outbox_publish_fast(
     for the sweeper, so the request that committed it is never failed or delayed past the
     confirm timeout."""
     try:
-        publish_conversion(job_id=job_id, generation=generation, traceparent=traceparent)
+        broker.publish_conversion(job_id=job_id, generation=generation, traceparent=traceparent)
     except Exception as exc:
-        code = _error_code(exc)
+        code = broker.error_code(exc)
         log.warning(
             "outbox fast path publish failed; the sweeper will retry",
             extra={"code": code, "error": type(exc).__name__},
@@ -221,9 +120,11 @@ def outbox_rows_publish_unpublished(*, batch: int | None = None) -> SweepResult:
         done: list[int] = []
         for outbox_id, job_id, generation, traceparent in rows:
             try:
-                publish_conversion(job_id=job_id, generation=generation, traceparent=traceparent)
+                broker.publish_conversion(
+                    job_id=job_id, generation=generation, traceparent=traceparent
+                )
             except Exception as exc:
-                code = _error_code(exc)
+                code = broker.error_code(exc)
                 ConversionOutbox.objects.filter(id=outbox_id).update(
                     publish_attempts=F("publish_attempts") + 1, last_error_code=code
                 )

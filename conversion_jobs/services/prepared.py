@@ -28,15 +28,19 @@ from contextlib import contextmanager
 from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, connections
+from django.db.backends.utils import CursorDebugWrapper, CursorWrapper
+from psycopg.adapt import Dumper
+from psycopg.postgres import types
+from psycopg.pq import Format
 
 
 @functools.cache
 def _postgres_parts() -> tuple[Any, Any, Any, Any]:
     """(ServerBindingCursor, register_tzloader, the timestamptz oid, text format), imported on
     first use: the module also loads where psycopg is not the backend (SQLite profile)."""
+    # (function-level: Django's Postgres backend module, loaded only where it is the backend)
     from django.db.backends.postgresql.base import TIMESTAMPTZ_OID, ServerBindingCursor
     from django.db.backends.postgresql.psycopg_any import register_tzloader
-    from psycopg.pq import Format
 
     return ServerBindingCursor, register_tzloader, TIMESTAMPTZ_OID, Format.TEXT
 
@@ -117,7 +121,6 @@ def _logged_cursor_class() -> Any:
     which for a server-bound statement is nothing (``None``). This one logs the statement with
     its values rendered as the client-side cursor would (binary ``%(x)b`` placeholders as text),
     so a logged hot statement reads, and runs under EXPLAIN, as any other logged query."""
-    from django.db.backends.utils import CursorDebugWrapper, CursorWrapper
 
     class LoggedServerBindingCursor(CursorDebugWrapper):  # type: ignore[misc]
         def execute(self, sql: Any, params: Any = None) -> Any:  # type: ignore[override]
@@ -206,9 +209,6 @@ def _array_dumpers() -> dict[type, Any]:
     """The binary dumpers of ``Int4s``, ``Int8s``, ``Texts`` and ``Byteas`` (registered on each
     cursor ``prepared_cursor`` makes), with the array type's oid fixed: the statement's
     parameter types, hence its prepared plan, are the ones psycopg's list dumper gave them."""
-    from psycopg.adapt import Dumper
-    from psycopg.postgres import types
-    from psycopg.pq import Format
 
     def dumper(cls: type, name: str, element: Callable[[Any], bytes]) -> Any:
         info = types[name]

@@ -18,6 +18,7 @@ always did. A duplicate (published, not yet marked, swept) is harmless: the clai
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import queue
@@ -26,12 +27,15 @@ import time
 import uuid
 from typing import Any, NamedTuple
 
+from amqp import spec
 from django.conf import settings
 from django.db import connection
 from django.db.models import F
+from django.db.models.functions import Now
 
 from conversion_jobs.models import ConversionOutbox
 from conversion_jobs.observability import metrics, tracing
+from conversion_jobs.services import broker
 from conversion_jobs.services.prepared import prepared_cursor
 
 log = logging.getLogger(__name__)
@@ -186,8 +190,6 @@ class BackgroundPublisher:
         _reset_db()
 
     def publish_batch(self, batch: list[Pending]) -> None:
-        from conversion_jobs.services.dispatch import _error_code
-
         confirmed: list[int] = []
         error: BaseException | None = None
         for _attempt in (0, 1):  # one immediate retry on a fresh connection (ADR 0015)
@@ -206,7 +208,7 @@ class BackgroundPublisher:
             self._mark_published(confirmed)
             metrics.OUTBOX_PUBLISHED.labels(path="fast").inc(len(confirmed))
         if failed:
-            code = _error_code(error) if error is not None else "publish_failed"
+            code = broker.error_code(error) if error is not None else "publish_failed"
             log.warning(
                 "outbox fast path publish failed; the sweeper will retry",
                 extra={"code": code, "error": type(error).__name__ if error else "Nacked"},
@@ -216,18 +218,12 @@ class BackgroundPublisher:
 
     def _publish(self, batch: list[Pending]) -> list[int]:
         """Publish ``batch``; the outbox ids the broker confirmed."""
-        from conversion_jobs.services.dispatch import publish_conversion
-
         if not settings.AMQP_BROKER:  # the standalone profile's transport has no confirms
             for p in batch:
-                publish_conversion(
+                broker.publish_conversion(
                     job_id=p.job_id, generation=p.generation, traceparent=p.traceparent
                 )
             return [p.outbox_id for p in batch]
-        from amqp import spec
-
-        from conversion_jobs.services.dispatch import conversion_message
-
         channel = self._confirm_channel()
         exchange, routing_key = settings.CONVERSION_EXCHANGE, settings.CONVERSION_QUEUE
         self._unconfirmed.clear()
@@ -236,7 +232,7 @@ class BackgroundPublisher:
             with tracing.span_from_traceparent(
                 "outbox.publish", p.traceparent, **{"quire.generation": p.generation}
             ):
-                message = conversion_message(
+                message = broker.conversion_message(
                     job_id=p.job_id, generation=p.generation, traceparent=p.traceparent
                 )
                 channel.basic_publish(message, exchange=exchange, routing_key=routing_key)
@@ -261,9 +257,7 @@ class BackgroundPublisher:
         self._last_used = now
         if self._channel is not None:
             return self._channel
-        from project.celery import app
-
-        conn = app.connection_for_write()
+        conn = broker.celery_app().connection_for_write()
         conn.ensure_connection(max_retries=0)  # our caller retries once
         channel: Any = conn.default_channel
         # Confirm mode for the channel, but no per-message wait: the batch waits once.
@@ -306,7 +300,7 @@ class BackgroundPublisher:
                     cursor.execute(_MARK_SQL, {"ids": ids})
             else:
                 ConversionOutbox.objects.filter(id__in=ids, published_at__isnull=True).update(
-                    published_at=_now_sql(), publish_attempts=F("publish_attempts") + 1
+                    published_at=Now(), publish_attempts=F("publish_attempts") + 1
                 )
         except Exception:  # published but not marked: the sweeper publishes harmless duplicates
             log.warning("published but could not mark the outbox rows", exc_info=False)
@@ -320,12 +314,6 @@ class BackgroundPublisher:
         except Exception:  # the database is down too: the rows are still there for the sweeper
             log.warning("could not record the publish failure", exc_info=False)
             _reset_db()
-
-
-def _now_sql() -> Any:
-    from django.db.models.functions import Now
-
-    return Now()
 
 
 def _reset_db() -> None:
@@ -356,8 +344,6 @@ def enable() -> BackgroundPublisher | None:
             max_batch=settings.QUIRE["PUBLISH_BATCH"],
             confirm_timeout=settings.QUIRE["PUBLISH_CONFIRM_TIMEOUT_S"],
         )
-        import atexit
-
         # A graceful stop publishes what is queued (bounded); what is left is the sweep's.
         atexit.register(_publisher.flush, settings.QUIRE["PUBLISH_CONFIRM_TIMEOUT_S"] * 2)
     return _publisher

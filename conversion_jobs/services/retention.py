@@ -29,9 +29,11 @@ from conversion_jobs.models import (
     InlineSource,
     PageCheckpoint,
 )
+from conversion_jobs.observability import metrics
 from conversion_jobs.services.artifacts import source_delete_if_unused
 from conversion_jobs.services.audit import audit_event_append
 from conversion_jobs.states import TERMINAL_STATES
+from conversion_jobs.webhooks.models import MessageState, WebhookAttempt, WebhookMessage
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +117,6 @@ def conversion_jobs_purge_files_if_expired(*, batch: int) -> int:
 def webhook_messages_prune_finished(*, batch: int) -> int:
     """Delivered and failed webhook messages created before ``QUIRE_WEBHOOK_RETENTION_S``, with
     their attempts (a pending one stays, however old: it is still owed)."""
-    from conversion_jobs.webhooks.models import MessageState, WebhookAttempt, WebhookMessage
-
     cutoff = _ago("WEBHOOK_RETENTION_S")
     ids = list(
         WebhookMessage.objects.filter(created_at__lt=cutoff)
@@ -160,8 +160,6 @@ def retention_apply(*, batch: int | None = None) -> RetentionResult:
         audit_events_purged=audit_chains_purge_if_past_retention(batch=batch),
         webhook_messages_pruned=webhook_messages_prune_finished(batch=batch),
     )
-    from conversion_jobs.observability import metrics
-
     metrics.RETENTION_PURGES.labels(kind="outbox_rows").inc(result.outbox_pruned)
     metrics.RETENTION_PURGES.labels(kind="jobs_expired").inc(result.jobs_expired)
     metrics.RETENTION_PURGES.labels(kind="jobs_purged").inc(result.jobs_purged)

@@ -31,12 +31,13 @@ from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import connection, models, transaction
 from django.db.models import F, Q, QuerySet
 from django.db.models.functions import Coalesce, Now
 from django.utils import timezone
 
 from conversion_jobs import storage
+from conversion_jobs.loop_db import kept_cursor
 from conversion_jobs.models import (
     AttemptOutcome,
     CancellationOutcome,
@@ -56,21 +57,23 @@ from conversion_jobs.options import canonical_json
 from conversion_jobs.services.audit import (
     GENESIS,
     SYSTEM_ACTOR,
-    _event_hash,
     audit_event_append,
     chain_sql,
     event_body,
+    event_hash,
     slot,
     spliced_sql,
 )
 from conversion_jobs.services.checkpoints import (
+    UPSERT_DONE_PAGES,
     checkpoints_upsert,
+    done_pages_params,
     page_counters,
     pages_converted_by,
 )
 from conversion_jobs.services.dispatch import outbox_publish_after_commit
 from conversion_jobs.services.leases import Lease, lease_ttl
-from conversion_jobs.services.prepared import Byteas, Int4s, Int8s, Texts, prepared_cursor
+from conversion_jobs.services.prepared import prepared_cursor
 from conversion_jobs.states import LEASED_STATES, TERMINAL_STATES, TRANSITIONS, State
 from conversion_jobs.webhooks.outbox import EVENT_OF_STATE, PUBLISH_MESSAGES, messages_enqueue
 
@@ -357,8 +360,6 @@ async def job_insert_queued_on_loop(new: NewJob, db: Any) -> int | None:
     lost mid-statement - not known)."""
     if new.inline_content is None:
         raise ValueError("only an inline source is accepted on the loop")
-    from conversion_jobs.loop_db import kept_cursor
-
     sql, params = _accept_statement(new, _first_event(new))
     cursor = kept_cursor(db)  # server-side binding, prepared per connection
     await cursor.execute(sql, params)
@@ -382,7 +383,7 @@ def _first_event(new: NewJob) -> dict[str, Any]:
         "details": new.details,
         "created_at": now,
     }
-    job.audit_head = _event_hash(prev_hash=GENESIS, **first_event)
+    job.audit_head = event_hash(prev_hash=GENESIS, **first_event)
     return first_event
 
 
@@ -431,8 +432,6 @@ def job_insert_params(job: ConversionJob) -> dict[str, Any]:
 def _insert_fields() -> tuple[tuple[str, str, type | None, Any, Any], ...]:
     """Per column: its parameter's name, the attribute, the Python type its field passes
     through (None: every value goes through the field), the integer wrapper."""
-    from django.db import models
-
     plain: dict[type, type] = {
         models.CharField: str,
         models.TextField: str,
@@ -809,73 +808,6 @@ def _publish(lease: Lease, state: State, result: Result, checkpoints: list[PageC
     return won
 
 
-#: The done pages of a batch (the ``p_*`` arrays), upserted from the row that ``moved``
-#: returned: part of ``_DONE_PAGES_SQL`` and of ``_PUBLISH_SQL``. The arrays are bound by the
-#: server and sent in binary (``%(…)b``, ``prepared.prepared_cursor``): a page's text as it is.
-_UPSERT_DONE_PAGES = """
-    INSERT INTO page_checkpoint
-        (job_id, page_number, state, attempts, artifact_key, artifact_sha256, artifact_size,
-         media_type, error_code, generation, updated_at, content)
-    SELECT m.id, p.page_number, 'done', p.attempts, p.artifact_key, p.artifact_sha256,
-           p.artifact_size, p.media_type, NULL, %(generation)s, now(), p.content
-    FROM moved m, unnest(%(p_number)b::int[], %(p_attempts)b::int[], %(p_key)b::text[],
-                         %(p_sha)b::text[], %(p_size)b::bigint[], %(p_media)b::text[],
-                         %(p_content)b::bytea[])
-         AS p(page_number, attempts, artifact_key, artifact_sha256, artifact_size, media_type,
-              content)
-    ON CONFLICT (job_id, page_number) DO UPDATE SET
-        state = EXCLUDED.state, attempts = EXCLUDED.attempts,
-        artifact_key = EXCLUDED.artifact_key, artifact_sha256 = EXCLUDED.artifact_sha256,
-        artifact_size = EXCLUDED.artifact_size, media_type = EXCLUDED.media_type,
-        error_code = NULL, generation = EXCLUDED.generation, updated_at = EXCLUDED.updated_at,
-        content = EXCLUDED.content
-"""
-
-
-def _done_pages_params(checkpoints: list[PageCheckpoint]) -> dict[str, Any]:
-    """The ``p_*`` arrays ``_UPSERT_DONE_PAGES`` reads, one element per page."""
-    return {
-        "p_number": Int4s([c.page_number for c in checkpoints]),
-        "p_attempts": Int4s([c.attempts for c in checkpoints]),
-        "p_key": Texts([c.artifact_key for c in checkpoints]),
-        "p_sha": Texts([c.artifact_sha256 for c in checkpoints]),
-        "p_size": Int8s([c.artifact_size for c in checkpoints]),
-        "p_media": Texts([c.media_type for c in checkpoints]),
-        "p_content": Byteas([c.content for c in checkpoints]),
-    }
-
-
-#: A batch of done pages on Postgres, one statement (its own transaction): the fenced UPDATE
-#: of the job row takes the row lock first (a recovery or a cancel that committed before us
-#: makes it match zero rows after the lock wait), and the upsert inserts only from its
-#: returned row, so a lost fence writes nothing. Counted like ``_PUBLISH_SQL``'s pages.
-_DONE_PAGES_SQL = """
-WITH moved AS (
-    UPDATE conversion_job SET pages_done = pages_done + %(n_done)s, updated_at = now()
-    WHERE id = %(job)s AND generation = %(generation)s AND lease_token = %(token)s
-      AND state = 'running'
-    RETURNING id
-), pages AS ({upsert_done_pages})
-SELECT count(*) FROM moved
-""".replace("{upsert_done_pages}", _UPSERT_DONE_PAGES)
-
-
-def done_pages_record(*, lease: Lease, checkpoints: list[PageCheckpoint]) -> bool:
-    """A checkpoint batch of done pages on Postgres (``_DONE_PAGES_SQL``), fenced; not an edge:
-    the job's state is only its guard. False: the fence matched nothing (nothing written)."""
-    params: dict[str, Any] = {
-        "job": lease.job_id,
-        "generation": lease.generation,
-        "token": lease.token,
-        "n_done": len(checkpoints),
-        **_done_pages_params(checkpoints),
-    }
-    with prepared_cursor() as cursor:
-        cursor.execute(_DONE_PAGES_SQL, params)
-        (moved,) = cursor.fetchone()
-    return bool(moved)
-
-
 #: running -> succeeded | partial in one round trip, with the terminal hook in SQL: the job
 #: (fenced on generation, token and state, under its row lock), its last page checkpoints, the
 #: lease ended, the attempt closed, pending cancellation requests lost to completion, the audit
@@ -921,7 +853,7 @@ WITH locked AS (
     FROM moved
 )
 SELECT (SELECT count(*) FROM moved), (SELECT count(*) FROM attempt)
-""".replace("{upsert_done_pages}", _UPSERT_DONE_PAGES).replace(
+""".replace("{upsert_done_pages}", UPSERT_DONE_PAGES).replace(
     "{publish_messages}", PUBLISH_MESSAGES
 )
 
@@ -944,7 +876,7 @@ def _publish_postgres(
         "n_done": len(checkpoints),
         "details": canonical_json(details),
         "at": at,
-        **_done_pages_params(checkpoints),
+        **done_pages_params(checkpoints),
         "source_page_count": None,
         **values,
     }

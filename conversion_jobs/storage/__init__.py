@@ -33,6 +33,7 @@ from .base import (
     sha256_file,
     source_key,
 )
+from .filesystem import FilesystemStore
 
 __all__ = [
     "CHUNK",
@@ -83,10 +84,9 @@ def store() -> ArtifactStore:
     found = _stores.get(key)
     if found is None:
         if config[0] == "filesystem":
-            from .filesystem import FilesystemStore
-
             found = FilesystemStore(Path(config[1]))
         else:
+            # Imported when configured: boto3 costs every process that never uses S3 ~0.2 s.
             from .s3 import S3Store
 
             found = S3Store(
@@ -138,12 +138,7 @@ def open_object(key: str) -> BinaryIO:
 
 def read_errors() -> contextlib.AbstractContextManager[None]:
     """Around reads of an ``open_object`` body: the backend's read failures as StorageError."""
-    found = store()
-    if found.kind == "s3":
-        from .s3 import _errors
-
-        return _errors()
-    return contextlib.nullcontext()
+    return store().read_errors()
 
 
 def download(key: str, dest: Path) -> None:

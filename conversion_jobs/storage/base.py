@@ -15,6 +15,7 @@ failures raise :class:`StorageError` (an ``OSError``: the runner's ``storage_err
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
 import uuid
@@ -181,6 +182,11 @@ class ArtifactStore(ABC):
     @abstractmethod
     def open(self, key: str) -> BinaryIO:
         """A streaming reader of the object (FileNotFoundError if there is none)."""
+
+    def read_errors(self) -> contextlib.AbstractContextManager[None]:
+        """Around reads of an :meth:`open` body: the backend's read failures as StorageError
+        (the filesystem's are OSErrors already)."""
+        return contextlib.nullcontext()
 
     @abstractmethod
     def download(self, key: str, dest: Path) -> None:

@@ -26,7 +26,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO
 
+from boto3.exceptions import Boto3Error
+from boto3.s3.transfer import TransferConfig
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError
 from django.core.files import File
+from storages.backends.s3 import S3Storage
 
 from .base import CHUNK, ArtifactStore, Put, StorageError, StoredObject, check_key
 from .filesystem import DIR_MODE, FILE_MODE, remove_older
@@ -41,9 +46,6 @@ STAGING_MAX_AGE_S = 3600.0
 def _errors(*, missing_is_not_found: bool = False) -> Iterator[None]:
     """botocore / boto3 failures as StorageError (an OSError); a missing object as
     FileNotFoundError where the caller asked for it."""
-    from boto3.exceptions import Boto3Error
-    from botocore.exceptions import BotoCoreError, ClientError
-
     try:
         yield
     except ClientError as exc:
@@ -79,10 +81,6 @@ class S3Store(ArtifactStore):
         presign_ttl_s: float,
         staging_dir: Path,
     ) -> None:
-        from boto3.s3.transfer import TransferConfig
-        from botocore.config import Config
-        from storages.backends.s3 import S3Storage
-
         if not bucket:
             raise StorageError("QUIRE_S3_BUCKET is required with QUIRE_STORAGE=s3")
         self.presign_ttl_s = presign_ttl_s
@@ -285,6 +283,9 @@ class S3Store(ArtifactStore):
         with _errors(missing_is_not_found=True):
             body = self._client.get_object(Bucket=self._bucket, Key=self._name(key))
         return body["Body"]  # type: ignore[no-any-return]
+
+    def read_errors(self) -> contextlib.AbstractContextManager[None]:
+        return _errors()
 
     def download(self, key: str, dest: Path) -> None:
         """One streaming GET into ``dest`` (created 0600): the signed GET of ``s3put`` (the

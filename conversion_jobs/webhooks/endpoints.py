@@ -21,7 +21,7 @@ from conversion_jobs.exceptions import (
     NotFound,
 )
 from conversion_jobs.models import ExecutionAuditEvent
-from conversion_jobs.services.audit import _event_hash
+from conversion_jobs.services.audit import event_hash
 from conversion_jobs.webhooks import signing
 from conversion_jobs.webhooks.models import (
     DisabledReason,
@@ -214,7 +214,7 @@ def _audit(endpoint_id: uuid.UUID, event_type: str, actor: str, details: dict[st
         "details": details,
         "created_at": timezone.now(),
     }
-    digest = _event_hash(prev_hash=head, **event)
+    digest = event_hash(prev_hash=head, **event)
     ExecutionAuditEvent.objects.create(**event, prev_hash=head, hash=digest)
     WebhookEndpoint.objects.filter(id=endpoint_id).update(audit_seq=seq + 1, audit_head=digest)
 

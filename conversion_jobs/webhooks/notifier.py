@@ -34,6 +34,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import httpx
+import psycopg
 from django.conf import settings
 from django.db import close_old_connections, connection, transaction
 from django.db.models import Count, Q
@@ -247,8 +248,6 @@ class _Wakeup:
         os.set_blocking(self.read_fd, False)
         os.set_blocking(self.write_fd, False)
         if connection.vendor == "postgresql":
-            import psycopg
-
             db = connection.settings_dict
             self.conn = psycopg.connect(
                 dbname=db["NAME"],

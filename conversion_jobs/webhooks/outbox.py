@@ -12,6 +12,7 @@ from django.db.models import Subquery
 from django.utils import timezone
 
 from conversion_jobs.models import ConversionJob
+from conversion_jobs.representation import iso, job_representation
 from conversion_jobs.states import State
 from conversion_jobs.webhooks.models import EventType, WebhookEndpoint, WebhookMessage
 
@@ -39,11 +40,9 @@ PUBLISH_MESSAGES = """
 def event_payload(job: ConversionJob, event_type: str) -> dict[str, Any]:
     """The thin body: the event type, when the job ended, the job as the API renders it (its
     metadata included, never document content)."""
-    from conversion_jobs.api.representation import _iso, job_representation
-
     return {
         "type": event_type,
-        "timestamp": _iso(job.finished_at or job.updated_at),
+        "timestamp": iso(job.finished_at or job.updated_at),
         "data": job_representation(job),
     }
 

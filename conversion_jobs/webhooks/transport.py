@@ -17,8 +17,9 @@ import ipaddress
 import socket
 import time
 from dataclasses import dataclass
+from email.utils import parsedate_to_datetime
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 import httpx
 from django.conf import settings
@@ -89,6 +90,23 @@ def url_check(url: str, policy: Policy | None = None) -> Target:
     """The URL's parts, or Refused: not http(s), credentials in it, no host, a port not allowed.
     A literal address is checked here too (a name is checked when resolved)."""
     policy = policy or Policy.from_settings()
+    parts, port = _url_parts(url)
+    host = (parts.hostname or "").rstrip(".")
+    if not host or any(c.isspace() for c in url):
+        raise Refused("url_invalid")
+    default = 443 if parts.scheme == "https" else 80
+    port = port or default
+    if not policy.admits_port(port):
+        raise Refused("port_not_allowed")
+    _literal_check(host, policy)
+    name = f"[{host}]" if ":" in host else host
+    host_header = name if port == default else f"{name}:{port}"
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    return Target(parts.scheme, host, port, target, host_header)
+
+
+def _url_parts(url: str) -> tuple[SplitResult, int | None]:
+    """The URL split, and its explicit port; Refused: unparsable, not http(s), credentials."""
     try:
         parts = urlsplit(url)
         port = parts.port
@@ -98,22 +116,16 @@ def url_check(url: str, policy: Policy | None = None) -> Target:
         raise Refused("url_scheme_not_allowed")
     if parts.username is not None or parts.password is not None:
         raise Refused("url_credentials")
-    host = (parts.hostname or "").rstrip(".")
-    if not host or any(c.isspace() for c in url):
-        raise Refused("url_invalid")
-    port = port or (443 if parts.scheme == "https" else 80)
-    if not policy.admits_port(port):
-        raise Refused("port_not_allowed")
+    return parts, port
+
+
+def _literal_check(host: str, policy: Policy) -> None:
+    """Refused when ``host`` is an address literal the policy does not admit."""
     literal = _literal(host)
     if literal is not None and host not in policy.hosts and not policy.admits(literal):
         code = address_refusal(literal)
         if code:
             raise Refused(code)
-    default = 443 if parts.scheme == "https" else 80
-    name = f"[{host}]" if ":" in host else host
-    host_header = name if port == default else f"{name}:{port}"
-    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    return Target(parts.scheme, host, port, target, host_header)
 
 
 def _literal(host: str) -> IPAddress | None:
@@ -276,8 +288,6 @@ def _retry_after(headers: httpx.Headers) -> float | None:
     try:
         return max(0.0, float(value.strip()))
     except ValueError:
-        from email.utils import parsedate_to_datetime
-
         try:
             when = parsedate_to_datetime(value)
         except (TypeError, ValueError):

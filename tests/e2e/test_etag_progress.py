@@ -20,8 +20,8 @@ from typing import Any
 import requests
 from django.db import connections
 
-from conversion_jobs.api.representation import job_representation
 from conversion_jobs.models import ConversionJob
+from conversion_jobs.representation import job_representation
 from tests.e2e.conftest import role_env
 from tests.e2e.webproc import start_web
 

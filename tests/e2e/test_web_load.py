@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from conversion_jobs.api.auth import token_mint
-from conversion_jobs.api.representation import job_etag_of
+from conversion_jobs.representation import job_etag_of
 from conversion_jobs.services.cancellation import conversion_job_cancel
 from tests.e2e import harness
 

@@ -22,8 +22,8 @@ import requests
 from django.db import connection
 
 from conversion_jobs.api.auth import token_mint
-from conversion_jobs.api.representation import job_etag_of
 from conversion_jobs.models import ConversionJob
+from conversion_jobs.representation import job_etag_of
 from conversion_jobs.services.cancellation import conversion_job_cancel
 from tests.conftest import metrics_headers
 from tests.e2e import harness
@@ -34,7 +34,7 @@ SCOPES = ["jobs:read", "jobs:submit", "jobs:cancel"]
 
 
 def etag_now(job: Any) -> str:
-    """The job's current ETag, from its row now (api/representation.py)."""
+    """The job's current ETag, from its row now (representation.py)."""
     return job_etag_of(ConversionJob.objects.get(id=job.id))
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from conversion_jobs.services import dispatch
+from conversion_jobs.services import broker
 
 
 class _Capture:
@@ -40,7 +40,7 @@ def test_conversion_message__is_what_send_task_publishes(traceparent: str) -> No
     job_id = uuid.uuid4()
     capture = _Capture()
     app.send_task(
-        dispatch.TASK_NAME,
+        broker.TASK_NAME,
         args=[str(job_id), 7],
         exchange="quire.conversion",
         routing_key="conversion.v1",
@@ -50,7 +50,7 @@ def test_conversion_message__is_what_send_task_publishes(traceparent: str) -> No
         ignore_result=True,
     )
     reference = capture.sent
-    ours = dispatch.conversion_message(job_id=job_id, generation=7, traceparent=traceparent)
+    ours = broker.conversion_message(job_id=job_id, generation=7, traceparent=traceparent)
 
     headers = dict(ours.application_headers)
     expected = dict(reference["headers"])

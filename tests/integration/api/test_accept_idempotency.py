@@ -7,7 +7,6 @@ import json
 import pytest
 from rest_framework.test import APIClient
 
-from conversion_jobs.api.representation import job_etag_of
 from conversion_jobs.models import (
     ConversionJob,
     ConversionOutbox,
@@ -15,6 +14,7 @@ from conversion_jobs.models import (
     IdempotencyRecord,
     InlineSource,
 )
+from conversion_jobs.representation import job_etag_of
 from tests.conftest import token
 from tests.integration.api.conftest import problem, row_counts, run_concurrently, submit
 

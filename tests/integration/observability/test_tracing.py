@@ -35,13 +35,13 @@ def spans():
 def test_trace__one_trace_from_post_to_terminal_state(spans, pdf_file, monkeypatch):
     from rest_framework.test import APIClient
 
-    from conversion_jobs.services import dispatch
+    from conversion_jobs.services import broker
 
     sent: list[dict[str, str]] = []
     # The broker leg is replaced by capturing the headers the message would carry; the task
     # below is then invoked with exactly those headers.
     monkeypatch.setattr(
-        dispatch, "_send", lambda app, *, job_id, generation, headers: sent.append(headers)
+        broker, "_send", lambda app, *, job_id, generation, headers: sent.append(headers)
     )
     client = APIClient()
     client.credentials(HTTP_AUTHORIZATION=f"Bearer {token()}")

@@ -11,7 +11,7 @@ import pytest
 from django.db import connection
 
 from conversion_jobs.models import ConversionJob
-from conversion_jobs.services import transitions
+from conversion_jobs.services import checkpoints, transitions
 from tests.integration.transitions.builders import done_page, text_result
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
@@ -33,7 +33,7 @@ def _run_one(job: ConversionJob, pages: int) -> None:
     assert claim is not None
     assert claim.job.id == job.id and claim.job.state == "running"
     if pages > 1:
-        assert transitions.done_pages_record(
+        assert checkpoints.done_pages_record(
             lease=claim.lease, checkpoints=[done_page(job.id, n) for n in range(1, pages)]
         )
     result = text_result(

@@ -26,7 +26,7 @@ from conversion_jobs.models import (
     ConversionOutbox,
     WorkerLease,
 )
-from conversion_jobs.services import dispatch, recovery, retention, transitions
+from conversion_jobs.services import checkpoints, dispatch, recovery, retention, transitions
 from conversion_jobs.services.acceptance import StagedUpload, conversion_job_accept
 from conversion_jobs.services.admission import admission_snapshot_reset
 from conversion_jobs.services.cancellation import conversion_job_cancel
@@ -137,7 +137,7 @@ def test_plans__claim_checkpoint_publish(history, no_broker_publish):
     assert claim is not None
     page = done_page(job.id, 1)
     _assert_indexed(
-        _plans(lambda: transitions.done_pages_record(lease=claim.lease, checkpoints=[page]))
+        _plans(lambda: checkpoints.done_pages_record(lease=claim.lease, checkpoints=[page]))
     )
     result = text_result(pages_done=0)
     _assert_indexed(_plans(lambda: transitions.publish_succeeded(lease=claim.lease, result=result)))

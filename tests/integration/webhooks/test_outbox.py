@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 from django.db import connection, transaction
 
-from conversion_jobs.api.representation import job_representation
 from conversion_jobs.models import (
     ConversionJob,
     PageCheckpoint,
@@ -18,6 +17,7 @@ from conversion_jobs.models import (
     WebhookMessage,
     WorkerLease,
 )
+from conversion_jobs.representation import job_representation
 from conversion_jobs.services import recovery, transitions
 from conversion_jobs.states import TERMINAL_STATES, State
 from conversion_jobs.webhooks.outbox import EVENT_OF_STATE, payload_render

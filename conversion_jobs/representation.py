@@ -1,5 +1,6 @@
 """The job representation (docs/API_CONTRACT.md §3), built as plain dicts on the hot path; the
-serializers in ``serializers.py`` describe the same shapes for the OpenAPI document."""
+serializers in ``api/serializers.py`` describe the same shapes for the OpenAPI document. Below
+``api`` and ``webhooks``: a webhook event carries the job as the API renders it."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from conversion_jobs.states import TERMINAL_STATES, State
 API = "/api/v1/jobs/"
 
 
-def _iso(value: Any) -> str | None:
+def iso(value: Any) -> str | None:
+    """A timestamp as the API writes it (RFC 3339, ``Z`` for UTC), or None."""
     return value.isoformat().replace("+00:00", "Z") if value is not None else None
 
 
@@ -82,10 +84,10 @@ def job_representation(job: ConversionJob) -> dict[str, Any]:
             "failed": job.pages_failed,
         },
         "error": error,
-        "next_attempt_at": _iso(job.next_attempt_at),
-        "created_at": _iso(job.created_at),
-        "updated_at": _iso(job.updated_at),
-        "finished_at": _iso(job.finished_at),
+        "next_attempt_at": iso(job.next_attempt_at),
+        "created_at": iso(job.created_at),
+        "updated_at": iso(job.updated_at),
+        "finished_at": iso(job.finished_at),
         "result": (
             {
                 "sha256": job.result_sha256,
@@ -126,6 +128,6 @@ def event_representation(event: ExecutionAuditEvent) -> dict[str, Any]:
         "attempt": event.attempt_id,
         "actor": event.actor,
         "details": event.details,
-        "at": _iso(event.created_at),
+        "at": iso(event.created_at),
         "hash": event.hash,
     }
