@@ -80,7 +80,7 @@ def main() -> None:
 
         def small_form_split() -> None:
             form = small_form_parse(content_type, body)
-            assert form is not None  # noqa: S101
+            assert form is not None
             hashlib.sha256(form.file or b"").hexdigest()
 
         candidates.append(("small_form_parse (hand-written split) + sha256", small_form_split))

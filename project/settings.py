@@ -127,7 +127,7 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
 #: What only the admin needs (its session, its CSRF-protected forms, its user and messages): the
-#: web's handler (project.web.QuireASGIHandler) runs the API's own views through
+#: web's handler (conversion_jobs.web.handler) runs the API's own views through
 #: ``MIDDLEWARE`` without these, the admin and everything else through all of it (ADR 0017,
 #: session 7). An API request neither reads nor writes a session or a CSRF cookie.
 ADMIN_ONLY_MIDDLEWARE = (
@@ -529,7 +529,8 @@ LOGGING = {
     "root": {"handlers": ["console"], "level": env_str("QUIRE_LOG_LEVEL", "INFO")},
     "loggers": {
         "django.request": {"level": "ERROR"},
-        # the server's own access log writes query strings: project.web.AccessLog replaces it
+        # the server's own access log writes query strings: conversion_jobs.web.access
+        # .AccessLog replaces it
         "uvicorn.access": {"level": "WARNING"},
         "quire.access": {"level": env_str("QUIRE_ACCESS_LOG_LEVEL", "INFO")},
         # what each sweep moved (counts only, only when it moved something), whatever the

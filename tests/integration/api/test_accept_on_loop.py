@@ -29,7 +29,7 @@ from conversion_jobs.models import (
 )
 from conversion_jobs.observability import metrics
 from conversion_jobs.services import publisher, transitions
-from project import web
+from conversion_jobs.web import handler as web
 from tests import multipart, testdocs
 from tests.conftest import token
 from tests.integration.api.test_lean_paths import AUTH_FAILURES, _asgi, _normal

@@ -14,7 +14,7 @@ from django.conf import settings as django_settings
 
 from conversion_jobs.observability import tracing
 from conversion_jobs.services import publisher
-from project import web
+from conversion_jobs.web import handler as web
 
 POSTGRES = django_settings.DATABASES["default"]["ENGINE"].endswith("postgresql")
 
