@@ -24,8 +24,7 @@ from conversion_jobs.web.access import AccessLog, Liveness  # noqa: E402
 from conversion_jobs.web.handler import QuireASGIHandler  # noqa: E402
 
 publisher.enable()  # the fast-path publish off the request thread (ADR 0017 addendum)
-# Small uploads accepted on the event loop when this process can (ADR 0017 session 11).
-django_application = QuireASGIHandler(accept_on_loop=True)
+django_application = QuireASGIHandler()
 
 tracing.instrument_web()
 # A server's event loop lives as long as the process: waiting clients may share one LISTEN

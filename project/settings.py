@@ -333,11 +333,6 @@ QUIRE: dict[str, Any] = {
     # acceptance's own statement (table inline_source: no staging file, no store put, no
     # fsyncs); 0 turns it off. Workers must be upgraded first (docs/OPERABILITY.md).
     "INLINE_SOURCE_MAX_BYTES": env_int("QUIRE_INLINE_SOURCE_MAX_BYTES", 65536),
-    # The web accepts such an upload on its event loop, through a small pool of async Postgres
-    # connections per process, with no hop to a sync thread (ADR 0017 session 11); anything
-    # that path cannot fully answer goes the sync way. 0 turns it off. Postgres only.
-    "ACCEPT_ON_LOOP": env_bool("QUIRE_ACCEPT_ON_LOOP", True),
-    "WEB_LOOP_DB_CONNECTIONS": env_int("QUIRE_WEB_LOOP_DB_CONNECTIONS", 4),
     # A text result made of inline pages is joined in the web's memory when downloaded: above
     # this many bytes it is assembled into a stored file instead (streamed, never held whole).
     "INLINE_RESULT_MAX_BYTES": env_int("QUIRE_INLINE_RESULT_MAX_BYTES", 4 * 1024 * 1024),

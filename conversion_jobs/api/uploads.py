@@ -121,7 +121,3 @@ class StagingUploadHandler(FileUploadHandler):
             self._fh.close()
         for path in self.staged:
             path.unlink(missing_ok=True)
-
-
-#: The largest body the web may accept on its event loop (held in memory whole).
-SMALL_BODY_BYTES = 64 * 1024

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import io
 import re
 import time
@@ -37,7 +36,6 @@ from conversion_jobs.api.auth import (
     BearerJWTAuthentication,
     HasScope,
     Principal,
-    verification_may_block,
 )
 from conversion_jobs.api.representation import (
     event_representation,
@@ -70,12 +68,9 @@ from conversion_jobs.exceptions import (
 from conversion_jobs.models import ConversionJob, Output, PageState
 from conversion_jobs.observability import metrics, tracing
 from conversion_jobs.services.acceptance import (
-    HANDOFF_CHECKS,
     Acceptance,
-    HandOff,
     StagedUpload,
     conversion_job_accept,
-    conversion_job_accept_on_loop,
 )
 from conversion_jobs.services.cancellation import conversion_job_cancel
 from conversion_jobs.services.checkpoints import inline_result_read, is_inline_result
@@ -179,16 +174,13 @@ class JobCollectionView(QuireView):
             )
         )
 
-    def _lean_authorized(self, request: HttpRequest, *, on_loop: bool = False) -> bool:
+    def _lean_authorized(self, request: HttpRequest) -> bool:
         """Whether the lean path may answer: DRF would negotiate JSON, the token is valid and
         carries the method's scope (``request.user`` set, as DRF's ``Request`` sets it). False
-        for anything DRF answers (no or a bad token, a missing scope) - and, ``on_loop``, for
-        a token whose check could block (a JWKS fetch): the sync path checks it."""
+        for anything DRF answers (no or a bad token, a missing scope)."""
         if not _lean_submit_applies(self, request):
             return False
         try:
-            if on_loop and verification_may_block(request):
-                return False
             authenticated = BearerJWTAuthentication().authenticate(request)  # type: ignore[arg-type]
             if authenticated is None:
                 return False
@@ -215,45 +207,8 @@ class JobCollectionView(QuireView):
             response.exception = True  # type: ignore[union-attr]  # as DRF marks it
         return self.finalize_response(_NEGOTIATED, response)  # type: ignore[arg-type]
 
-    async def submit_on_loop(self, request: HttpRequest) -> HttpResponseBase | None:
-        """The lean submission of a small upload, on the event loop (ADR 0017 session 11):
-        the same checks and answer as :meth:`_lean_post`, the acceptance awaited
-        (``conversion_job_accept_on_loop``) instead of run on a sync thread. None: the sync
-        path must answer the request - a token or anything else the lean path leaves to DRF,
-        a body that is not a small plain form, an upload too large to be stored inline, and
-        every acceptance the loop hands off (a failed check, an admission refusal, a 422 for
-        a reused key, the database unreachable); nothing was counted or written that changes
-        its answer."""
-        if not self._lean_authorized(request, on_loop=True):
-            _count_handoff(HANDOFF_AUTH)
-            return None
-        handler = _upload_handler(request)
-        try:
-            submission = _submission(request, handler, content_type=_content_type(request))
-            if submission is None:
-                _count_handoff(HANDOFF_SHAPE)
-                return None
-            if submission.upload.content is None:
-                _count_handoff(HANDOFF_LARGE)
-                return None
-            # Shielded: a client that disconnects does not cut the statement and the publish
-            # hand-over apart (the sync path's thread runs them to the end too).
-            acceptance = await asyncio.shield(
-                conversion_job_accept_on_loop(**self._acceptance_args(submission))
-            )
-        except QuireError:
-            _count_handoff(HANDOFF_CHECKS)
-            return None
-        except HandOff as handoff:
-            _count_handoff(handoff.reason)
-            return None
-        finally:
-            handler.cleanup()
-        metrics.ACCEPT_PATHS.labels(path="loop", reason="").inc()
-        return self._lean_finish(lambda: _answered(acceptance, _rendered_job_response))
-
     def _acceptance_args(self, submission: _Submission) -> dict[str, Any]:
-        """The acceptance's arguments, the same on the loop and on the sync path."""
+        """The acceptance's arguments."""
         return {
             "tenant": self.principal.tenant,
             "actor": self.principal.actor,
@@ -423,16 +378,6 @@ def _answered(acceptance: Acceptance, answer: Callable[..., HttpResponseBase]) -
         return answer(acceptance.job, status=200, Idempotent_Replayed="true")
     metrics.ADMISSIONS.labels(result="duplicate", reason="").inc()
     return answer(acceptance.job, status=200)
-
-
-#: Why a submission tried on the event loop went to the sync path (besides
-#: ``acceptance.HANDOFF_*``): the token (or anything else the lean path leaves to DRF), a body
-#: not in the small plain shape, an upload above the inline size.
-HANDOFF_AUTH, HANDOFF_SHAPE, HANDOFF_LARGE = "auth", "shape", "large"
-
-
-def _count_handoff(reason: str) -> None:
-    metrics.ACCEPT_PATHS.labels(path="thread", reason=reason).inc()
 
 
 def _if_none_match(header: str | None) -> frozenset[str]:

@@ -1,6 +1,6 @@
 """Django's ASGI handler with the sync parts of every request on ``WEB_THREADS`` long-lived
-threads per process, downloads streamed a batch at a time, chunked uploads given their length,
-and a small upload accepted on the event loop (ADR 0016, ADR 0017 session 11, ADR 0024).
+threads per process, downloads streamed a batch at a time, and chunked uploads given their
+length (ADR 0016, ADR 0024).
 
 It overrides private methods of ``django.core.handlers.asgi.ASGIHandler`` (pinned in
 pyproject.toml; ``tests/unit/test_web_private_apis.py`` fails when an upgrade changes them).
@@ -12,7 +12,6 @@ import asyncio
 import functools
 import logging
 import os
-import tempfile
 import threading
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Executor, Future
@@ -22,7 +21,7 @@ from typing import Any
 from asgiref.sync import ThreadSensitiveContext, iscoroutinefunction, sync_to_async
 from django.conf import settings
 from django.core import signals
-from django.core.exceptions import DisallowedHost, RequestAborted
+from django.core.exceptions import RequestAborted
 from django.core.handlers.asgi import ASGIHandler, get_script_prefix
 from django.core.handlers.base import BaseHandler
 from django.db import connection
@@ -31,7 +30,6 @@ from django.urls import Resolver404, get_resolver, set_script_prefix
 from rest_framework.views import APIView
 
 from conversion_jobs.db import health_check_by_socket
-from conversion_jobs.web.protocol import content_length
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +96,7 @@ class QuireASGIHandler(ASGIHandler):
     sync calls still run on one thread (Django's thread-sensitivity contract), persistent
     database connections work as under gthread, and an awaiting request holds nothing."""
 
-    def __init__(self, *, lean_api: bool = True, accept_on_loop: bool = False) -> None:
+    def __init__(self, *, lean_api: bool = True) -> None:
         super().__init__()
         count = max(1, int(os.environ.get("WEB_THREADS", "4")))
         self.threads = [_SyncThread(f"quire-sync-{n}") for n in range(count)]
@@ -119,15 +117,6 @@ class QuireASGIHandler(ASGIHandler):
                 [m for m in settings.MIDDLEWARE if m not in settings.ADMIN_ONLY_MIDDLEWARE],
             )
         self._sync_response = sync_to_async(self._started_then_respond, thread_sensitive=True)
-        # A small upload accepted on the event loop (ADR 0017 session 11) is answered through
-        # the API's middleware chain too, run on the loop around the answer already made.
-        self.loop_handler: _LoopAnswerHandler | None = None
-        if accept_on_loop and loop_accept_possible():
-            self.loop_handler = _LoopAnswerHandler()
-            _load_sync_middleware(
-                self.loop_handler,
-                [m for m in settings.MIDDLEWARE if m not in settings.ADMIN_ONLY_MIDDLEWARE],
-            )
 
     def _started_then_respond(self, request: HttpRequest) -> HttpResponseBase:
         """``request_started``, the sync middleware chain and view, and - for a response whose
@@ -168,10 +157,11 @@ class QuireASGIHandler(ASGIHandler):
         return await self._sync_response(request)
 
     async def handle(self, scope: Any, receive: Any, send: Any) -> None:
-        """Django 5.2's ``ASGIHandler.handle`` with one change: ``request_started`` (its
+        """Django 5.2's ``ASGIHandler.handle`` with two changes: ``request_started`` (its
         receivers reset the query log and recycle the thread's database connection) is sent
         on the request's thread in the same hop as the view (``get_response_async``), not in a
-        hop of its own before the request is built (ADR 0017 addendum)."""
+        hop of its own before the request is built (ADR 0017 addendum); a chunked body gets
+        the ``Content-Length`` it had (``_dechunked``)."""
         try:
             body_file = await self.read_body(receive)
         except RequestAborted:
@@ -179,17 +169,6 @@ class QuireASGIHandler(ASGIHandler):
         scope = _dechunked(scope, body_file)
         set_script_prefix(get_script_prefix(scope))
         request, error_response = self.create_request(scope, body_file)
-        if request is not None and error_response is None and self.loop_handler is not None:
-            view = _loop_submission_view(scope)
-            if view is not None:
-                answer = await self._answer_on_loop(request, *view)
-                if answer is not None:
-                    await self.send_response(answer, send)
-                    body_file.close()
-                    return
-                # The sync path answers, from a request of its own over the same body.
-                body_file = _body_again(request, body_file)
-                request, error_response = self.create_request(scope, body_file)
         if request is None or error_response is not None:
             await signals.request_started.asend(sender=self.__class__, scope=scope)
             body_file.close()
@@ -235,33 +214,6 @@ class QuireASGIHandler(ASGIHandler):
                 await sync_to_async(response.close)()
         body_file.close()
 
-    async def _answer_on_loop(
-        self, request: HttpRequest, view_class: Any, initkwargs: dict[str, Any]
-    ) -> HttpResponseBase | None:
-        """A submission answered on the event loop (``JobCollectionView.submit_on_loop``), then
-        through the API's middleware chain on the loop (its hooks are in-memory header work:
-        ``loop_accept_possible`` holds them to the shipped list), with ``request_started``
-        and ``request_finished`` as the sync path sends them. None: the sync path answers.
-        Whatever the chain's request hooks would refuse (a host not allowed) is left to it
-        before anything is written."""
-        try:
-            request.get_host()
-        except DisallowedHost:
-            _count_handoff("shape")
-            return None
-        view = view_class(**initkwargs)  # as ``as_view`` makes it
-        view.setup(request)
-        answer = await view.submit_on_loop(request)
-        if answer is None:
-            return None
-        request.quire_loop_answer = answer  # type: ignore[attr-defined]
-        signals.request_started.send(sender=self.__class__, scope=request.scope)  # type: ignore[attr-defined]
-        assert self.loop_handler is not None  # noqa: S101 - the caller checked
-        response = self.loop_handler.get_response(request)
-        response._handler_class = self.__class__  # type: ignore[attr-defined]  # as Django's
-        response.close()
-        return response
-
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             raise ValueError(f"Django can only handle ASGI/HTTP connections, not {scope['type']}.")
@@ -290,19 +242,6 @@ def _dechunked(scope: Any, body_file: Any) -> Any:
     body_file.seek(0)
     kept = [(n, v) for n, v in headers if n != b"transfer-encoding"]
     return {**scope, "headers": [*kept, (b"content-length", str(size).encode())]}
-
-
-def _body_again(request: HttpRequest, body_file: Any) -> Any:
-    """The request body to build a second request from: ``body_file`` rewound, or - when the
-    first request read it (Django closes the file it read ``request.body`` from) - a new file
-    with the bytes it read (at most ``SMALL_BODY_BYTES``: the loop reads only small bodies)."""
-    if not body_file.closed:
-        body_file.seek(0)
-        return body_file
-    again = tempfile.SpooledTemporaryFile(max_size=settings.FILE_UPLOAD_MAX_MEMORY_SIZE, mode="w+b")
-    again.write(request.body)
-    again.seek(0)
-    return again
 
 
 def _next_batch(chunks: Iterator[bytes]) -> bytes | None:
@@ -378,98 +317,6 @@ def _route(resolver: Any, path: str) -> str:
     ):
         return ROUTE_API
     return ROUTE_OTHER
-
-
-#: The API's middleware chain the loop's answer runs through, as shipped: each hook is
-#: in-memory work on the request and response headers, so it may run on the event loop. Any
-#: other chain (a middleware added, a setting that makes one redirect or refuse) keeps every
-#: submission on the sync path.
-LOOP_SAFE_API_MIDDLEWARE = (
-    "conversion_jobs.api.middleware.ProblemResponseMiddleware",
-    "conversion_jobs.api.problems.DatabaseUnavailableMiddleware",
-    "django.middleware.security.SecurityMiddleware",
-    "django.middleware.common.CommonMiddleware",
-    "django.middleware.clickjacking.XFrameOptionsMiddleware",
-)
-
-
-def loop_accept_possible() -> bool:
-    """Whether a small upload may be accepted on the event loop in this process (ADR 0017
-    session 11): on (``QUIRE_ACCEPT_ON_LOOP``), Postgres (the standalone profile's SQLite keeps
-    the sync path: its driver has no async form and its writers queue on a file lock), inline
-    sources on, the background publisher running (an inline publish would wait for the
-    broker's confirm), tracing off (the request's span is the sync path's), and the API's
-    middleware chain as shipped, with no setting that makes it redirect or refuse by itself."""
-    from conversion_jobs.observability import tracing
-    from conversion_jobs.services import publisher
-
-    api_chain = tuple(m for m in settings.MIDDLEWARE if m not in settings.ADMIN_ONLY_MIDDLEWARE)
-    return bool(
-        settings.QUIRE["ACCEPT_ON_LOOP"]
-        and settings.DATABASES["default"]["ENGINE"].endswith("postgresql")
-        and settings.QUIRE["INLINE_SOURCE_MAX_BYTES"] > 0
-        and publisher.current() is not None
-        and not tracing.enabled()
-        and api_chain == LOOP_SAFE_API_MIDDLEWARE
-        and not settings.SECURE_SSL_REDIRECT
-        and not settings.PREPEND_WWW
-        and not settings.DISALLOWED_USER_AGENTS
-    )
-
-
-class _LoopAnswerHandler(BaseHandler):
-    """The API's middleware chain around an answer made on the event loop: the "view" it
-    resolves every request to returns that answer (``request.quire_loop_answer``)."""
-
-    def resolve_request(self, request: HttpRequest) -> Any:
-        return _loop_answer, (), {}
-
-
-def _loop_answer(request: HttpRequest) -> HttpResponseBase:
-    answer: HttpResponseBase = request.quire_loop_answer  # type: ignore[attr-defined]
-    return answer
-
-
-def _loop_submission_view(scope: Any) -> Any:
-    """The view class whose submissions may be tried on the loop (``submit_on_loop``), for a
-    POST to it with no query string and a body no larger than the plain-form split and an
-    inline source take; else None (counted ``large`` when the body is what keeps it off the
-    loop)."""
-    from conversion_jobs.api.uploads import SMALL_BODY_BYTES
-
-    if scope.get("method") != "POST" or scope.get("query_string"):
-        return None
-    view = _loop_view(get_resolver(), scope.get("path", ""))
-    if view is None:
-        return None
-    # No larger than an inline source: the upload is then never staged to a file (a write to
-    # the disk, which must not happen on the loop).
-    limit = min(SMALL_BODY_BYTES, settings.QUIRE["INLINE_SOURCE_MAX_BYTES"])
-    length = content_length(scope.get("headers", []))
-    if length is None or length > limit:
-        _count_handoff("large")
-        return None
-    return view
-
-
-@functools.lru_cache(maxsize=4096)
-def _loop_view(resolver: Any, path: str) -> tuple[Any, dict[str, Any]] | None:
-    """(the view class, its ``as_view`` arguments) when ``path`` resolves to a view with
-    ``submit_on_loop``; memoised as ``_route``."""
-    try:
-        match = resolver.resolve(path)
-    except Resolver404:
-        return None
-    view_class = getattr(match.func, "cls", None)
-    if not hasattr(view_class, "submit_on_loop"):
-        return None
-    return view_class, dict(getattr(match.func, "initkwargs", {}))
-
-
-def _count_handoff(reason: str) -> None:
-    from conversion_jobs.observability import metrics
-
-    metrics.ACCEPT_PATHS.labels(path="thread", reason=reason).inc()
 
 
 def _load_sync_middleware(handler: BaseHandler, middleware: list[str]) -> None:

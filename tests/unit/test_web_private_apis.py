@@ -88,7 +88,9 @@ def _protocol(loop: asyncio.AbstractEventLoop) -> Any:
 
     config = Config(app=app, http=QuireHttpProtocol, lifespan="off", access_log=False)
     config.load()
-    protocol = QuireHttpProtocol(config=config, server_state=ServerState(), app_state={}, _loop=loop)
+    protocol = QuireHttpProtocol(
+        config=config, server_state=ServerState(), app_state={}, _loop=loop
+    )
     transport = _Transport()
     protocol.connection_made(transport)
     return protocol, transport
