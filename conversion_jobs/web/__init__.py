@@ -13,7 +13,5 @@ Limits (environment; docs/OPERABILITY.md "Slow clients"):
 ``QUIRE_HTTP_MAX_URL_BYTES``       8192     request target (path + query)
 ``QUIRE_HTTP_MAX_HEAD_BYTES``      32768    request line + headers
 ``QUIRE_HTTP_MAX_BODY_BYTES``      upload   ``QUIRE_MAX_UPLOAD_BYTES`` + 1 MiB of multipart
-``QUIRE_HTTP_BALANCE``             1        spread connections evenly over the workers
-``QUIRE_HTTP_ACCEPT_DEFER_S``      0.005    a worker above its share leaves a connect so long
 =================================  =======  =============================================
 """

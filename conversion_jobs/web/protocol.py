@@ -25,7 +25,6 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from conversion_jobs.web import worker
 from conversion_jobs.web.access import log_access
 
 log = logging.getLogger(__name__)
@@ -109,9 +108,6 @@ class QuireHttpProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_read_timer()
         super().connection_lost(exc)
-        shares = worker.connection_shares()
-        if shares is not None:  # the others read this worker's count when they accept
-            shares.update(len(self.server_state.connections))
 
     def data_received(self, data: bytes) -> None:
         if self.transport.is_closing() or self._refusal is not None:

@@ -26,8 +26,6 @@ ROOT = Path(__file__).resolve().parents[2]
 #: The distributions whose private parts the web uses, and what it uses of each.
 PINNED = {
     "uvicorn": "httptools_impl.HttpToolsProtocol's state and callbacks, STATUS_LINE",
-    "uvicorn-worker": "UvicornWorker.CONFIG_KWARGS, _serve, _install_sigquit_handler",
-    "gunicorn": "the arbiter's worker boot error code",
     "Django": "ASGIHandler.handle (copied), read_body, create_request, send_response",
     "asgiref": "ThreadSensitiveContext(executor=...)",
 }
@@ -199,16 +197,18 @@ def test_asgiref__a_thread_sensitive_context_takes_an_executor():
     assert "executor" in inspect.signature(ThreadSensitiveContext.__init__).parameters
 
 
-def test_uvicorn_worker__the_worker_hooks_are_there():
-    from gunicorn.arbiter import Arbiter
-    from uvicorn import Server
+def test_uvicorn_worker__the_worker_is_configured_the_documented_way():
+    """``QuireUvicornWorker`` only sets ``CONFIG_KWARGS`` (uvicorn-worker's documented way to
+    configure it; no private hook), and uvicorn loads the protocol it names."""
+    from uvicorn.config import Config
     from uvicorn_worker import UvicornWorker
 
+    from conversion_jobs.web.protocol import QuireHttpProtocol
     from conversion_jobs.web.worker import QuireUvicornWorker
 
-    assert isinstance(UvicornWorker.CONFIG_KWARGS, dict)
-    assert set(QuireUvicornWorker.CONFIG_KWARGS) >= {"loop", "http"}
-    assert callable(UvicornWorker._serve)
-    assert callable(UvicornWorker._install_sigquit_handler)
-    assert "sockets" in inspect.signature(Server.startup).parameters
-    assert isinstance(Arbiter.WORKER_BOOT_ERROR, int)
+    own = {name for name in vars(QuireUvicornWorker) if not name.startswith("__")}
+    assert own == {"CONFIG_KWARGS"}
+    assert issubclass(QuireUvicornWorker, UvicornWorker)
+    config = Config(app=lambda *_: None, **QuireUvicornWorker.CONFIG_KWARGS)
+    config.load()
+    assert config.http_protocol_class is QuireHttpProtocol
