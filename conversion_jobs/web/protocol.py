@@ -1,5 +1,6 @@
 """The HTTP server's own limits and answers: uvicorn's httptools protocol, bounded, answering
-in problem+json (ADR 0016; kept by ADR 0024: no configuration of a stock server gives the same).
+in problem+json (ADR 0016; kept by ADR 0024: no uvicorn setting bounds a request head or times
+it out; Granian's settings would, the ADR says what a move to it still needs).
 
 * request target > ``QUIRE_HTTP_MAX_URL_BYTES`` -> 414; request line + headers >
   ``QUIRE_HTTP_MAX_HEAD_BYTES`` -> 431 (httptools buffers an unfinished head without limit);
