@@ -29,6 +29,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--kb", type=int, default=10, help="size of the file part (accept.py: 10)")
     parser.add_argument("--n", type=int, default=3000)
+    parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
 
     scratch = tempfile.mkdtemp(prefix="quire-mp-")
@@ -60,9 +61,29 @@ def main() -> None:
         _, files = MultiPartParser(meta, io.BytesIO(body), [handler], "utf-8").parse()
         files["file"].staged.path.unlink()
 
+    def django_parse_inline() -> None:
+        # What POST /jobs runs for a source up to QUIRE_INLINE_SOURCE_MAX_BYTES: the handler
+        # keeps the bytes in memory, no staged file.
+        handler = StagingUploadHandler(max_bytes=1 << 30, inline_max=1 << 20)
+        MultiPartParser(meta, io.BytesIO(body), [handler], "utf-8").parse()
+
     candidates: list[tuple[str, Callable[[], None]]] = [
-        ("Django MultiPartParser + StagingUploadHandler", django_parse)
+        ("Django MultiPartParser + StagingUploadHandler", django_parse),
+        ("Django MultiPartParser + StagingUploadHandler, inline", django_parse_inline),
     ]
+    try:
+        from conversion_jobs.api.uploads import small_form_parse
+    except ImportError:
+        pass  # removed by issue 23 (ADR 0024)
+    else:
+        content_type = meta["CONTENT_TYPE"].encode()
+
+        def small_form_split() -> None:
+            form = small_form_parse(content_type, body)
+            assert form is not None
+            hashlib.sha256(form.file or b"").hexdigest()
+
+        candidates.append(("small_form_parse (hand-written split) + sha256", small_form_split))
     try:
         import python_multipart
     except ImportError:
@@ -88,14 +109,25 @@ def main() -> None:
 
         candidates.append(("python-multipart MultipartParser", python_multipart_parse))
 
-    for name, parse in candidates:
-        for _ in range(200):
+    # Rounds alternate the candidates (ABAB...): on a shared host the load moves between them.
+    per: dict[str, list[float]] = {name: [] for name, _ in candidates}
+    for _ in range(200):
+        for _, parse in candidates:
             parse()
-        start = time.process_time()
-        for _ in range(args.n):
-            parse()
-        per = (time.process_time() - start) / args.n * 1000
-        print(f"{name}: {per:.3f} ms CPU per {args.kb} KB request ({args.n} parses)")
+    for _ in range(args.rounds):
+        for name, parse in candidates:
+            start = time.process_time()
+            for _ in range(args.n // args.rounds):
+                parse()
+            per[name].append((time.process_time() - start) / (args.n // args.rounds) * 1000)
+    first = candidates[0][0]
+    base = sorted(per[first])[len(per[first]) // 2]
+    for name, figures in per.items():
+        median = sorted(figures)[len(figures) // 2]
+        print(
+            f"{name}: {median:.3f} ms CPU per {args.kb} KB request (median of {args.rounds} "
+            f"rounds: {', '.join(f'{f:.3f}' for f in figures)}); {median / base:.2f}x {first}"
+        )
 
 
 if __name__ == "__main__":

@@ -42,7 +42,8 @@ def health_check_by_socket(connection: Any) -> None:
     before and a dead connection is replaced before the request's query. A peer that vanished
     without a word is not seen by either check (``SELECT 1`` would wait out the TCP timeout).
     Saves a round trip and the server's parse of ``SELECT 1`` per request (ADR 0017, session
-    6); the web's sync requests call it (``project.web``), nothing else depends on it."""
+    6); the web's sync requests call it (``conversion_jobs.web.handler``), nothing else
+    depends on it."""
     raw = connection.connection
     if (
         raw is None

@@ -9,8 +9,8 @@ read this repository could otherwise mint a token for any tenant and reverse the
 pseudonyms (docs/THREAT_MODEL.md).
 
 :func:`enforce` runs when the ``project`` package is imported, which every process does first
-(``manage.py`` through the settings, ``celery -A project``, gunicorn's master when it loads
-``project.web.QuireUvicornWorker``), so each process says it once, in one line, before it
+(``manage.py`` through the settings, ``celery -A project``; gunicorn's master runs it when it
+loads ``conversion_jobs.web.worker``), so each process says it once, in one line, before it
 binds, connects or forks anything. Pure functions of the environment otherwise (no Django).
 """
 
@@ -102,9 +102,20 @@ def development_defaults_in_use(environ: Mapping[str, str]) -> list[str]:
     return [name for name in DEVELOPMENT_VALUES if not environ.get(name)]
 
 
+#: Whether this process (or the one it was forked from) has checked its own environment.
+_checked = False
+
+
 def enforce(environ: Mapping[str, str] = os.environ, stream: TextIO | None = None) -> None:
     """Production: exit :data:`EXIT_CODE` with one line on stderr if a secret is missing or
-    weak. Standalone: one warning line if development values are in use."""
+    weak. Standalone: one warning line if development values are in use. The process's own
+    environment is checked once: the web's gunicorn master checks it when it loads the worker
+    class (``conversion_jobs.web.worker``), and the workers it forks import ``project`` later."""
+    global _checked
+    if environ is os.environ:
+        if _checked:
+            return
+        _checked = True
     stream = stream or sys.stderr
     line = refusal(environ)
     if line:

@@ -1,9 +1,11 @@
-"""ASGI entry point (``project.asgi:application``), served by ``project.web.QuireUvicornWorker``
-under gunicorn (Procfile ``web``; ADR 0016).
+"""ASGI entry point (``project.asgi:application``), served by
+``conversion_jobs.web.worker.QuireUvicornWorker`` under gunicorn (Procfile ``web``; ADR 0016,
+ADR 0024).
 
 Django's ASGI handler, with the sync parts of requests on a fixed set of threads
-(:class:`project.web.QuireASGIHandler`), behind :class:`project.web.Liveness` (``/health/live``
-on the event loop) and :class:`project.web.AccessLog` (one content-free line per request).
+(:class:`conversion_jobs.web.handler.QuireASGIHandler`), behind
+:class:`conversion_jobs.web.access.Liveness` (``/health/live`` on the event loop) and
+:class:`conversion_jobs.web.access.AccessLog` (one content-free line per request).
 Everything loaded by then is frozen out of the garbage collector's generations.
 """
 
@@ -18,11 +20,11 @@ django.setup(set_prefix=False)
 from conversion_jobs.api import waiting  # noqa: E402  (needs configured Django)
 from conversion_jobs.observability import tracing  # noqa: E402
 from conversion_jobs.services import publisher  # noqa: E402
-from project.web import AccessLog, Liveness, QuireASGIHandler  # noqa: E402
+from conversion_jobs.web.access import AccessLog, Liveness  # noqa: E402
+from conversion_jobs.web.handler import QuireASGIHandler  # noqa: E402
 
 publisher.enable()  # the fast-path publish off the request thread (ADR 0017 addendum)
-# Small uploads accepted on the event loop when this process can (ADR 0017 session 11).
-django_application = QuireASGIHandler(accept_on_loop=True)
+django_application = QuireASGIHandler()
 
 tracing.instrument_web()
 # A server's event loop lives as long as the process: waiting clients may share one LISTEN

@@ -125,7 +125,7 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
 #: What only the admin needs (its session, its CSRF-protected forms, its user and messages): the
-#: web's handler (project.web.QuireASGIHandler) runs the API's own views through
+#: web's handler (conversion_jobs.web.handler) runs the API's own views through
 #: ``MIDDLEWARE`` without these, the admin and everything else through all of it (ADR 0017,
 #: session 7). An API request neither reads nor writes a session or a CSRF cookie.
 ADMIN_ONLY_MIDDLEWARE = (
@@ -331,11 +331,6 @@ QUIRE: dict[str, Any] = {
     # acceptance's own statement (table inline_source: no staging file, no store put, no
     # fsyncs); 0 turns it off. Workers must be upgraded first (docs/OPERABILITY.md).
     "INLINE_SOURCE_MAX_BYTES": env_int("QUIRE_INLINE_SOURCE_MAX_BYTES", 65536),
-    # The web accepts such an upload on its event loop, through a small pool of async Postgres
-    # connections per process, with no hop to a sync thread (ADR 0017 session 11); anything
-    # that path cannot fully answer goes the sync way. 0 turns it off. Postgres only.
-    "ACCEPT_ON_LOOP": env_bool("QUIRE_ACCEPT_ON_LOOP", True),
-    "WEB_LOOP_DB_CONNECTIONS": env_int("QUIRE_WEB_LOOP_DB_CONNECTIONS", 4),
     # A text result made of inline pages is joined in the web's memory when downloaded: above
     # this many bytes it is assembled into a stored file instead (streamed, never held whole).
     "INLINE_RESULT_MAX_BYTES": env_int("QUIRE_INLINE_RESULT_MAX_BYTES", 4 * 1024 * 1024),
@@ -527,7 +522,8 @@ LOGGING = {
     "root": {"handlers": ["console"], "level": env_str("QUIRE_LOG_LEVEL", "INFO")},
     "loggers": {
         "django.request": {"level": "ERROR"},
-        # the server's own access log writes query strings: project.web.AccessLog replaces it
+        # the server's own access log writes query strings: conversion_jobs.web.access
+        # .AccessLog replaces it
         "uvicorn.access": {"level": "WARNING"},
         "quire.access": {"level": env_str("QUIRE_ACCESS_LOG_LEVEL", "INFO")},
         # what each sweep moved (counts only, only when it moved something), whatever the

@@ -278,24 +278,6 @@ def token_decode(token: str) -> Principal:
     return principal
 
 
-def verification_may_block(request: Any) -> bool:
-    """Whether checking the request's bearer token could wait on the network: with an identity
-    provider's JWKS URL, unless the token is in the verified cache (a fetch of the key set
-    blocks). The event loop leaves such a request to a sync thread (ADR 0016). Never with the
-    shared secret."""
-    config = settings.QUIRE
-    if not config.get("JWT_JWKS_URL"):
-        return False
-    header = get_authorization_header(request).split()
-    if len(header) != 2 or header[0].lower() != b"bearer" or len(header[1]) > TOKEN_MAX:
-        return False  # refused without a key: no fetch
-    if float(config.get("JWT_CACHE_S", 0)) <= 0:
-        return True
-    token = header[1].decode("ascii", errors="replace")
-    hit = _verified.get(hashlib.sha256((_verifier(config) + token).encode()).digest())
-    return hit is None or time.time() >= hit[0]
-
-
 def token_mint(*, tenant: str, subject: str, scopes: list[str], ttl_s: int) -> str:
     """A development token signed with the shared secret (manage.py mint_token)."""
     config = settings.QUIRE

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import io
 import re
 import time
@@ -37,7 +36,6 @@ from conversion_jobs.api.auth import (
     BearerJWTAuthentication,
     HasScope,
     Principal,
-    verification_may_block,
 )
 from conversion_jobs.api.serializers import (
     DOWNLOAD_HEADERS,
@@ -51,7 +49,7 @@ from conversion_jobs.api.serializers import (
     download,
     problems,
 )
-from conversion_jobs.api.uploads import StagedFile, StagingUploadHandler, small_form
+from conversion_jobs.api.uploads import StagedFile, StagingUploadHandler
 from conversion_jobs.converters.base import PAGE_EXT, RESULT_EXT
 from conversion_jobs.exceptions import (
     InvalidRequest,
@@ -70,12 +68,9 @@ from conversion_jobs.representation import (
     page_representation,
 )
 from conversion_jobs.services.acceptance import (
-    HANDOFF_CHECKS,
     Acceptance,
-    HandOff,
     StagedUpload,
     conversion_job_accept,
-    conversion_job_accept_on_loop,
 )
 from conversion_jobs.services.cancellation import conversion_job_cancel
 from conversion_jobs.services.checkpoints import inline_result_read, is_inline_result
@@ -149,22 +144,19 @@ class JobCollectionView(QuireView):
         operation_id="jobs_submit",
     )
     def post(self, request: Request) -> HttpResponseBase:
-        response = self._submit(
+        return self._submit(
             request._request,
             content_type=request.content_type,
             parsed=lambda: (request.FILES.get("file"), request.data),
         )
-        assert response is not None  # noqa: S101 - with ``parsed`` there is always an answer
-        return response
 
     def dispatch(self, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
         """DRF's dispatch, except for the common submission: a POST that DRF would negotiate
-        to JSON, with a valid token carrying ``jobs:submit`` and a small body in the plain
-        multipart shape, is answered without DRF's per-request machinery (ADR 0017, session 7).
-        Anything else - no or a bad token, a missing scope, another ``Accept``, a query
-        string, a larger or unusual body - goes through DRF as before, which gives every error
-        its answer; the lean path's own errors (after authentication) are answered by the
-        same exception handler and finalized by DRF's ``finalize_response``."""
+        to JSON, with a valid token carrying ``jobs:submit``, is answered without DRF's
+        per-request machinery (ADR 0017, session 7). Anything else - no or a bad token, a
+        missing scope, another ``Accept``, a query string - goes through DRF as before, which
+        gives every error its answer; the lean path's own errors (after authentication) are
+        answered by the same exception handler and finalized by DRF's ``finalize_response``."""
         if request.method == "POST":
             response = self._lean_post(request)
             if response is not None:
@@ -183,16 +175,13 @@ class JobCollectionView(QuireView):
             )
         )
 
-    def _lean_authorized(self, request: HttpRequest, *, on_loop: bool = False) -> bool:
+    def _lean_authorized(self, request: HttpRequest) -> bool:
         """Whether the lean path may answer: DRF would negotiate JSON, the token is valid and
         carries the method's scope (``request.user`` set, as DRF's ``Request`` sets it). False
-        for anything DRF answers (no or a bad token, a missing scope) - and, ``on_loop``, for
-        a token whose check could block (a JWKS fetch): the sync path checks it."""
+        for anything DRF answers (no or a bad token, a missing scope)."""
         if not _lean_submit_applies(self, request):
             return False
         try:
-            if on_loop and verification_may_block(request):
-                return False
             authenticated = BearerJWTAuthentication().authenticate(request)  # type: ignore[arg-type]
             if authenticated is None:
                 return False
@@ -206,16 +195,12 @@ class JobCollectionView(QuireView):
         self.headers = self.default_response_headers
         return True
 
-    def _lean_finish(
-        self, produce: Callable[[], HttpResponseBase | None]
-    ) -> HttpResponseBase | None:
+    def _lean_finish(self, produce: Callable[[], HttpResponseBase]) -> HttpResponseBase:
         """``produce``'s answer finalized as DRF would; its exceptions answered by the same
-        exception handler and finalized by DRF's ``finalize_response``. None: DRF answers."""
+        exception handler and finalized by DRF's ``finalize_response``."""
         response: HttpResponseBase | None
         try:
             response = produce()
-            if response is None:
-                return None  # not a small plain form: DRF parses it
         except Exception as exc:
             response = self.get_exception_handler()(exc, self.get_exception_handler_context())
             if response is None:
@@ -223,45 +208,8 @@ class JobCollectionView(QuireView):
             response.exception = True  # type: ignore[union-attr]  # as DRF marks it
         return self.finalize_response(_NEGOTIATED, response)  # type: ignore[arg-type]
 
-    async def submit_on_loop(self, request: HttpRequest) -> HttpResponseBase | None:
-        """The lean submission of a small upload, on the event loop (ADR 0017 session 11):
-        the same checks and answer as :meth:`_lean_post`, the acceptance awaited
-        (``conversion_job_accept_on_loop``) instead of run on a sync thread. None: the sync
-        path must answer the request - a token or anything else the lean path leaves to DRF,
-        a body that is not a small plain form, an upload too large to be stored inline, and
-        every acceptance the loop hands off (a failed check, an admission refusal, a 422 for
-        a reused key, the database unreachable); nothing was counted or written that changes
-        its answer."""
-        if not self._lean_authorized(request, on_loop=True):
-            _count_handoff(HANDOFF_AUTH)
-            return None
-        handler = _upload_handler(request)
-        try:
-            submission = _submission(request, handler, content_type=_content_type(request))
-            if submission is None:
-                _count_handoff(HANDOFF_SHAPE)
-                return None
-            if submission.upload.content is None:
-                _count_handoff(HANDOFF_LARGE)
-                return None
-            # Shielded: a client that disconnects does not cut the statement and the publish
-            # hand-over apart (the sync path's thread runs them to the end too).
-            acceptance = await asyncio.shield(
-                conversion_job_accept_on_loop(**self._acceptance_args(submission))
-            )
-        except QuireError:
-            _count_handoff(HANDOFF_CHECKS)
-            return None
-        except HandOff as handoff:
-            _count_handoff(handoff.reason)
-            return None
-        finally:
-            handler.cleanup()
-        metrics.ACCEPT_PATHS.labels(path="loop", reason="").inc()
-        return self._lean_finish(lambda: _answered(acceptance, _rendered_job_response))
-
     def _acceptance_args(self, submission: _Submission) -> dict[str, Any]:
-        """The acceptance's arguments, the same on the loop and on the sync path."""
+        """The acceptance's arguments."""
         return {
             "tenant": self.principal.tenant,
             "actor": self.principal.actor,
@@ -280,16 +228,14 @@ class JobCollectionView(QuireView):
         content_type: str,
         parsed: Callable[[], tuple[Any, Any]] | None,
         answer: Callable[..., HttpResponseBase] = _job_response,
-    ) -> HttpResponseBase | None:
+    ) -> HttpResponseBase:
         """Stage the upload, accept the job, answer 202 / 200. ``parsed``: the upload and the
-        form as DRF's parsers read them, for a body that is not a small plain form; without it
-        such a body returns None (before anything was staged). ``answer`` builds the 202 / 200
-        (a DRF ``Response``, or for the lean path the same answer rendered at once)."""
+        form as DRF's parsers read them (DRF's path); without it Django's parser reads them.
+        ``answer`` builds the 202 / 200 (a DRF ``Response``, or for the lean path the same
+        answer rendered at once)."""
         handler = _upload_handler(request)
         try:
             submission = _submission(request, handler, content_type=content_type, parsed=parsed)
-            if submission is None:
-                return None
             acceptance = conversion_job_accept(**self._acceptance_args(submission))
         except QuireError as exc:
             reason = exc.code
@@ -390,21 +336,18 @@ def _submission(
     *,
     content_type: str,
     parsed: Callable[[], tuple[Any, Any]] | None = None,
-) -> _Submission | None:
+) -> _Submission:
     """The upload staged by ``handler`` (in memory when small), the output and the key checked.
-    ``parsed``: the upload and the form as DRF's parsers read them, for a body that is not a
-    small plain form; without it such a body gives None (before anything was staged). Raises a
-    QuireError (400, 413, 422)."""
+    ``parsed``: the upload and the form as DRF's parsers read them; without it Django's
+    ``request.FILES`` / ``request.POST`` (the same parser under both). Raises a QuireError
+    (400, 413, 422)."""
     if not content_type.startswith("multipart/form-data"):
         raise InvalidRequest("send multipart/form-data with a file part")
-    # A small body in the plain shape is split directly; anything else goes through
-    # DRF's and Django's multipart parsers (uploads.small_form; ADR 0017, session 6).
+    # Django's multipart parser, streaming the file part through ``handler`` (ADR 0024: the
+    # hand-written split of small bodies saved ≈ 5 % of the web's CPU per acceptance).
     form: Any
-    small = small_form(request, handler)
-    if small is not None:
-        form, upload = small
-    elif parsed is None:
-        return None
+    if parsed is None:
+        upload, form = request.FILES.get("file"), request.POST
     else:
         upload, form = parsed()
     if not isinstance(upload, StagedFile):
@@ -436,16 +379,6 @@ def _answered(acceptance: Acceptance, answer: Callable[..., HttpResponseBase]) -
         return answer(acceptance.job, status=200, Idempotent_Replayed="true")
     metrics.ADMISSIONS.labels(result="duplicate", reason="").inc()
     return answer(acceptance.job, status=200)
-
-
-#: Why a submission tried on the event loop went to the sync path (besides
-#: ``acceptance.HANDOFF_*``): the token (or anything else the lean path leaves to DRF), a body
-#: not in the small plain shape, an upload above the inline size.
-HANDOFF_AUTH, HANDOFF_SHAPE, HANDOFF_LARGE = "auth", "shape", "large"
-
-
-def _count_handoff(reason: str) -> None:
-    metrics.ACCEPT_PATHS.labels(path="thread", reason=reason).inc()
 
 
 def _if_none_match(header: str | None) -> frozenset[str]:

@@ -13,21 +13,6 @@ from prometheus_client import Counter, Histogram
 from conversion_jobs.converters.base import IMAGE_TYPES, OFFICE_TYPES, PDF
 
 ADMISSIONS = Counter("quire_admissions", "Submissions by admission result", ["result", "reason"])
-#: Submissions the web tried on its event loop (ADR 0017 session 11): answered there
-#: (``loop``) or handed to a sync thread (``thread``, with why).
-ACCEPT_PATHS = Counter(
-    "quire_accept_paths", "Submissions tried on the event loop, by who answered", ["path", "reason"]
-)
-#: Every reason a submission tried on the event loop goes to a sync thread.
-ACCEPT_HANDOFF_REASONS = (
-    "auth",
-    "shape",
-    "large",
-    "checks",
-    "admission",
-    "existing",
-    "database",
-)
 IDEMPOTENT_REPLAYS = Counter("quire_idempotent_replays", "Idempotency-Key replays answered")
 OUTBOX_PUBLISHED = Counter("quire_outbox_published", "Outbox rows published", ["path"])
 OUTBOX_PUBLISH_FAILURES = Counter(
@@ -105,8 +90,6 @@ KNOWN_SERIES: dict[Counter | Histogram, list[dict[str, str]]] = {
         {"result": "rejected", "reason": "tenant_quota_exceeded"},
         {"result": "rejected", "reason": "capacity_exceeded"},
     ],
-    ACCEPT_PATHS: [{"path": "loop", "reason": ""}]
-    + [{"path": "thread", "reason": r} for r in ACCEPT_HANDOFF_REASONS],
     OUTBOX_PUBLISHED: [{"path": "fast"}, {"path": "sweep"}],
     OUTBOX_PUBLISH_FAILURES: [
         {"path": path, "code": code}

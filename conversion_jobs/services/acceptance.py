@@ -9,20 +9,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psycopg
-from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.db import DatabaseError, IntegrityError, transaction
+from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from conversion_jobs import converters, faults, loop_db, passwords, storage
+from conversion_jobs import converters, faults, passwords, storage
 from conversion_jobs.db import violated_constraint
 from conversion_jobs.exceptions import (
     CapacityExceeded,
     IdempotencyKeyReused,
     InvalidMetadata,
     InvalidRequest,
-    QuireError,
     StorageUnavailable,
     TenantQuotaExceeded,
     UnsupportedMediaType,
@@ -35,10 +32,8 @@ from conversion_jobs.services import transitions
 from conversion_jobs.services.admission import (
     admission_accepted,
     admission_admit,
-    admission_admitted_on_snapshot,
 )
 from conversion_jobs.services.artifacts import source_lock
-from conversion_jobs.services.dispatch import outbox_publish_committed_in_background
 from conversion_jobs.services.prepared import prepared_cursor
 from conversion_jobs.states import LIVE_STATES, State
 
@@ -384,125 +379,6 @@ def _new_job(
         details={"media_type": checked.media_type, "size": upload.size, "output": output},
         inline_content=upload.content,
     )
-
-
-#: Why the event loop left an acceptance to the sync path (``quire_accept_paths`` label).
-HANDOFF_CHECKS, HANDOFF_ADMISSION, HANDOFF_EXISTING, HANDOFF_DATABASE = (
-    "checks",
-    "admission",
-    "existing",
-    "database",
-)
-
-
-class HandOff(Exception):
-    """The acceptance on the event loop wrote no job it can answer for: the sync path must
-    answer the request (``reason``: one of the ``HANDOFF_*`` labels)."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
-async def conversion_job_accept_on_loop(
-    *,
-    tenant: str,
-    actor: str,
-    upload: StagedUpload,
-    output: str,
-    raw_options: Any,
-    idempotency_key: str | None,
-    traceparent: str = "",
-    raw_metadata: Any = None,
-) -> Acceptance:
-    """(none) -> QUEUED for an inline source on Postgres, awaited on the web's event loop with
-    no thread and no blocking call (ADR 0016, ADR 0017 session 11): the same checks, the same
-    admission snapshot and the same one statement (``transitions.job_insert_queued_on_loop``)
-    as :func:`conversion_job_accept`'s inline path, on a connection of ``loop_db``'s pool; the
-    committed row is handed to the background publisher. What needs Django's ORM runs, as
-    the sync path runs it, on the request's sync thread: the admission snapshot's refresh or
-    the exact count (once per snapshot period per process, or near a limit), and the answer
-    for an existing job or key (a replay, a duplicate: the statement wrote nothing).
-
-    Raises :class:`HandOff` for everything it does not answer itself, having written nothing
-    that changes the sync path's answer: a failed check (the sync path raises the same error
-    and counts it), an admission refusal, an existing key or job whose answer is an error (422),
-    a database error. After a connection lost mid-statement the job may exist: the sync path
-    then answers it as the duplicate (or the key's replay) it is, and the outbox sweep
-    publishes it."""
-    if upload.content is None:
-        raise HandOff(HANDOFF_CHECKS)
-    try:
-        checked = _checked(
-            upload=upload, output=output, raw_options=raw_options, raw_metadata=raw_metadata
-        )
-    except QuireError as exc:
-        raise HandOff(HANDOFF_CHECKS) from exc
-    new = _new_job(
-        tenant=tenant,
-        actor=actor,
-        upload=upload,
-        output=output,
-        checked=checked,
-        source_key=storage.inline_source_key(upload.sha256),
-        idempotency_key=idempotency_key,
-        traceparent=traceparent,
-    )
-    try:
-        async with loop_db.pool().connection() as db:
-            # Admitted while holding the connection its statement uses: acceptances in flight
-            # stay bounded by the pool's size, as the sync path's are by its threads (the
-            # overshoot bound of ADR 0004).
-            if not admission_admitted_on_snapshot(tenant=tenant):
-                await _on_thread(admission_admit, HANDOFF_ADMISSION, tenant=tenant)
-            outbox_id = await transitions.job_insert_queued_on_loop(new, db)
-    except psycopg.errors.UniqueViolation as exc:
-        # The key is bound already (the statement wrote nothing): a replay, or 422.
-        if idempotency_key is None or exc.diag.constraint_name != "idempotency_tenant_key":
-            raise HandOff(HANDOFF_EXISTING) from exc
-        replay = await _on_thread(
-            _replay,
-            HANDOFF_EXISTING,
-            tenant=tenant,
-            key=idempotency_key,
-            fingerprint=new.fingerprint,
-        )
-        if replay is None:  # pragma: no cover - the row that conflicted cannot vanish
-            raise HandOff(HANDOFF_EXISTING) from exc
-        return replay
-    except psycopg.Error as exc:
-        raise HandOff(HANDOFF_DATABASE) from exc
-    if outbox_id is None:  # the content identity is taken (nothing written): its answer
-        existing: Acceptance = await _on_thread(
-            _identity_conflict_answer,
-            HANDOFF_EXISTING,
-            tenant=tenant,
-            key=idempotency_key,
-            fingerprint=new.fingerprint,
-            sha256=upload.sha256,
-            output=output,
-            digest=checked.digest,
-            cause=None,
-        )
-        return existing
-    job = new.job
-    outbox_publish_committed_in_background(
-        outbox_id=outbox_id, job_id=job.id, generation=1, traceparent=job.traceparent
-    )
-    admission_accepted(tenant=tenant)
-    return Acceptance(job=job, created=True, replayed=False)
-
-
-async def _on_thread(fn: Any, reason: str, **kwargs: Any) -> Any:
-    """``fn(**kwargs)`` on the request's sync thread (Django's ORM, the thread's connection),
-    awaited. Its refusal (a QuireError) or a database error hands the request to the sync
-    path (``reason``; a database error: ``HANDOFF_DATABASE``), which answers it itself."""
-    try:
-        return await sync_to_async(fn, thread_sensitive=True)(**kwargs)
-    except QuireError as exc:
-        raise HandOff(reason) from exc
-    except DatabaseError as exc:
-        raise HandOff(HANDOFF_DATABASE) from exc
 
 
 def _precheck_answer(

@@ -9,8 +9,7 @@ refusal, the exact count runs (``admission_check``) and decides. So a refusal is
 (a snapshot never turns a job away), and near a limit the behaviour is the exact count's.
 
 The overshoot (ADR 0004) is bounded by the acceptance transactions in flight at once (web
-processes x (WEB_THREADS sync threads + QUIRE_WEB_LOOP_DB_CONNECTIONS on the event loop), minus
-one), plus what other web processes accepted within
+processes x WEB_THREADS sync threads, minus one), plus what other web processes accepted within
 one snapshot period beyond the 10 % margin (none unless they accepted more than 10 % of the
 limit within 0.25 s). ``docs/adr/0004-admission-overshoot.md``.
 """
@@ -103,14 +102,6 @@ class _Snapshot:
             self._taken = time.monotonic()
             return self._tenants.get(tenant, 0), self._global
 
-    def fresh_counts(self, *, tenant: str, ttl: float) -> tuple[int, int] | None:
-        """``counts`` when it would answer without a query; None when it would refresh."""
-        with self._lock:
-            age = time.monotonic() - self._taken
-            if age < ttl or (self._refreshing and age < 2 * ttl):
-                return self._tenants.get(tenant, 0), self._global
-            return None
-
     def accepted(self, *, tenant: str) -> None:
         with self._lock:
             self._tenants[tenant] = self._tenants.get(tenant, 0) + 1
@@ -137,15 +128,6 @@ def admission_admit(*, tenant: str) -> None:
     if ttl > 0 and _well_below(_SNAPSHOT.counts(tenant=tenant, ttl=ttl)):
         return
     admission_check(tenant=tenant)
-
-
-def admission_admitted_on_snapshot(*, tenant: str) -> bool:
-    """True when :func:`admission_admit` would admit ``tenant``'s new job without a query (the
-    snapshot is fresh and well below both limits). False: it would query (a refresh, the exact
-    count near a limit, every refusal) - for callers that must not block (the event loop),
-    which then leave the decision to ``admission_admit``."""
-    ttl = settings.QUIRE["ADMISSION_SNAPSHOT_S"]
-    return ttl > 0 and _well_below(_SNAPSHOT.fresh_counts(tenant=tenant, ttl=ttl))
 
 
 def _well_below(counts: tuple[int, int] | None) -> bool:

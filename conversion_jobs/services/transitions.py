@@ -37,7 +37,6 @@ from django.db.models.functions import Coalesce, Now
 from django.utils import timezone
 
 from conversion_jobs import storage
-from conversion_jobs.loop_db import kept_cursor
 from conversion_jobs.models import (
     AttemptOutcome,
     CancellationOutcome,
@@ -348,23 +347,6 @@ def job_insert_queued(new: NewJob) -> bool:
         outbox_id=outbox_id, job_id=job.id, generation=1, traceparent=job.traceparent
     )
     return True
-
-
-async def job_insert_queued_on_loop(new: NewJob, db: Any) -> int | None:
-    """:func:`job_insert_queued` for an inline source on Postgres, awaited on the web's event
-    loop over ``db`` (an autocommit ``psycopg.AsyncConnection``, ``loop_db``): the same
-    statement (``_accept_sql``'s inline form) with the same parameters, committed when it
-    returns. The outbox id of the new job (the caller hands it to the publisher: committed
-    already), or None: the content identity is taken (nothing written). A unique violation of
-    the key, or any other error, raises psycopg's exception (nothing written, or - a connection
-    lost mid-statement - not known)."""
-    if new.inline_content is None:
-        raise ValueError("only an inline source is accepted on the loop")
-    sql, params = _accept_statement(new, _first_event(new))
-    cursor = kept_cursor(db)  # server-side binding, prepared per connection
-    await cursor.execute(sql, params)
-    row = await cursor.fetchone()
-    return None if row is None else int(row[0])
 
 
 def _first_event(new: NewJob) -> dict[str, Any]:

@@ -262,7 +262,7 @@ def test_png_result__a_page_deleted_while_a_client_reads_cuts_the_connection(
     announced, which every HTTP client reports as an incomplete body. What the client got is
     the archive's true prefix: never a complete-looking 200 with other bytes. Before that, a
     whole download grows the web by far less than the archive (it holds a batch, not the
-    result: project.web.QuireASGIHandler.send_response)."""
+    result: conversion_jobs.web.handler.QuireASGIHandler.send_response)."""
     web, base = _web(cluster)
     web_worker = harness.process_tree(web.pid)[-1]
     start("worker")

@@ -25,7 +25,6 @@ from conversion_jobs.api.auth import token_mint
 from conversion_jobs.models import ConversionJob
 from conversion_jobs.representation import job_etag_of
 from conversion_jobs.services.cancellation import conversion_job_cancel
-from tests.conftest import metrics_headers
 from tests.e2e import harness
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres]
@@ -397,8 +396,8 @@ def raw_submission(tenant: str, pdf: bytes, *, extra: bytes = b"") -> bytes:
     return head.encode() + body + extra
 
 
-#: case -> (pages of the upload, the bytes after it): one page is stored inline and accepted
-#: on the event loop, 80 pages (over 64 KiB) are staged and accepted on a sync thread.
+#: case -> (pages of the upload, the bytes after it): one page is stored inline, 80 pages (over
+#: 64 KiB) are staged.
 PIPELINED_AFTER_A_SUBMISSION = {
     "trailing garbage": (1, b"GARBAGE\x01\r\n\r\n"),
     "trailing garbage after a large upload": (80, b"GARBAGE\x01\r\n\r\n"),
@@ -640,20 +639,7 @@ def test_job_detail_without_wait_is_unchanged(web, submit):
     assert ConversionJob.objects.get(id=job.id).state == "queued"
 
 
-# --- the acceptance on the event loop (ADR 0017 session 11) --------------------------------------
-
-
-def _accept_paths(base: str) -> dict[str, float]:
-    """``quire_accept_paths_total`` by ``loop`` / ``thread:<reason>``, summed over the web's
-    processes (multiprocess metrics)."""
-    text = requests.get(f"{base}/metrics", headers=metrics_headers(), timeout=10).text
-    out: dict[str, float] = {}
-    for match in re.finditer(
-        r'^quire_accept_paths_total\{path="(\w+)",reason="(\w*)"\} (\S+)$', text, re.M
-    ):
-        path, reason, value = match.groups()
-        out[path if path == "loop" else f"thread:{reason}"] = float(value)
-    return out
+# --- submissions through the real server ---------------------------------------------------------
 
 
 def _pdf(pages: int) -> bytes:
@@ -663,23 +649,16 @@ def _pdf(pages: int) -> bytes:
     return testdocs.pdf_bytes(pages=pages, text_of=lambda n: f"Page {n} {salt} " * 20)
 
 
-def test_small_uploads_are_accepted_on_the_loop_large_ones_and_errors_on_a_thread(start, tmp_path):
-    """Against the Procfile's web (two processes): a small upload is accepted on the event loop
-    (202 + Location, the same rows as ever, the outbox row published by the background
-    publisher), its replay and a duplicate too; an upload above the inline size, a bad token
-    and a reused key are answered by the sync path. ``quire_accept_paths_total`` says which."""
+def test_submissions_are_accepted_published_replayed_and_refused_through_the_server(start):
+    """Against the Procfile's web (two processes): a small upload is accepted (202 + Location,
+    stored inline with its rows, the outbox row published by the background publisher), its
+    replay and a duplicate answer 200; an upload above the inline size is stored; a bad token
+    and a reused key are refused. (Until ADR 0024 a small upload was accepted on the event loop
+    and this test counted which path answered; one path answers every submission now.)"""
     from conversion_jobs.models import ConversionOutbox, ExecutionAuditEvent, InlineSource
 
-    metrics_dir = tmp_path / "metrics"
-    metrics_dir.mkdir()
-    proc = start("web", WEB_CONCURRENCY="2", PROMETHEUS_MULTIPROC_DIR=str(metrics_dir))
+    proc = start("web", WEB_CONCURRENCY="2")
     base = f"http://127.0.0.1:{proc.port}"
-    before = _accept_paths(base)
-    assert set(before) == {
-        "loop",
-        *(f"thread:{r}" for r in ("auth", "shape", "large", "checks", "admission", "existing")),
-        "thread:database",
-    }
 
     def post(pdf: bytes, **headers: str) -> requests.Response:
         return requests.post(
@@ -713,7 +692,7 @@ def test_small_uploads_are_accepted_on_the_loop_large_ones_and_errors_on_a_threa
     harness.wait_until(
         lambda: ConversionOutbox.objects.filter(job_id=job.id, published_at__isnull=False).exists(),
         timeout=10,
-        what="the loop's acceptance published by the background publisher",
+        what="the acceptance published by the background publisher",
     )
 
     large = _pdf(80)
@@ -730,28 +709,8 @@ def test_small_uploads_are_accepted_on_the_loop_large_ones_and_errors_on_a_threa
     assert reused.status_code == 422
     assert reused.json()["code"] == "idempotency_key_reused"
 
-    after = _accept_paths(base)
-    moved = {k: v - before[k] for k, v in after.items() if v != before[k]}
-    # The admission snapshot's refresh runs on the request's thread and stays "loop".
-    assert moved == {"loop": 3, "thread:large": 1, "thread:auth": 1, "thread:existing": 1}
 
-
-# --- the workers' connection balance (ADR 0017 session 11) --------------------------------------
-
-
-def _connections_by_pid(port: int) -> dict[int, int]:
-    import subprocess
-
-    out = subprocess.run(
-        ["ss", "-tnpH", "state", "established", f"( sport = :{port} )"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    counts: dict[int, int] = {}
-    for match in re.finditer(r"pid=(\d+)", out):
-        counts[int(match.group(1))] = counts.get(int(match.group(1)), 0) + 1
-    return counts
+# --- the workers share one socket ---------------------------------------------------------------
 
 
 def _burst(port: int, n: int) -> list[socket.socket]:
@@ -764,33 +723,10 @@ def _burst(port: int, n: int) -> list[socket.socket]:
     return socks
 
 
-def test_simultaneous_clients_are_spread_over_the_workers(start):
-    """16 kept-alive clients connecting at once land on both workers, near evenly (uvloop's
-    own accept gave 15 / 1 or 16 / 0: the worker that woke first took the burst)."""
-    proc = start("web", WEB_CONCURRENCY="2")
-    harness.wait_until(  # the second worker boots a little after the first answers
-        lambda: proc.log.read_text(errors="replace").count("Started server process") >= 2,
-        timeout=60,
-        what="both workers serving",
-    )
-    spreads = []
-    for _ in range(5):
-        socks = _burst(proc.port, 16)
-        try:
-            spreads.append(sorted(_connections_by_pid(proc.port).values()))
-        finally:
-            for sock in socks:
-                sock.close()
-        time.sleep(0.3)
-    # Near evenly: a worker the host did not schedule within the deferrals (two cores, this
-    # client included) may leave a burst to the other, which then takes the rest at once.
-    assert all(len(spread) == 2 and spread[0] >= 3 for spread in spreads), spreads
-    assert sum(spread in ([8, 8], [7, 9]) for spread in spreads) >= 3, spreads
-
-
 def test_a_stopped_worker_does_not_hold_connections_back(start):
-    """Work stealing is kept: with one of two workers stopped (SIGSTOP, as a worker stuck on
-    the CPU), new clients are all answered by the other one at once."""
+    """Work stealing: with one of two workers stopped (SIGSTOP, as a worker stuck on the CPU),
+    new clients are all answered by the other one at once (both accept on gunicorn's shared
+    socket; ADR 0024 removed the balance that spread a burst of connects evenly)."""
     import signal
 
     proc = start("web", WEB_CONCURRENCY="2")

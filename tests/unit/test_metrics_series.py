@@ -35,16 +35,3 @@ def test_known_series__exposed_at_zero_without_any_event():
     assert 'quire_admissions_total{reason="",result="accepted"}' in text
     assert 'quire_attempt_duration_seconds_count{outcome="succeeded"}' in text
     assert 'quire_jobs_finished_total{state="succeeded"}' in text
-
-
-def test_known_series__accept_handoff_reasons_are_the_code_s():
-    from conversion_jobs.api import views
-    from conversion_jobs.services import acceptance
-
-    code = {
-        value
-        for module in (views, acceptance)
-        for name, value in vars(module).items()
-        if name.startswith("HANDOFF_") and isinstance(value, str)
-    }
-    assert code == set(metrics.ACCEPT_HANDOFF_REASONS)

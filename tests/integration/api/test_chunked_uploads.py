@@ -16,7 +16,7 @@ import pytest
 from django.db import connections
 
 from conversion_jobs.models import ConversionJob
-from project import web
+from conversion_jobs.web import handler as web
 from tests import multipart, testdocs
 from tests.conftest import token
 from tests.integration.api.conftest import row_counts, staged_uploads, stored_objects

@@ -25,7 +25,7 @@ from django.urls import get_resolver
 
 from conversion_jobs.api import views
 from conversion_jobs.models import ConversionJob
-from project import web
+from conversion_jobs.web import handler as web
 from tests import multipart, testdocs
 from tests.conftest import token
 
