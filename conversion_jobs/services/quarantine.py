@@ -122,7 +122,8 @@ def document_crash_record(
         with connection.cursor() as cursor:
             cursor.execute(_KEY_UPSERT, [tenant, source_sha256, engine_version, now, now])
             key_id, quarantined_at = cursor.fetchone()
-            cursor.execute(_CRASH_INSERT, [key_id, job_id, attempt_id, host, code, now])
+            job = DocumentCrash._meta.get_field("job_id").get_db_prep_value(job_id, connection)
+            cursor.execute(_CRASH_INSERT, [key_id, job, attempt_id, host, code, now])
             counted = cursor.rowcount == 1
             cursor.execute(_CRASH_COUNT, [key_id])
             crashes, hosts = cursor.fetchone()

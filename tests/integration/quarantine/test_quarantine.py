@@ -26,7 +26,7 @@ from conversion_jobs.models import (
 )
 from conversion_jobs.services import quarantine, recovery
 from tests.integration.api.conftest import problem, row_counts, submit
-from tests.integration.execution.jobkit import execute, fast_quire  # noqa: F401
+from tests.integration.execution.jobkit import execute
 from tests.integration.execution.jobkit import submit as submit_job
 
 PDF = "application/pdf"
