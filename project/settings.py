@@ -338,6 +338,8 @@ QUIRE: dict[str, Any] = {
         "max_inflated_bytes": env_int("QUIRE_MAX_INFLATED_BYTES", 256 * 1024 * 1024),
         "max_inflate_ratio": env_int("QUIRE_MAX_INFLATE_RATIO", 100),
         "inflate_ratio_min_bytes": env_int("QUIRE_INFLATE_RATIO_MIN_BYTES", 10 * 1024 * 1024),
+        # one child call of a document's preparation (LibreOffice's conversion to PDF)
+        "prepare_timeout_s": env_float("QUIRE_PREPARE_TIMEOUT_S", 180.0),
     },
     # Text pages up to this size live in their checkpoint row (written with the batch, no file,
     # no fsync of their own); 0 turns it off.

@@ -256,7 +256,7 @@ def _crash_noted(*, lease: Lease, job: ConversionJob, code: str) -> str | None:
             source_sha256=job.source_sha256,
             engine_version=converters.engine_version(job.source_media_type),
             job_id=lease.job_id,
-            attempt_id=lease.attempt_id,
+            attempt_id=lease.attempt_id or 0,  # a worker's lease always has one
             worker=worker_identity(),
             code=code,
         )

@@ -466,7 +466,8 @@ def _accept_sql(inline: bool) -> str:
         # typed as their columns (without a length: too long is an error, not a truncation):
         # a SELECT list does not take its parameters' types from the INSERT's columns
         values=", ".join(
-            f"%(j_{f.column})s::{re.sub(r'[(].*[)]', '', f.db_type(connection))}" for f in fields
+            f"%(j_{f.column})s::{re.sub(r'[(].*[)]', '', str(f.db_type(connection)))}"
+            for f in fields
         ),
         conflict=" ON CONFLICT DO NOTHING" if inline else "",
         inline=_ACCEPT_INLINE if inline else "",
