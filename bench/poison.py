@@ -80,7 +80,7 @@ def _window(url: str, tenant: str, ids: list[str] | None = None) -> tuple[int, f
         f" WHERE tenant = '{tenant}'{only}) - (SELECT min(a.started_at) FROM conversion_attempt a"
         f" JOIN conversion_job j ON j.id = a.job_id WHERE j.tenant = '{tenant}'))",
     )
-    return int(done), float(span)  # type: ignore[arg-type]
+    return int(done), float("nan") if span is None else float(span)  # type: ignore[arg-type]
 
 
 def _wait(url: str, query: str, target: int, timeout: float, what: str) -> None:
@@ -147,6 +147,7 @@ def main() -> int:
             "the clean phase",
         )
         clean_done, clean_s = _window(url, "clean")
+        print(f"clean:  {clean_done} jobs in {clean_s:.1f} s", flush=True)
         worker.stop()  # type: ignore[attr-defined]
 
         # --- poison ------------------------------------------------------------------------
