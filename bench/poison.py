@@ -207,8 +207,10 @@ def main() -> int:
         attempts_after = int(_scalar(url, "SELECT count(*) FROM conversion_attempt"))  # type: ignore[call-overload]
         crashes = _scalar(
             url,
-            "SELECT string_agg(engine_version || ': ' || crashes || ' crash(es), quarantined '"
-            " || (quarantined_at IS NOT NULL), ' | ') FROM document_quarantine",
+            "SELECT string_agg(line, ' | ') FROM (SELECT split_part(engine_version, ' ', 1)"
+            " || ': ' || count(*) || ' document(s), ' || count(quarantined_at)"
+            " || ' quarantined, crashes max ' || max(crashes) AS line"
+            " FROM document_quarantine GROUP BY 1) AS by_engine",
         )
         segv_attempts = _scalar(
             url,
