@@ -207,10 +207,11 @@ def main() -> int:
         attempts_after = int(_scalar(url, "SELECT count(*) FROM conversion_attempt"))  # type: ignore[call-overload]
         crashes = _scalar(
             url,
-            "SELECT string_agg(line, ' | ') FROM (SELECT split_part(engine_version, ' ', 1)"
-            " || ': ' || count(*) || ' document(s), ' || count(quarantined_at)"
-            " || ' quarantined, crashes max ' || max(crashes) AS line"
-            " FROM document_quarantine GROUP BY 1) AS by_engine",
+            "SELECT string_agg(engine || ': ' || n || ' document(s), ' || q"
+            " || ' quarantined, crashes max ' || most, ' | ') FROM (SELECT"
+            " split_part(engine_version, ' ', 1) AS engine, count(*) AS n,"
+            " count(quarantined_at) AS q, max(crashes) AS most FROM document_quarantine"
+            " GROUP BY engine) AS by_engine",
         )
         segv_attempts = _scalar(
             url,
