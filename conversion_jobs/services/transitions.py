@@ -320,8 +320,9 @@ def job_insert_queued(new: NewJob) -> bool:
     and the caller answers from the winner — except that an inline job on Postgres that meets
     a job with its content identity writes nothing and returns False (``ON CONFLICT DO
     NOTHING``: the acceptance runs no pre-check read for it, so the conflict is its common
-    duplicate case, answered without an error). True: inserted; registers the fast-path
-    publish for after commit."""
+    duplicate case, answered without an error) - and that any job whose document the tenant
+    has quarantined (``services/quarantine.py``) writes nothing and returns False. True:
+    inserted; registers the fast-path publish for after commit."""
     job = new.job
     first_event = _first_event(new)
     if _postgres():
