@@ -1,5 +1,5 @@
-"""Django admin for operators (staff only): read-only views, and two actions that go through
-the same services as the API."""
+"""Django admin for operators (staff only): read-only views, and the actions (cancel, retry,
+lift a quarantine) that go through the same services as the API and the manage commands."""
 
 from __future__ import annotations
 
@@ -14,11 +14,14 @@ from conversion_jobs.models import (
     CancellationRequest,
     ConversionAttempt,
     ConversionJob,
+    DocumentQuarantine,
     ExecutionAuditEvent,
     PageCheckpoint,
+    TenantErasure,
 )
 from conversion_jobs.pseudonym import actor_pseudonym
 from conversion_jobs.services.cancellation import conversion_job_cancel
+from conversion_jobs.services.quarantine import document_quarantine_lift
 from conversion_jobs.services.recovery import conversion_job_retry_failed
 
 
@@ -112,3 +115,50 @@ class CancellationRequestAdmin(ReadOnlyAdmin):
 class ExecutionAuditEventAdmin(ReadOnlyAdmin):
     list_display = ("job_id", "seq", "event_type", "generation", "created_at")
     list_filter = ("event_type",)
+
+
+@admin.action(description="Lift the quarantine of the selected documents")
+def lift_quarantines(
+    modeladmin: Any, request: HttpRequest, queryset: QuerySet[DocumentQuarantine]
+) -> None:
+    for row in queryset:
+        lifted = document_quarantine_lift(quarantine_id=row.id, actor=_operator(request))
+        modeladmin.message_user(request, f"{row.id}: {'lifted' if lifted else 'not quarantined'}")
+
+
+@admin.register(DocumentQuarantine)
+class DocumentQuarantineAdmin(ReadOnlyAdmin):
+    """Poison documents (docs/OPERABILITY.md "Quarantine"): read-only but for the lift."""
+
+    list_display = (
+        "id",
+        "engine_version",
+        "crashes",
+        "hosts",
+        "quarantined_at",
+        "job_id",
+        "lifted_at",
+    )
+    list_filter = (("quarantined_at", admin.EmptyFieldListFilter),)
+    search_fields = ("=job_id",)
+    actions = [lift_quarantines]
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return obj is None and bool(request.user.is_staff)
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
+        return [f.name for f in DocumentQuarantine._meta.fields]
+
+
+@admin.register(TenantErasure)
+class TenantErasureAdmin(ReadOnlyAdmin):
+    list_display = (
+        "id",
+        "tenant_pseudonym",
+        "step",
+        "jobs_deleted",
+        "rows_deleted",
+        "objects_deleted",
+        "started_at",
+        "finished_at",
+    )

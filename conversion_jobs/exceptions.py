@@ -189,6 +189,15 @@ class IdempotencyKeyReused(QuireError):
     status = 422
 
 
+class DocumentQuarantined(QuireError):
+    """This document crashed the converter on repeated attempts and is quarantined for this
+    tenant: it is not converted again until the engine changes or an operator lifts the
+    quarantine (nothing was written)."""
+
+    code = "document_quarantined"
+    status = 422
+
+
 class RetryLater(QuireError):
     """Not now; retry after a while (the answer carries ``Retry-After``)."""
 

@@ -441,6 +441,121 @@ class SweepStatus(models.Model):
         return f"sweep {self.name}"
 
 
+class DocumentQuarantine(models.Model):
+    """One document of one tenant under one engine version whose converter crashed
+    (docs/DATA_MODEL.md §8c, services/quarantine.py). Never keyed across tenants. The row is
+    also the lock its crash recorders take (an upsert), so two crashes recorded at once are
+    counted in turn; ``crashes`` is the count of its ``document_crash`` rows, written under
+    that lock. Quarantined while ``quarantined_at`` is set."""
+
+    id = models.BigAutoField(primary_key=True)
+    tenant = models.CharField(max_length=64)
+    source_sha256 = models.CharField(max_length=64)
+    #: the converter's engine and its version (``converters.engine_version``)
+    engine_version = models.CharField(max_length=128)
+    crashes = models.PositiveIntegerField(default=0)
+    hosts = models.PositiveIntegerField(default=0)
+    quarantined_at = models.DateTimeField(null=True, blank=True)
+    #: the job failed ``document_quarantined`` when the quarantine began
+    job_id = models.UUIDField(null=True, blank=True)
+    lifted_at = models.DateTimeField(null=True, blank=True)
+    #: pseudonymous operator who lifted it last
+    lifted_by = models.CharField(max_length=64, blank=True, default="")
+    created_at = models.DateTimeField()
+    updated_at = models.DateTimeField()
+
+    class Meta:
+        db_table = "document_quarantine"
+        constraints = [
+            models.UniqueConstraint(
+                name="quarantine_key", fields=["tenant", "source_sha256", "engine_version"]
+            )
+        ]
+        indexes = [
+            models.Index(
+                name="quarantine_active",
+                fields=["quarantined_at"],
+                condition=Q(quarantined_at__isnull=False),
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"quarantine {self.id}"
+
+
+class DocumentCrash(models.Model):
+    """One attempt whose converter crashed on the document of ``quarantine``."""
+
+    id = models.BigAutoField(primary_key=True)
+    quarantine = models.ForeignKey(
+        DocumentQuarantine, on_delete=models.CASCADE, related_name="crash_rows"
+    )
+    job_id = models.UUIDField()
+    attempt_id = models.BigIntegerField()
+    #: the machine (``QUIRE_WORKER_HOST``), never a tenant or a file name
+    host = models.CharField(max_length=128)
+    code = models.CharField(max_length=64)
+    at = models.DateTimeField()
+
+    class Meta:
+        db_table = "document_crash"
+        constraints = [models.UniqueConstraint(name="crash_one_per_attempt", fields=["attempt_id"])]
+
+    def __str__(self) -> str:
+        return f"crash {self.id}"
+
+
+class TenantErasure(models.Model):
+    """The record of one tenant's erasure (docs/DATA_MODEL.md §8d, services/erasure.py): the
+    tenant only as its pseudonym, what was deleted, when and by whom. ``finished_at`` null: in
+    progress (a new run resumes it); ``step`` says how far it got."""
+
+    id = models.BigAutoField(primary_key=True)
+    tenant_pseudonym = models.CharField(max_length=32)
+    actor = models.CharField(max_length=64)
+    step = models.CharField(max_length=16, default="cancel")
+    jobs_cancelled = models.PositiveIntegerField(default=0)
+    jobs_deleted = models.PositiveIntegerField(default=0)
+    rows_deleted = models.PositiveIntegerField(default=0)
+    audit_events_deleted = models.PositiveIntegerField(default=0)
+    objects_deleted = models.PositiveIntegerField(default=0)
+    runs = models.PositiveIntegerField(default=0)
+    started_at = models.DateTimeField()
+    updated_at = models.DateTimeField()
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        db_table = "tenant_erasure"
+        constraints = [
+            models.UniqueConstraint(
+                name="erasure_one_open_per_tenant",
+                fields=["tenant_pseudonym"],
+                condition=Q(finished_at__isnull=True),
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"erasure {self.id}"
+
+
+class ErasureObject(models.Model):
+    """An object (or a key prefix) of an erased tenant still to delete from the artifact store:
+    written with the rows that named it, deleted once the object is gone (rows first, files
+    second, resumable)."""
+
+    id = models.BigAutoField(primary_key=True)
+    erasure = models.ForeignKey(TenantErasure, on_delete=models.CASCADE, related_name="+")
+    #: ``prefix`` (a job's results/ or pages/), ``source`` (a shared, content-addressed source)
+    kind = models.CharField(max_length=8)
+    key = models.CharField(max_length=160)
+
+    class Meta:
+        db_table = "erasure_object"
+
+    def __str__(self) -> str:
+        return f"erasure object {self.id}"
+
+
 # The webhook tables live beside their service (conversion_jobs/webhooks/); imported here so
 # the app registers them.
 from conversion_jobs.webhooks.models import (  # noqa: E402, F401

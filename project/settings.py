@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -316,6 +317,18 @@ QUIRE: dict[str, Any] = {
     "HEARTBEAT_S": env_float("QUIRE_HEARTBEAT_S", 2.0),
     "LEASE_S": env_float("QUIRE_LEASE_S", 10.0),
     "PAGE_MAX_ATTEMPTS": env_int("QUIRE_PAGE_MAX_ATTEMPTS", 3),
+    # Poison documents (services/quarantine.py, docs/OPERABILITY.md "Quarantine"): a document
+    # whose converter crashed (signal, memory limit, timeout, cut answer) on this many attempts
+    # - on two hosts, when the last QUARANTINE_HOST_WINDOW attempts ran on more than one - is
+    # quarantined for its tenant and engine version.
+    "QUARANTINE_AFTER_CRASHES": env_int("QUIRE_QUARANTINE_AFTER_CRASHES", 2),
+    "QUARANTINE_HOST_WINDOW": env_int("QUIRE_QUARANTINE_HOST_WINDOW", 1000),
+    # The machine a worker runs on, as its attempts name it (worker = "<host>:<pid>"); set it
+    # to the node's name where containers on one machine have their own host names.
+    "WORKER_HOST": env_str("QUIRE_WORKER_HOST", "") or socket.gethostname(),
+    # Tenant erasure (services/erasure.py): how long one run waits for the tenant's cancelling
+    # jobs to end before it stops (to be run again) — above LEASE_S + a sweep.
+    "ERASURE_CANCEL_WAIT_S": env_float("QUIRE_ERASURE_CANCEL_WAIT_S", 60.0),
     # Converter limits (conversion_jobs/converters/base.py Limits; the others keep their
     # defaults there). Office containers are checked against these before LibreOffice reads
     # them (converters/containers.py, docs/THREAT_MODEL.md).
@@ -323,6 +336,8 @@ QUIRE: dict[str, Any] = {
         "max_inflated_bytes": env_int("QUIRE_MAX_INFLATED_BYTES", 256 * 1024 * 1024),
         "max_inflate_ratio": env_int("QUIRE_MAX_INFLATE_RATIO", 100),
         "inflate_ratio_min_bytes": env_int("QUIRE_INFLATE_RATIO_MIN_BYTES", 10 * 1024 * 1024),
+        # one child call of a document's preparation (LibreOffice's conversion to PDF)
+        "prepare_timeout_s": env_float("QUIRE_PREPARE_TIMEOUT_S", 180.0),
     },
     # Text pages up to this size live in their checkpoint row (written with the batch, no file,
     # no fsync of their own); 0 turns it off.

@@ -181,6 +181,13 @@ class IdempotencyKeyReused(ClientError):
     code = "idempotency_key_reused"
 
 
+class DocumentQuarantined(ClientError):
+    """422: the converter crashed on this document repeatedly; it is quarantined for this
+    tenant until the engine changes or an operator lifts it. Retrying does not help."""
+
+    code = "document_quarantined"
+
+
 class RateLimited(ClientError):
     """429: too many requests or live jobs; retry after ``retry_after`` seconds."""
 

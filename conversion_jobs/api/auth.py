@@ -40,7 +40,15 @@ from conversion_jobs.pseudonym import actor_pseudonym
 
 log = logging.getLogger(__name__)
 
-SCOPES = ("jobs:submit", "jobs:read", "jobs:cancel", "jobs:admin", "webhooks:manage")
+#: ``tenants:erase`` is an operator's scope (POST /api/v1/erasures): never in a tenant's token.
+SCOPES = (
+    "jobs:submit",
+    "jobs:read",
+    "jobs:cancel",
+    "jobs:admin",
+    "webhooks:manage",
+    "tenants:erase",
+)
 #: Asymmetric algorithms accepted from an identity provider's JWKS (never HS*: the public key
 #: must not double as a shared secret).
 JWKS_ALGORITHMS = ("RS256", "ES256")

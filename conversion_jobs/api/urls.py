@@ -1,6 +1,6 @@
 from django.urls import path
 
-from conversion_jobs.api import views, webhooks
+from conversion_jobs.api import erasures, views, webhooks
 
 urlpatterns = [
     path("jobs", views.JobCollectionView.as_view(), name="jobs"),
@@ -12,6 +12,7 @@ urlpatterns = [
     path("jobs/<uuid:job_id>/pages/<int:page>", views.JobPageView.as_view(), name="job-page"),
     path("jobs/<uuid:job_id>/events", views.waitable(views.JobEventsView), name="job-events"),
     path("capabilities", views.CapabilitiesView.as_view(), name="capabilities"),
+    path("erasures", erasures.ErasureCollectionView.as_view(), name="erasures"),
     path("webhooks", webhooks.WebhookCollectionView.as_view(), name="webhooks"),
     path("webhooks/<uuid:endpoint_id>", webhooks.WebhookDetailView.as_view(), name="webhook"),
     path(

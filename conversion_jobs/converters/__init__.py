@@ -35,7 +35,7 @@ from .errors import (
     UnsupportedConversion,
 )
 from .isolation import TEST_FAULTS_ENV, kill_process_group
-from .registry import READ_AHEAD_PAGES, capabilities, converter_for
+from .registry import READ_AHEAD_PAGES, capabilities, converter_for, engine_version
 from .sandbox import SandboxUnavailable
 from .sessions import ReuseSettings, begin_attempt, configure_reuse, release, run_isolated, warm
 from .sniff import sniff_media_type, sniff_media_type_bytes
@@ -67,6 +67,7 @@ __all__ = [
     "capabilities",
     "configure_reuse",
     "converter_for",
+    "engine_version",
     "inline_text_result",
     "join_text_pages",
     "kill_process_group",

@@ -435,6 +435,48 @@ def soffice_available() -> bool:
     return shutil.which("soffice") is not None
 
 
+def _program_version(*argv: str) -> str:
+    """The first line a program prints for ``--version`` (once per process; "" if it cannot
+    say): LibreOffice's and tesseract's own release."""
+    import subprocess
+
+    try:
+        done = subprocess.run(  # noqa: S603 - a fixed argv of an installed program
+            argv, capture_output=True, text=True, timeout=20, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    lines = (done.stdout or done.stderr).strip().splitlines()
+    return lines[0].strip() if lines else ""
+
+
+@functools.cache
+def _engine_version(name: str) -> str:
+    from pypdfium2.version import PDFIUM_INFO
+
+    pdfium = f"pdfium {PDFIUM_INFO}"
+    if name == "pdfium":
+        return pdfium
+    if name == "image":
+        import PIL
+
+        return f"pillow {PIL.__version__}; {_program_version('tesseract', '--version')}"
+    if name == "libreoffice":
+        return f"{_program_version('soffice', '--version')}; {pdfium}"
+    return name
+
+
+def engine_version(media_type: str) -> str:
+    """The engines that convert this input type and their versions, as this installation has
+    them (cached per process): part of a quarantine's key (services/quarantine.py), so a new
+    engine release lifts every quarantine of the old one. The web and the workers run the same
+    installation (as ``capabilities`` assumes)."""
+    for converter in CONVERTERS:
+        if media_type in converter.media_types:
+            return _engine_version(converter.name)[:128]
+    return "none"
+
+
 @functools.cache
 def _capabilities() -> tuple[tuple[str, tuple[str, ...]], ...]:
     table = []

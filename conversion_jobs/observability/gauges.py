@@ -71,6 +71,7 @@ class DatabaseGauges(Collector):
             last_success.add_metric([name], at.timestamp() if at else 0.0)
         yield last_success
         yield from _webhook_gauges(now)
+        yield _quarantine_gauge()
 
     @classmethod
     def registry(cls) -> CollectorRegistry:
@@ -100,6 +101,28 @@ class SandboxGauges(Collector):
         registry = CollectorRegistry(auto_describe=False)
         registry.register(cls())
         return registry
+
+
+def _quarantine_gauge() -> GaugeMetricFamily:
+    """Quarantined documents per tenant, the tenant as its pseudonym (read through the
+    ``quarantine_active`` partial index: only quarantined rows)."""
+    from conversion_jobs.models import DocumentQuarantine
+    from conversion_jobs.pseudonym import pseudonym
+
+    gauge = GaugeMetricFamily(
+        "quire_quarantined_documents",
+        "Documents quarantined now, by tenant pseudonym",
+        labels=["tenant"],
+    )
+    rows = (
+        DocumentQuarantine.objects.filter(quarantined_at__isnull=False)
+        .values_list("tenant")
+        .annotate(n=Count("id"))
+        .values_list("tenant", "n")
+    )
+    for tenant, n in rows:
+        gauge.add_metric([pseudonym("tenant", tenant)], n)
+    return gauge
 
 
 def _webhook_gauges(now: datetime) -> Iterator[GaugeMetricFamily]:

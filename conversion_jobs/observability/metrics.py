@@ -76,6 +76,25 @@ WEBHOOK_LATENCY = Histogram(
     "Time from a webhook request's start to its answer's headers",
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 15),
 )
+#: Poison documents (services/quarantine.py): ``engine`` is the converter (pdfium, image,
+#: libreoffice), never a tenant or a document.
+DOCUMENT_CRASHES = Counter(
+    "quire_document_crashes",
+    "Converter crashes recorded against a document (signal, memory limit, timeout, cut answer)",
+    ["engine", "code"],
+)
+QUARANTINES = Counter("quire_quarantines", "Documents quarantined", ["engine"])
+QUARANTINE_LIFTS = Counter(
+    "quire_quarantine_lifts", "Quarantines lifted by an operator", ["engine"]
+)
+QUARANTINE_REFUSALS = Counter(
+    "quire_quarantine_refusals", "Submissions answered 422 document_quarantined"
+)
+#: Tenant erasures (services/erasure.py) that finished.
+TENANT_ERASURES = Counter("quire_tenant_erasures", "Tenant erasures finished")
+#: the converters' names as the quarantine metrics label them
+QUARANTINE_ENGINES = ("pdfium", "image", "libreoffice")
+
 #: the outcomes of a webhook delivery attempt (``webhook_attempt.outcome``)
 WEBHOOK_OUTCOMES = ("delivered", "retry", "failed", "refused")
 
@@ -133,6 +152,13 @@ KNOWN_SERIES: dict[Counter | Histogram, list[dict[str, str]]] = {
         )
     ],
     ENGINE_LIFE_CONVERSIONS: [{"engine": "libreoffice"}],
+    DOCUMENT_CRASHES: [
+        {"engine": e, "code": c}
+        for e in QUARANTINE_ENGINES
+        for c in ("converter_crashed", "conversion_timeout")
+    ],
+    QUARANTINES: [{"engine": e} for e in QUARANTINE_ENGINES],
+    QUARANTINE_LIFTS: [{"engine": e} for e in QUARANTINE_ENGINES],
     CONVERSION_DURATION: [
         {"input": media_type, "engine": engine}
         for engines, media_types in (

@@ -17,6 +17,7 @@ from conversion_jobs import converters, faults, passwords, storage
 from conversion_jobs.db import violated_constraint
 from conversion_jobs.exceptions import (
     CapacityExceeded,
+    DocumentQuarantined,
     IdempotencyKeyReused,
     InvalidMetadata,
     InvalidRequest,
@@ -27,6 +28,7 @@ from conversion_jobs.exceptions import (
 )
 from conversion_jobs.ids import uuid7
 from conversion_jobs.models import ConversionJob, IdempotencyRecord
+from conversion_jobs.observability import metrics
 from conversion_jobs.options import normalize_options, options_digest, request_fingerprint
 from conversion_jobs.services import transitions
 from conversion_jobs.services.admission import (
@@ -35,6 +37,7 @@ from conversion_jobs.services.admission import (
 )
 from conversion_jobs.services.artifacts import source_lock
 from conversion_jobs.services.prepared import prepared_cursor
+from conversion_jobs.services.quarantine import document_quarantined
 from conversion_jobs.states import LIVE_STATES, State
 
 
@@ -116,8 +119,9 @@ def _existing_answer(
     return _bind_key(tenant=tenant, key=key, fingerprint=fingerprint, job_id=job_id)
 
 
-#: The acceptance pre-checks in one read: the key's binding and the live or succeeded job with
-#: this content identity (index lookups, O(1) in the table's size). Races past it are settled by
+#: The acceptance pre-checks in one read: the key's binding, the live or succeeded job with
+#: this content identity and whether the tenant quarantined the document under this engine
+#: version (index lookups, O(1) in the table's size). Races past it are settled by
 #: the unique constraints in the insert, never by this read. Admission counts come from the
 #: process's snapshot (``admission.admission_admit``), not from a count per request.
 _PRECHECK_SQL = """
@@ -129,7 +133,10 @@ SELECT
        AND options_digest = %(digest)s AND policy_version = %(policy)s
        AND state IN ('queued', 'running', 'retry_wait', 'cancelling', 'succeeded')
        AND expired_at IS NULL
-     LIMIT 1)
+     LIMIT 1),
+    EXISTS (SELECT 1 FROM document_quarantine
+            WHERE tenant = %(tenant)s AND source_sha256 = %(sha)s
+              AND engine_version = %(engine)s AND quarantined_at IS NOT NULL)
 """
 
 
@@ -138,9 +145,12 @@ class _Seen:
     key_fingerprint: str | None
     key_job: uuid.UUID | None
     duplicate: uuid.UUID | None
+    quarantined: bool = False
 
 
-def _precheck(*, tenant: str, key: str | None, sha: str, output: str, digest: str) -> _Seen:
+def _precheck(
+    *, tenant: str, key: str | None, sha: str, output: str, digest: str, engine: str
+) -> _Seen:
     params = {
         "tenant": tenant,
         "key": key,
@@ -148,12 +158,13 @@ def _precheck(*, tenant: str, key: str | None, sha: str, output: str, digest: st
         "output": output,
         "digest": digest,
         "policy": settings.QUIRE["POLICY_VERSION"],
+        "engine": engine,
     }
     with prepared_cursor() as cursor:
         cursor.execute(_PRECHECK_SQL, params)
-        fingerprint, key_job, duplicate = cursor.fetchone()
+        fingerprint, key_job, duplicate, quarantined = cursor.fetchone()
     as_uuid = lambda value: None if value is None else uuid.UUID(str(value))  # noqa: E731
-    return _Seen(fingerprint, as_uuid(key_job), as_uuid(duplicate))
+    return _Seen(fingerprint, as_uuid(key_job), as_uuid(duplicate), bool(quarantined))
 
 
 def conversion_job_accept(
@@ -178,7 +189,38 @@ def conversion_job_accept(
     the insert alone, which also writes the bytes; its conflicts are the pre-check (the key's
     binding is read first, then the content identity's job). Races are settled by the unique
     constraints, never by a read: a submit that loses one rolls its whole statement back and
-    answers from the winner."""
+    answers from the winner.
+
+    A document the tenant has quarantined (services/quarantine.py) is refused with
+    DocumentQuarantined (422), nothing written, after a key's replay and before a duplicate:
+    the pre-check read asks, and the insert statement itself is guarded (no row back)."""
+    try:
+        return _accept(
+            tenant=tenant,
+            actor=actor,
+            upload=upload,
+            output=output,
+            raw_options=raw_options,
+            idempotency_key=idempotency_key,
+            traceparent=traceparent,
+            raw_metadata=raw_metadata,
+        )
+    except DocumentQuarantined:
+        metrics.QUARANTINE_REFUSALS.inc()
+        raise
+
+
+def _accept(
+    *,
+    tenant: str,
+    actor: str,
+    upload: StagedUpload,
+    output: str,
+    raw_options: Any,
+    idempotency_key: str | None,
+    traceparent: str,
+    raw_metadata: Any,
+) -> Acceptance:
     inline = upload.content is not None
     db = transaction.get_connection()
     # No pre-check read for an inline source on Postgres: its statement settles duplicates.
@@ -196,6 +238,7 @@ def conversion_job_accept(
             output=output,
             digest=digest,
             fingerprint=fingerprint,
+            engine=checked.engine_version,
         )
         existing = None if fold else precheck()
         if existing is not None:
@@ -274,6 +317,7 @@ def conversion_job_accept(
         sha256=upload.sha256,
         output=output,
         digest=digest,
+        engine=checked.engine_version,
         cause=conflict,
     )
 
@@ -289,6 +333,8 @@ class _Checked:
     digest: str
     fingerprint: str
     metadata: dict[str, Any] | None = None
+    #: ``converters.engine_version`` of the sniffed type (the quarantine's key)
+    engine_version: str = ""
 
 
 #: The largest client ``metadata`` object, as compact UTF-8 JSON (docs/API_CONTRACT.md §3).
@@ -339,7 +385,8 @@ def _checked(
     digest = options_digest(options)
     fingerprint = request_fingerprint(source_sha256=upload.sha256, output=output, options=options)
     metadata = checked_metadata(raw_metadata)
-    return _Checked(media_type, options, sealed, digest, fingerprint, metadata)
+    engine = converters.engine_version(media_type)
+    return _Checked(media_type, options, sealed, digest, fingerprint, metadata, engine)
 
 
 def _new_job(
@@ -378,20 +425,31 @@ def _new_job(
         fingerprint=checked.fingerprint,
         details={"media_type": checked.media_type, "size": upload.size, "output": output},
         inline_content=upload.content,
+        engine_version=checked.engine_version,
     )
 
 
 def _precheck_answer(
-    *, tenant: str, key: str | None, sha: str, output: str, digest: str, fingerprint: str
+    *,
+    tenant: str,
+    key: str | None,
+    sha: str,
+    output: str,
+    digest: str,
+    fingerprint: str,
+    engine: str,
 ) -> Acceptance | None:
-    """The answer the pre-check read gives (a replay, a duplicate), or None: insert."""
-    seen = _precheck(tenant=tenant, key=key, sha=sha, output=output, digest=digest)
+    """The answer the pre-check read gives (a replay, a duplicate), or None: insert. Raises
+    DocumentQuarantined for a quarantined document that is not a key's replay."""
+    seen = _precheck(tenant=tenant, key=key, sha=sha, output=output, digest=digest, engine=engine)
     if seen.key_job is not None:
         if seen.key_fingerprint != fingerprint:
             raise IdempotencyKeyReused()
         return Acceptance(
             job=ConversionJob.objects.get(id=seen.key_job), created=False, replayed=True
         )
+    if seen.quarantined:
+        raise DocumentQuarantined()
     if seen.duplicate is not None:
         return _existing_answer(
             tenant=tenant, key=key, fingerprint=fingerprint, job_id=seen.duplicate
@@ -407,15 +465,19 @@ def _identity_conflict_answer(
     sha256: str,
     output: str,
     digest: str,
+    engine: str,
     cause: Exception | None,
 ) -> Acceptance:
-    """The insert met a job with this content identity. With a key, its binding answers first
-    (a replay of its own job, or 422 for another payload: the same answers the pre-check read
-    gives); otherwise the identity's job does, and the key (if any) is bound to it."""
+    """The insert met a job with this content identity, or the document's quarantine. With a
+    key, its binding answers first (a replay of its own job, or 422 for another payload: the
+    same answers the pre-check read gives); then the quarantine (422); otherwise the
+    identity's job does, and the key (if any) is bound to it."""
     if key is not None:
         replay = _replay(tenant=tenant, key=key, fingerprint=fingerprint)
         if replay is not None:
             return replay
+    if document_quarantined(tenant=tenant, source_sha256=sha256, engine_version=engine):
+        raise DocumentQuarantined()
     winner = _identity_match(tenant=tenant, sha256=sha256, output=output, digest=digest)
     if winner is None:  # it left the live/succeeded set meanwhile; the client retries
         raise InvalidRequest("a concurrent identical job changed state; retry") from cause

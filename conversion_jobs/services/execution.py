@@ -9,6 +9,7 @@ themselves live in ``transitions.py``; this module is the worker's vocabulary fo
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 from django.conf import settings
 from django.db.models.functions import Now
@@ -51,9 +52,19 @@ def conversion_job_publish(
     raise ValueError(f"cannot publish as {state}")
 
 
-def conversion_job_fail(*, lease: Lease, code: str, detail: str = "") -> bool:
-    """RUNNING -> FAILED with a terminal code, fenced. False: lost (nothing written)."""
-    return transitions.fail(lease=lease, code=code, detail=detail)
+def conversion_job_fail(
+    *,
+    lease: Lease,
+    code: str,
+    detail: str = "",
+    event_type: str = "failed",
+    details: dict[str, Any] | None = None,
+) -> bool:
+    """RUNNING -> FAILED with a terminal code, fenced (audit ``event_type`` with ``details``,
+    by default ``failed`` with the code). False: lost (nothing written)."""
+    return transitions.fail(
+        lease=lease, code=code, detail=detail, event_type=event_type, details=details
+    )
 
 
 def conversion_job_retry_later(*, lease: Lease, code: str) -> str | None:

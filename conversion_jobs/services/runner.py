@@ -14,14 +14,13 @@ import hashlib
 import logging
 import os
 import shutil
-import socket
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 from django.conf import settings
-from django.db import connections
+from django.db import connections, transaction
 
 from conversion_jobs import converters, storage
 from conversion_jobs.converters import ConversionError, ConversionStopped, Limits
@@ -34,7 +33,7 @@ from conversion_jobs.models import ConversionJob, PageState
 from conversion_jobs.observability import metrics, tracing
 from conversion_jobs.passwords import sealed_passwords_wipe, unseal
 from conversion_jobs.pseudonym import pseudonym
-from conversion_jobs.services import execution
+from conversion_jobs.services import execution, quarantine
 from conversion_jobs.services.checkpoints import (
     INLINE_PREFIX,
     CheckpointBatch,
@@ -58,7 +57,9 @@ CLAIM_DEADLINE_S = 60
 
 
 def worker_identity() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
+    """``<host>:<pid>``; the host is ``QUIRE_WORKER_HOST`` (the machine's name by default),
+    which the quarantine counts hosts by (services/quarantine.py)."""
+    return f"{settings.QUIRE['WORKER_HOST']}:{os.getpid()}"
 
 
 def limits_from_settings() -> Limits:
@@ -206,8 +207,14 @@ def _run(
         )
     except (LeaseLost, ConversionStopped):
         return _stopped(lease=lease)
+    except _QuarantineFailed as ended:
+        return ended.outcome if ended.outcome == "failed" else _stopped(lease=lease)
     except ConversionError as exc:
         code = exc.code
+        if quarantine.is_crash(code):
+            ended_as = db_retry(_crash_noted, lease=lease, job=job, code=code)
+            if ended_as is not None:
+                return ended_as if ended_as == "failed" else _stopped(lease=lease)
         if exc.retryable:
             state = db_retry(execution.conversion_job_retry_later, lease=lease, code=code)
             return str(state) if state else _stopped(lease=lease)
@@ -226,6 +233,49 @@ def _run(
         log.warning("storage error during conversion", exc_info=False)
         state = db_retry(execution.conversion_job_retry_later, lease=lease, code="storage_error")
         return str(state) if state else _stopped(lease=lease)
+
+
+class _QuarantineFailed(Exception):
+    """A page's converter crash quarantined the document: the job is failed (``outcome``
+    "failed") or the fence was lost meanwhile ("lost")."""
+
+    def __init__(self, outcome: str) -> None:
+        super().__init__(outcome)
+        self.outcome = outcome
+
+
+def _crash_noted(*, lease: Lease, job: ConversionJob, code: str) -> str | None:
+    """This attempt's converter crashed (``code``): record it against the document
+    (``quarantine.document_crash_record``, the one decision; at most one crash per attempt)
+    and, when the document is now quarantined, fail the job ``document_quarantined`` in the
+    same transaction, fenced. None: not quarantined (the error takes its usual path);
+    "failed"; or "lost" (the fence was lost: nothing but the crash row is written)."""
+    with transaction.atomic():
+        verdict = quarantine.document_crash_record(
+            tenant=job.tenant,
+            source_sha256=job.source_sha256,
+            engine_version=converters.engine_version(job.source_media_type),
+            job_id=lease.job_id,
+            attempt_id=lease.attempt_id or 0,  # a worker's lease always has one
+            worker=worker_identity(),
+            code=code,
+        )
+        if not verdict.quarantined:
+            return None
+        won = execution.conversion_job_fail(
+            lease=lease,
+            code=quarantine.QUARANTINED,
+            detail=f"the converter crashed on {verdict.crashes} attempts; the document is"
+            " quarantined",
+            event_type="document_quarantined",
+            details={
+                "code": quarantine.QUARANTINED,
+                "crash": code,
+                "crashes": verdict.crashes,
+                "hosts": verdict.hosts,
+            },
+        )
+    return "failed" if won else "lost"
 
 
 def _record_page_count(lease: Lease, unrecorded: dict[str, int]) -> None:
@@ -451,6 +501,11 @@ def _convert_pages(
                     raise
                 if not exhausted:
                     continue
+                if quarantine.is_crash(exc.code):
+                    # A crash that fails only its page still counts against the document.
+                    ended_as = db_retry(_crash_noted, lease=lease, job=job, code=exc.code)
+                    if ended_as is not None:
+                        raise _QuarantineFailed(ended_as) from exc
                 checkpoints[page] = _checkpoint(
                     lease, page=page, state=PageState.FAILED, attempts=tries, error_code=exc.code
                 )

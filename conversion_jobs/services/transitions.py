@@ -24,6 +24,7 @@ one round trip, the hook included). SQLite (the standalone profile, one writer a
 from __future__ import annotations
 
 import functools
+import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -308,6 +309,8 @@ class NewJob:
     details: dict[str, Any]
     #: the source's bytes when it is stored inline (``inline_source``), else None
     inline_content: bytes | None = None
+    #: ``converters.engine_version`` of the source's type: a quarantined document is refused
+    engine_version: str = ""
 
 
 def job_insert_queued(new: NewJob) -> bool:
@@ -319,8 +322,9 @@ def job_insert_queued(new: NewJob) -> bool:
     and the caller answers from the winner — except that an inline job on Postgres that meets
     a job with its content identity writes nothing and returns False (``ON CONFLICT DO
     NOTHING``: the acceptance runs no pre-check read for it, so the conflict is its common
-    duplicate case, answered without an error). True: inserted; registers the fast-path
-    publish for after commit."""
+    duplicate case, answered without an error) - and that any job whose document the tenant
+    has quarantined (``services/quarantine.py``) writes nothing and returns False. True:
+    inserted; registers the fast-path publish for after commit."""
     job = new.job
     first_event = _first_event(new)
     if _postgres():
@@ -379,6 +383,7 @@ def _accept_statement(new: NewJob, first_event: dict[str, Any]) -> tuple[str, di
         fingerprint=new.fingerprint,
         details=canonical_json(new.details),
         genesis=GENESIS,
+        q_engine=new.engine_version,
     )
     inline = new.inline_content is not None
     if inline:
@@ -440,13 +445,20 @@ def _accept_sql(inline: bool) -> str:
     fields = ConversionJob._meta.concrete_fields
     return _ACCEPT_SQL.format(
         columns=", ".join(str(f.column) for f in fields),
-        values=", ".join(f"%(j_{f.column})s" for f in fields),
+        # typed as their columns (without a length: too long is an error, not a truncation):
+        # a SELECT list does not take its parameters' types from the INSERT's columns
+        values=", ".join(
+            f"%(j_{f.column})s::{re.sub(r'[(].*[)]', '', str(f.db_type(connection)))}"
+            for f in fields
+        ),
         conflict=" ON CONFLICT DO NOTHING" if inline else "",
         inline=_ACCEPT_INLINE if inline else "",
     )
 
 
-#: (none) -> queued in one round trip: the job row, then what hangs off it. A unique violation
+#: (none) -> queued in one round trip: the job row, then what hangs off it. A document this
+#: tenant has quarantined under the engine version (services/quarantine.py) inserts nothing and
+#: returns no row (one probe of ``quarantine_key``; the caller tells why). A unique violation
 #: (content identity, idempotency key) aborts the whole statement. The inline form (``{conflict}``
 #: and ``{inline}`` filled in) also writes the source's bytes, and a content-identity conflict
 #: of the job row writes nothing and returns no row: every other part selects from ``job``.
@@ -454,7 +466,13 @@ def _accept_sql(inline: bool) -> str:
 #: committed job holds the identity.) The key's own conflict still aborts the statement.
 _ACCEPT_SQL = """
 WITH job AS (
-    INSERT INTO conversion_job ({columns}) VALUES ({values}){conflict}
+    INSERT INTO conversion_job ({columns})
+    SELECT {values}
+    WHERE NOT EXISTS (
+        SELECT 1 FROM document_quarantine
+        WHERE tenant = %(j_tenant)s AND source_sha256 = %(j_source_sha256)s
+          AND engine_version = %(q_engine)s AND quarantined_at IS NOT NULL
+    ){conflict}
     RETURNING id, traceparent, audit_head
 ){inline}, outbox AS (
     INSERT INTO conversion_outbox (job_id, generation, traceparent, created_at, publish_attempts)

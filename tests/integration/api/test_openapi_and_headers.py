@@ -71,6 +71,7 @@ def test_schema__operation_ids_are_the_published_names(schema):
     }
     assert ids == {
         ("/api/v1/capabilities", "get"): "capabilities",
+        ("/api/v1/erasures", "post"): "erasures_create",
         ("/api/v1/jobs", "get"): "jobs_list",
         ("/api/v1/jobs", "post"): "jobs_submit",
         ("/api/v1/jobs/{job_id}", "get"): "jobs_get",

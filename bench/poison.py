@@ -1,0 +1,250 @@
+"""Poison documents among normal work (issue 24, "Poison"): normal jobs' throughput with two
+crashing documents in the queue against the same run without them, and what the crashing
+documents cost.
+
+    .venv/bin/python bench/poison.py [--n 500] [--resubmissions 50] [--prepare-timeout 5]
+                                     [--office-pages 6000]
+
+One fresh database and throwaway vhost (``bench/_common.py`` ``quire_stack``); the Procfile's
+``beat``, ``sweeper`` and one ``worker`` (``WORKER_CONCURRENCY=2``), production settings but
+``QUIRE_PREPARE_TIMEOUT_S`` (the limit of LibreOffice's conversion, 180 s by default: the
+bench lowers it so that two timeouts fit a run of this length) and
+``QUIRE_ENABLE_TEST_FAULTS=1``.
+
+* phase **clean**: ``--n`` distinct one-page PDF -> text jobs of tenant ``clean``, accepted
+  before the worker starts, run to the end. jobs/s = n / (first attempt start -> last finish).
+* phase **poison**: ``--n`` distinct one-page PDF -> text jobs of tenant ``poisoned`` and, in
+  the middle of the queue, two crashing documents of the same tenant:
+  - a PDF whose converter child kills itself with SIGSEGV on every page (the ``segv`` test
+    fault, ``conversion_jobs/converters/isolation.py``): retried after its first crash, failed
+    ``document_quarantined`` at its second;
+  - a real DOCX (``--office-pages`` pages of text, one page break each, made by
+    ``tests/testdocs.py``) that keeps LibreOffice busy past ``--prepare-timeout``: its job fails
+    ``conversion_timeout`` (a timeout is not retried); the client submits it once more when
+    it has failed, and that second job's timeout quarantines it.
+  Normal jobs/s = n / (first attempt start -> last normal finish).
+* Then ``--resubmissions`` submissions of each crashing document by the same tenant: each must
+  be refused ``document_quarantined``; converter starts are counted from outside, as the rows
+  of ``conversion_attempt`` (a claim is the only way to a converter), before and after.
+
+Printed: crashes per document (``document_crash`` rows, target <= 2), converter starts for
+the resubmissions (target 0) and poison / clean normal jobs/s (target >= 0.9).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common as c
+
+DB_NAME = c.bench_db_name("quire_poison")
+TARGET_RATIO = 0.9
+
+
+def _pdfs(n: int, directory: Path) -> list[Path]:
+    from tests import testdocs
+
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i in range(n):
+        path = directory / f"doc-{i:06d}.pdf"
+        salt = uuid.uuid4().hex
+        testdocs.make_pdf(path, pages=1, text_of=lambda page, salt=salt: f"Page {page} {salt}")
+        paths.append(path)
+    return paths
+
+
+def _scalar(url: str, query: str) -> object:
+    return c.sql_retry(url, query)
+
+
+def _window(url: str, tenant: str, ids: list[str] | None = None) -> tuple[int, float]:
+    """(finished jobs, seconds from the tenant's first attempt start to the last finish of
+    ``ids`` (default: all its jobs))."""
+    only = "" if ids is None else " AND j.id IN (" + ",".join(f"'{i}'" for i in ids) + ")"
+    done = _scalar(
+        url,
+        f"SELECT count(*) FROM conversion_job j WHERE tenant = '{tenant}'"  # noqa: S608
+        f" AND finished_at IS NOT NULL{only}",
+    )
+    span = _scalar(
+        url,
+        "SELECT extract(epoch FROM (SELECT max(finished_at) FROM conversion_job j"  # noqa: S608
+        f" WHERE tenant = '{tenant}'{only}) - (SELECT min(a.started_at) FROM conversion_attempt a"
+        f" JOIN conversion_job j ON j.id = a.job_id WHERE j.tenant = '{tenant}'))",
+    )
+    return int(done), float("nan") if span is None else float(span)  # type: ignore[arg-type]
+
+
+def _wait(url: str, query: str, target: int, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while int(_scalar(url, query)) < target:  # type: ignore[call-overload]
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {what}")
+        time.sleep(0.25)
+
+
+def _state(url: str, job_id: object) -> tuple[str, str]:
+    row = _scalar(
+        url,
+        f"SELECT state || ' ' || coalesce(error_code, '-') FROM conversion_job"  # noqa: S608
+        f" WHERE id = '{job_id}'",
+    )
+    state, code = str(row).split(" ", 1)
+    return state, code
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--n", type=int, default=500)
+    parser.add_argument("--resubmissions", type=int, default=50)
+    parser.add_argument("--prepare-timeout", type=float, default=5.0)
+    parser.add_argument("--office-pages", type=int, default=6000)
+    parser.add_argument("--timeout", type=float, default=900.0)
+    args = parser.parse_args()
+    scratch = Path(tempfile.mkdtemp(prefix="poison-"))
+    print(f"load before: {c.load_average()}")
+    clean_pdfs = _pdfs(args.n, scratch / "clean")
+    poisoned_pdfs = _pdfs(args.n, scratch / "poisoned")
+    from tests import testdocs
+
+    segv_doc = _pdfs(1, scratch / "segv")[0]
+    office_doc = testdocs.make_docx(
+        scratch / "long.docx",
+        paragraphs=[
+            f"Paragraph {i} " + "lorem ipsum dolor " * 40 for i in range(args.office_pages)
+        ],
+        page_break_after_each=True,
+    )
+    env = {
+        "QUIRE_PREPARE_TIMEOUT_S": str(args.prepare_timeout),
+        "QUIRE_ENABLE_TEST_FAULTS": "1",
+    }
+    with c.quire_stack(db_name=DB_NAME, **env) as stack:
+        url = stack.db_url
+        from conversion_jobs.exceptions import DocumentQuarantined
+
+        stack.start("beat")
+        stack.start("sweeper")
+
+        # --- clean -------------------------------------------------------------------------
+        for path in clean_pdfs:
+            c.accept_file(path, tenant="clean")
+        worker = stack.start("worker", WORKER_CONCURRENCY="2")
+        _wait(
+            url,
+            "SELECT count(*) FROM conversion_job WHERE tenant = 'clean'"
+            " AND finished_at IS NOT NULL",
+            args.n,
+            args.timeout,
+            "the clean phase",
+        )
+        clean_done, clean_s = _window(url, "clean")
+        print(f"clean:  {clean_done} jobs in {clean_s:.1f} s", flush=True)
+        worker.stop()  # type: ignore[attr-defined]
+
+        # --- poison ------------------------------------------------------------------------
+        normal: list[str] = []
+        half = args.n // 2
+        for path in poisoned_pdfs[:half]:
+            normal.append(str(c.accept_file(path, tenant="poisoned").id))  # type: ignore[attr-defined]
+        segv_job = c.accept_file(
+            segv_doc, tenant="poisoned", options={"_test_fault": {"kind": "segv"}}
+        )
+        office_job = c.accept_file(office_doc, tenant="poisoned", output="pdf")
+        for path in poisoned_pdfs[half:]:
+            normal.append(str(c.accept_file(path, tenant="poisoned").id))  # type: ignore[attr-defined]
+        worker = stack.start("worker", WORKER_CONCURRENCY="2")
+        office_jobs = [office_job.id]  # type: ignore[attr-defined]
+        deadline = time.monotonic() + args.timeout
+        resubmitted = False
+        while True:
+            office_state = _state(url, office_jobs[-1])
+            if office_state[0] == "failed" and not resubmitted:
+                # the client tries once more (a timeout is not retried by Quire)
+                office_jobs.append(c.accept_file(office_doc, tenant="poisoned", output="pdf").id)  # type: ignore[attr-defined]
+                resubmitted = True
+            normal_done, _ = _window(url, "poisoned", normal)
+            segv_state = _state(url, segv_job.id)  # type: ignore[attr-defined]
+            if (
+                normal_done >= args.n
+                and segv_state[0] == "failed"
+                and resubmitted
+                and _state(url, office_jobs[-1])[0] == "failed"
+            ):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError("timed out in the poison phase")
+            time.sleep(0.25)
+        normal_done, poison_s = _window(url, "poisoned", normal)
+        office_states = [_state(url, job_id) for job_id in office_jobs]
+        most_crashes = int(
+            _scalar(url, "SELECT coalesce(max(crashes), 0) FROM document_quarantine")
+        )  # type: ignore[call-overload]
+
+        # --- resubmissions -----------------------------------------------------------------
+        attempts_before = int(_scalar(url, "SELECT count(*) FROM conversion_attempt"))  # type: ignore[call-overload]
+        refused = 0
+        t0 = time.perf_counter()
+        for _ in range(args.resubmissions):
+            for path, options, output in (
+                (segv_doc, {"_test_fault": {"kind": "segv"}}, "text"),
+                (office_doc, None, "pdf"),
+            ):
+                try:
+                    c.accept_file(path, tenant="poisoned", options=options, output=output)
+                except DocumentQuarantined:
+                    refused += 1
+        resubmit_s = time.perf_counter() - t0
+        time.sleep(2.0)  # anything accepted by mistake would have been claimed by now
+        attempts_after = int(_scalar(url, "SELECT count(*) FROM conversion_attempt"))  # type: ignore[call-overload]
+        crashes = _scalar(
+            url,
+            "SELECT string_agg(engine || ': ' || n || ' document(s), ' || q"
+            " || ' quarantined, crashes max ' || most, ' | ') FROM (SELECT"
+            " split_part(engine_version, ' ', 1) AS engine, count(*) AS n,"
+            " count(quarantined_at) AS q, max(crashes) AS most FROM document_quarantine"
+            " GROUP BY engine) AS by_engine",
+        )
+        segv_attempts = _scalar(
+            url,
+            f"SELECT attempts FROM conversion_job WHERE id = '{segv_job.id}'",  # type: ignore[attr-defined]  # noqa: S608
+        )
+        worker.stop()  # type: ignore[attr-defined]
+
+    clean_rate = clean_done / clean_s
+    poison_rate = normal_done / poison_s
+    ratio = poison_rate / clean_rate
+    print(f"load after: {c.load_average()}")
+    print(f"clean:  {clean_done} jobs in {clean_s:.1f} s = {clean_rate:.1f} jobs/s")
+    print(f"poison: {normal_done} normal jobs in {poison_s:.1f} s = {poison_rate:.1f} jobs/s")
+    print(f"segv job: {_fmt(segv_state)}, attempts {segv_attempts}")
+    print(f"office jobs: {', '.join(_fmt(s) for s in office_states)}")
+    print(f"quarantine rows: {crashes}")
+    print(
+        f"most crashes before quarantine: {most_crashes} (target <= 2)"
+        f" {c.verdict(most_crashes <= 2)}"
+    )
+    print(
+        f"resubmissions: {refused} / {2 * args.resubmissions} refused document_quarantined in"
+        f" {resubmit_s:.2f} s; converter starts (new conversion_attempt rows):"
+        f" {attempts_after - attempts_before} (target 0) "
+        f"{c.verdict(attempts_after == attempts_before and refused == 2 * args.resubmissions)}"
+    )
+    print(c.ratio_line("normal jobs/s poison / clean", ratio, TARGET_RATIO))
+    return 0
+
+
+def _fmt(state: tuple[str, str]) -> str:
+    return f"{state[0]} ({state[1]})"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+from tests.integration.execution.jobkit import fast_quire  # noqa: F401
