@@ -46,6 +46,13 @@ def recover_expired_leases() -> int:
     return _sweep("recover_expired_leases", recovery.conversion_jobs_recover_if_lease_expired)
 
 
+@shared_task(name="tasks.sweeps.recover_expired_ranges", ignore_result=True)
+def recover_expired_ranges() -> int:
+    from conversion_jobs.services.fanout import job_ranges_recover_if_lease_expired
+
+    return _sweep("recover_expired_ranges", job_ranges_recover_if_lease_expired)
+
+
 @shared_task(name="tasks.sweeps.repair_leaseless_jobs", ignore_result=True)
 def repair_leaseless_jobs() -> int:
     return _sweep("repair_leaseless_jobs", recovery.conversion_jobs_repair_if_leaseless)
@@ -58,8 +65,10 @@ def remove_stale_work_dirs() -> int:
 
 def _remove_stale_work_dirs() -> int:
     from conversion_jobs.passwords import sealed_passwords_wipe
+    from conversion_jobs.services.fanout import source_cache_remove_stale
 
     sealed_passwords_wipe()  # a terminal job's document password goes with its leftovers
+    source_cache_remove_stale()  # range sources cached for jobs that ended (ADR 0023)
     return recovery.work_dirs_remove_stale()
 
 

@@ -33,15 +33,27 @@ TASK_NAME = "tasks.conversion.run_conversion"
 FAST_PATH_GRACE = timedelta(seconds=2)
 
 
-def publish_conversion(*, job_id: uuid.UUID, generation: int, traceparent: str) -> None:
-    """One persistent message on ``conversion.v1``, confirmed by the broker or an exception."""
+@dataclass(frozen=True)
+class RangeRef:
+    """A page range's message (ADR 0023): its first page and its generation."""
+
+    first: int
+    generation: int
+
+
+def publish_conversion(
+    *, job_id: uuid.UUID, generation: int, traceparent: str, page_range: RangeRef | None = None
+) -> None:
+    """One persistent message on ``conversion.v1``, confirmed by the broker or an exception.
+    ``page_range``: the message of one page range of the job (its args add the range's first
+    page and generation)."""
     from project.celery import app
 
     headers = {"traceparent": traceparent} if traceparent else {}
     with tracing.span_from_traceparent(
         "outbox.publish", traceparent, **{"quire.generation": generation}
     ):
-        _send(app, job_id=job_id, generation=generation, headers=headers)
+        _send(app, job_id=job_id, generation=generation, headers=headers, page_range=page_range)
 
 
 _ORIGIN = f"gen{os.getpid()}@{socket.gethostname()}"
@@ -95,10 +107,20 @@ def conversion_message(*, job_id: uuid.UUID, generation: int, traceparent: str) 
     )
 
 
-def _send(app: Any, *, job_id: uuid.UUID, generation: int, headers: dict[str, str]) -> None:
+def _send(
+    app: Any,
+    *,
+    job_id: uuid.UUID,
+    generation: int,
+    headers: dict[str, str],
+    page_range: RangeRef | None = None,
+) -> None:
+    args: list[Any] = [str(job_id), generation]
+    if page_range is not None:
+        args += [page_range.first, page_range.generation]
     app.send_task(
         TASK_NAME,
-        args=[str(job_id), generation],
+        args=args,
         queue=settings.CONVERSION_QUEUE,
         # Explicit: for a direct exchange Celery otherwise falls back to the default exchange,
         # where the least-privilege publisher may not write.
@@ -127,21 +149,31 @@ def _error_code(exc: BaseException) -> str:
 
 
 def outbox_publish_after_commit(
-    *, outbox_id: int, job_id: uuid.UUID, generation: int, traceparent: str
+    *,
+    outbox_id: int,
+    job_id: uuid.UUID,
+    generation: int,
+    traceparent: str,
+    page_range: RangeRef | None = None,
 ) -> None:
     """Register the fast path: publish right after the surrounding transaction commits. In a
     web process the row is handed to the background publisher (``services/publisher.py``),
-    elsewhere it is published inline."""
+    elsewhere it is published inline (a page range's row is always made by a worker or a
+    sweep: inline)."""
     from conversion_jobs.services import publisher
 
-    background = publisher.current()
+    background = publisher.current() if page_range is None else None
     if background is not None:
         item = publisher.Pending(outbox_id, job_id, generation, traceparent)
         transaction.on_commit(lambda: background.submit(item))
         return
     transaction.on_commit(
         lambda: outbox_publish_fast(
-            outbox_id=outbox_id, job_id=job_id, generation=generation, traceparent=traceparent
+            outbox_id=outbox_id,
+            job_id=job_id,
+            generation=generation,
+            traceparent=traceparent,
+            page_range=page_range,
         )
     )
 
@@ -168,13 +200,20 @@ _MARK_PUBLISHED_SQL = (
 
 
 def outbox_publish_fast(
-    *, outbox_id: int, job_id: uuid.UUID, generation: int, traceparent: str
+    *,
+    outbox_id: int,
+    job_id: uuid.UUID,
+    generation: int,
+    traceparent: str,
+    page_range: RangeRef | None = None,
 ) -> bool:
     """Publish one freshly committed row. Never raises: a failure leaves the row unpublished
     for the sweeper, so the request that committed it is never failed or delayed past the
     confirm timeout."""
     try:
-        publish_conversion(job_id=job_id, generation=generation, traceparent=traceparent)
+        publish_conversion(
+            job_id=job_id, generation=generation, traceparent=traceparent, page_range=page_range
+        )
     except Exception as exc:
         code = _error_code(exc)
         log.warning(
@@ -216,12 +255,24 @@ def outbox_rows_publish_unpublished(*, batch: int | None = None) -> SweepResult:
             ConversionOutbox.objects.select_for_update(skip_locked=True)
             .filter(published_at__isnull=True, created_at__lt=timezone.now() - FAST_PATH_GRACE)
             .order_by("id")
-            .values_list("id", "job_id", "generation", "traceparent")[:batch]
+            .values_list(
+                "id", "job_id", "generation", "traceparent", "range_first", "range_generation"
+            )[:batch]
         )
         done: list[int] = []
-        for outbox_id, job_id, generation, traceparent in rows:
+        for outbox_id, job_id, generation, traceparent, range_first, range_generation in rows:
+            page_range = (
+                RangeRef(range_first, range_generation)
+                if range_first is not None and range_generation is not None
+                else None
+            )
             try:
-                publish_conversion(job_id=job_id, generation=generation, traceparent=traceparent)
+                publish_conversion(
+                    job_id=job_id,
+                    generation=generation,
+                    traceparent=traceparent,
+                    page_range=page_range,
+                )
             except Exception as exc:
                 code = _error_code(exc)
                 ConversionOutbox.objects.filter(id=outbox_id).update(
