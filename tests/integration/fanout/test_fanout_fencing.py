@@ -3,7 +3,9 @@ own database connections racing through a barrier, real converter children, real
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -12,6 +14,7 @@ import pytest
 from django.db import connection
 from django.utils import timezone
 
+from conversion_jobs.converters import process_group_members
 from conversion_jobs.models import (
     ConversionJob,
     ConversionOutbox,
@@ -24,7 +27,7 @@ from conversion_jobs.services import fanout
 from conversion_jobs.services.checkpoints import page_checkpoint_done, page_checkpoints_record
 from conversion_jobs.services.leases import LeaseLost
 from tests import testdocs
-from tests.integration.execution.jobkit import execute, submit, unique_text
+from tests.integration.execution.jobkit import converter_children, execute, submit, unique_text
 from tests.integration.fanout.rangekit import RangeWorker, ranges_of, refused, run_range
 from tests.polling import wait_for
 
@@ -246,3 +249,46 @@ def test_range_lost_max_attempts_times__job_fails_attempts_exhausted(tmp_path):
     assert not WorkerLease.objects.filter(job=job).exists()
     # every other range is fenced out: its claim loses
     assert _claim(job, ranges_of(job.id)[0]) is None
+
+
+def _cancel(api: Any, job_id: Any) -> Any:
+    return api(scopes=("jobs:read", "jobs:cancel")).post(f"/api/v1/jobs/{job_id}/cancel")
+
+
+def test_cancel__every_range_stops_and_no_converter_is_left(tmp_path, api, settings):
+    """Two ranges running in two workers, two queued: a cancel stops both workers within the
+    heartbeat bound, kills their converters, cancels the queued ranges; the last range to stop
+    ends the job CANCELLED."""
+    job = _planned(tmp_path, fault={"kind": "slow", "seconds": 1.0})
+    rows = ranges_of(job.id)
+    workers = [RangeWorker(job, row) for row in rows[:2]]
+    for worker in workers:
+        worker.start()
+    wait_for(lambda: PageCheckpoint.objects.filter(job_id=job.id).count() >= 2, timeout=30)
+    children = wait_for(lambda: converter_children(job.id))
+    pgids = {os.getpgid(pid) for pid in children}
+    started = time.monotonic()
+    response = _cancel(api, job.id)
+    assert (response.status_code, response.json()["state"]) == (202, "cancelling")
+    wait_for(
+        lambda: ConversionJob.objects.get(id=job.id).state == "cancelled", timeout=10, interval=0.01
+    )
+    latency = time.monotonic() - started
+    assert sorted(w.result() or "" for w in workers) == ["cancelled", "cancelled"]
+    assert latency < settings.QUIRE["HEARTBEAT_S"] + 1.5, latency
+    assert all(process_group_members(pgid) == [] for pgid in pgids)
+    assert converter_children(job.id) == []
+    assert {r.state for r in ranges_of(job.id)} == {"cancelled"}
+    assert not WorkerLease.objects.filter(job_id=job.id).exists()
+    # a queued range's message, delivered now, is a duplicate
+    assert run_range(job, rows[3]) == "duplicate"
+
+
+def test_cancel__no_range_running__the_sweep_ends_the_job(tmp_path, api):
+    job = _planned(tmp_path)
+    response = _cancel(api, job.id)
+    assert (response.status_code, response.json()["state"]) == (202, "cancelling")
+    assert fanout.job_ranges_recover_if_lease_expired() == 1
+    job.refresh_from_db()
+    assert job.state == "cancelled"
+    assert {r.state for r in ranges_of(job.id)} == {"cancelled"}
