@@ -18,7 +18,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import F
+from django.db.models import F, Q
 from django.db.models.functions import Now
 from django.utils import timezone
 
@@ -253,7 +253,12 @@ def outbox_rows_publish_unpublished(*, batch: int | None = None) -> SweepResult:
     with transaction.atomic():
         rows = list(
             ConversionOutbox.objects.select_for_update(skip_locked=True)
-            .filter(published_at__isnull=True, created_at__lt=timezone.now() - FAST_PATH_GRACE)
+            .filter(published_at__isnull=True)
+            # A page range's row has no fast path when a worker wrote it (a worker may not
+            # publish: deploy/rabbitmq/README.md), so the sweep takes it at once (ADR 0023).
+            .filter(
+                Q(created_at__lt=timezone.now() - FAST_PATH_GRACE) | Q(range_first__isnull=False)
+            )
             .order_by("id")
             .values_list(
                 "id", "job_id", "generation", "traceparent", "range_first", "range_generation"

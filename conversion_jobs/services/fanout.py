@@ -163,9 +163,9 @@ def ranges_plan(
     todo: int,
 ) -> bool:
     """Fenced on the job lease, one transaction: an earlier generation's ranges go, one range
-    row (``queued``, generation 1) and one outbox row per span (published after commit, in page
-    order), the job lease stops expiring, the audit event ``fanned_out``. False: the job is no
-    longer running under ``lease`` (nothing written)."""
+    row (``queued``, generation 1) and one outbox row per span, the job lease stops expiring,
+    the audit event ``fanned_out``. False: the job is no longer running under ``lease``
+    (nothing written)."""
     with transaction.atomic():
         if not job_row_lock(lease):
             metrics.FENCED_WRITES_REFUSED.labels(statement="job_pages").inc()
@@ -183,7 +183,10 @@ def ranges_plan(
                 for first, last in spans
             ]
         )
-        rows = ConversionOutbox.objects.bulk_create(
+        # No fast path: a worker may not publish (least privilege, deploy/rabbitmq/README.md);
+        # the outbox sweep (or the fair relay) publishes range rows at its next tick, in id
+        # order, which is page order.
+        ConversionOutbox.objects.bulk_create(
             [
                 ConversionOutbox(
                     job_id=lease.job_id,
@@ -195,14 +198,6 @@ def ranges_plan(
                 for first, _last in spans
             ]
         )
-        for row in rows:
-            outbox_publish_after_commit(
-                outbox_id=row.id,
-                job_id=lease.job_id,
-                generation=lease.generation,
-                traceparent=job.traceparent,
-                page_range=RangeRef(row.range_first or 0, 1),
-            )
         WorkerLease.objects.filter(job_id=lease.job_id, token=lease.token).update(
             expires_at=FANNED_OUT_UNTIL
         )
