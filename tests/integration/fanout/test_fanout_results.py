@@ -134,3 +134,31 @@ def test_fanout__few_pages_left__no_fanout(tmp_path):
     job = submit(source, tenant="tenant-fan", output="text")
     assert execute(job) == "succeeded"
     assert not JobRange.objects.filter(job=job).exists()
+
+
+def test_fanout__source_fetched_once_per_job_and_host(tmp_path, monkeypatch):
+    """Four ranges on this host: the stored source is downloaded once, into the host's cache;
+    each range's copy is a hard link to it."""
+    from conversion_jobs import storage
+    from conversion_jobs.services import fanout
+
+    fetched: list[str] = []
+    download = storage.download
+
+    def counted(key, dest):
+        fetched.append(key)
+        download(key, dest)
+
+    source = testdocs.make_pdf(tmp_path / "o.pdf", pages=12, text_of=unique_text("once"))
+    job = submit(source, tenant="tenant-fan", output="text")
+    assert execute(job) == "fanned_out"
+    monkeypatch.setattr(storage, "download", counted)
+    assert run_ranges(job)[-1] == "succeeded"
+    assert fetched == [job.source_key]
+    cached = (
+        Path(settings.QUIRE["WORK_DIR"]) / fanout.SOURCE_CACHE / f"{job.id}-{job.source_sha256}"
+    )
+    assert cached.read_bytes() == source.read_bytes()
+    # gone once the job is no longer running and the entry is old enough
+    assert fanout.source_cache_remove_stale(older_than_s=-1) >= 1
+    assert not cached.exists()
