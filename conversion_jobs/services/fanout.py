@@ -680,10 +680,13 @@ def job_ranges_recover_if_lease_expired(*, batch: int | None = None) -> int:
         if result is not None:
             metrics.RANGE_RECOVERIES.labels(result=result).inc()
             done += 1
+    # fanned out in its current generation (an unsplit attempt after a fanned-out generation
+    # ends its own cancel), no range of it running
+    current = JobRange.objects.filter(job_id=OuterRef("id"), job_generation=OuterRef("generation"))
     idle = list(
         ConversionJob.objects.filter(state=State.CANCELLING)
-        .filter(Exists(JobRange.objects.filter(job_id=OuterRef("id"))))
-        .exclude(Exists(JobRange.objects.filter(job_id=OuterRef("id"), state=RangeState.RUNNING)))
+        .filter(Exists(current))
+        .exclude(Exists(current.filter(state=RangeState.RUNNING)))
         .values_list("id", flat=True)[:batch]
     )
     for job_id in idle:
