@@ -292,3 +292,22 @@ def test_cancel__no_range_running__the_sweep_ends_the_job(tmp_path, api):
     job.refresh_from_db()
     assert job.state == "cancelled"
     assert {r.state for r in ranges_of(job.id)} == {"cancelled"}
+
+
+def test_cancel__an_unsplit_attempt_after_a_fanned_out_generation__is_left_to_its_worker(
+    tmp_path,
+):
+    """Ranges of an earlier generation do not make the range sweep end the cancel of a later,
+    unsplit attempt: that attempt's own worker stops its converter and ends it."""
+    import uuid
+
+    job = _planned(tmp_path)
+    token = uuid.uuid4()
+    ConversionJob.objects.filter(id=job.id).update(
+        generation=2, lease_token=token, state="cancelling"
+    )
+    WorkerLease.objects.filter(job_id=job.id).update(
+        generation=2, token=token, expires_at=timezone.now() + timedelta(minutes=1)
+    )
+    assert fanout.job_ranges_recover_if_lease_expired() == 0
+    assert ConversionJob.objects.get(id=job.id).state == "cancelling"
