@@ -53,7 +53,10 @@ def publish_conversion(
     with tracing.span_from_traceparent(
         "outbox.publish", traceparent, **{"quire.generation": generation}
     ):
-        _send(app, job_id=job_id, generation=generation, headers=headers, page_range=page_range)
+        if page_range is None:
+            _send(app, job_id=job_id, generation=generation, headers=headers)
+        else:
+            _send(app, job_id=job_id, generation=generation, headers=headers, page_range=page_range)
 
 
 _ORIGIN = f"gen{os.getpid()}@{socket.gethostname()}"
