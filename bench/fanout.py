@@ -107,17 +107,19 @@ class _Others:
     def __enter__(self) -> _Others:
         self.load_before = load_average()
         self.busy0, self.total0 = machine_cpu()
+        self.t0 = time.monotonic()
         self.own0 = _own_cpu()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.wall = time.monotonic() - self.t0
         busy, total = machine_cpu()
         self.machine_busy = (busy - self.busy0) / max(1.0, total - self.total0)
         self.load_after = load_average()
 
     def line(self) -> str:
         return (
-            f"machine busy {self.machine_busy:.0%} of {os.cpu_count()} cores during the part; "
+            f"machine busy {self.machine_busy:.0%} of {os.cpu_count()} cores; "
             f"load {self.load_before} -> {self.load_after}"
         )
 
@@ -144,8 +146,10 @@ def part_speed(stack: Any, args: argparse.Namespace, scratch: Path) -> dict[str,
         )
         _wait_end(warm.id)
         for output, options in cases:
+            cpu0 = _common.tree_cpu_s(worker.pid)
             with _Others() as others:
                 job = _wait_end(_accept(pdf, tenant=f"t-{mode}", output=output, options=options).id)
+            cpu = _common.tree_cpu_s(worker.pid) - cpu0
             if job.state != "succeeded":
                 raise RuntimeError(f"{output} fan-out {mode}: {job.state} {job.error_code}")
             seconds = (job.finished_at - job.created_at).total_seconds()
@@ -156,7 +160,8 @@ def part_speed(stack: Any, args: argparse.Namespace, scratch: Path) -> dict[str,
             ranges = JobRange.objects.filter(job_id=job.id).count()
             print(
                 f"  {output:4} fan-out {mode:3}: {seconds:7.2f} s  "
-                f"({args.pages / seconds:6.1f} pages/s, {ranges} ranges)  [{others.line()}]"
+                f"({args.pages / seconds:6.1f} pages/s, {ranges} ranges; the worker's processes "
+                f"used {cpu:.1f} CPU s = {cpu / others.wall:.2f} cores)  [{others.line()}]"
             )
         worker.stop()  # type: ignore[attr-defined]
     for output, _options in cases:
