@@ -56,6 +56,13 @@ def _default_sweeps() -> list[Sweep]:
             "A dead or frozen worker's job runs again within lease TTL + one interval (§7.6).",
         ),
         Sweep(
+            "quire: recover expired ranges",
+            "tasks.sweeps.recover_expired_ranges",
+            tick,
+            "A dead or frozen worker's page range runs again, alone, within lease TTL + one "
+            "interval; a cancelled fanned-out job with no running range ends (ADR 0023).",
+        ),
+        Sweep(
             "quire: requeue due retries",
             "tasks.sweeps.requeue_due_retries",
             tick,

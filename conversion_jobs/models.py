@@ -9,7 +9,7 @@ from __future__ import annotations
 import uuid
 
 from django.db import models
-from django.db.models import Q
+from django.db.models import F, Q
 from django.db.models.functions import Now
 
 from conversion_jobs.states import LEASED_STATES, LIVE_STATES, TERMINAL_STATES, State
@@ -191,6 +191,10 @@ class ConversionOutbox(models.Model):
     published_at = models.DateTimeField(null=True, blank=True)
     publish_attempts = models.PositiveIntegerField(default=0)
     last_error_code = models.CharField(max_length=64, null=True, blank=True)
+    #: A page range's message (``job_range``, ADR 0023): the range's first page and its
+    #: generation; both null for the job's own message.
+    range_first = models.PositiveIntegerField(null=True, blank=True)
+    range_generation = models.PositiveIntegerField(null=True, blank=True)
 
     class Meta:
         db_table = "conversion_outbox"
@@ -315,6 +319,65 @@ class PageCheckpoint(models.Model):
 
     def __str__(self) -> str:
         return f"page {self.page_number} of job {self.job_id} ({self.state})"
+
+
+class RangeState(models.TextChoices):
+    #: Waiting for a worker; a message for its generation is (or will be) in the queue.
+    QUEUED = "queued"
+    #: Claimed by a worker that holds the range's lease (``lease_token``, ``expires_at``).
+    RUNNING = "running"
+    #: Every page of the range is checkpointed (done or failed).
+    DONE = "done"
+    #: The job was cancelled, or left the fanned-out run this range belonged to.
+    CANCELLED = "cancelled"
+
+
+class JobRange(models.Model):
+    """A page range of a fanned-out job (ADR 0023): a fenced unit of work with its own lease and
+    generation, claimed by any worker. Its pages' checkpoints stay the job's (``page_checkpoint``,
+    absolute page numbers). ``job_generation`` is the job generation that planned it: every write
+    of the range is fenced on the job's generation and lease token too."""
+
+    id = models.BigAutoField(primary_key=True)
+    job = models.ForeignKey(ConversionJob, on_delete=models.CASCADE, related_name="ranges")
+    job_generation = models.PositiveIntegerField()
+    first_page = models.PositiveIntegerField()
+    last_page = models.PositiveIntegerField()
+    state = models.CharField(max_length=10, choices=RangeState.choices, default=RangeState.QUEUED)
+    generation = models.PositiveIntegerField(default=1)
+    lease_token = models.UUIDField(null=True, blank=True)
+    expires_at = models.DateTimeField(null=True, blank=True)
+    attempts = models.PositiveIntegerField(default=0)
+    worker = models.CharField(max_length=128, blank=True, default="")
+    #: the document the range's pages are taken from when it is not the job's source (the PDF
+    #: an Office document was converted to once, by the planner): a ``pages/<job>/00000`` key
+    document_key = models.CharField(max_length=160, null=True, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        db_table = "job_range"
+        constraints = [
+            models.UniqueConstraint(name="range_unique_per_job", fields=["job", "first_page"]),
+            models.CheckConstraint(
+                name="range_pages_ordered",
+                condition=Q(first_page__gte=1, last_page__gte=F("first_page")),
+            ),
+            models.CheckConstraint(
+                name="range_running_leased",
+                condition=~Q(state="running")
+                | Q(lease_token__isnull=False, expires_at__isnull=False),
+            ),
+        ]
+        indexes = [
+            models.Index(
+                name="range_running_expires",
+                fields=["expires_at"],
+                condition=Q(state="running"),
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"range {self.first_page}-{self.last_page} of job {self.job_id} ({self.state})"
 
 
 class InlineSource(models.Model):

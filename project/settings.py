@@ -333,12 +333,24 @@ QUIRE: dict[str, Any] = {
     # defaults there). Office containers are checked against these before LibreOffice reads
     # them (converters/containers.py, docs/THREAT_MODEL.md).
     "CONVERTER_LIMITS": {
+        # pages (or image frames) a document may have (ADR 0023: long documents fan out)
+        "max_pages": env_int("QUIRE_MAX_PAGES", 20_000),
         "max_inflated_bytes": env_int("QUIRE_MAX_INFLATED_BYTES", 256 * 1024 * 1024),
         "max_inflate_ratio": env_int("QUIRE_MAX_INFLATE_RATIO", 100),
         "inflate_ratio_min_bytes": env_int("QUIRE_INFLATE_RATIO_MIN_BYTES", 10 * 1024 * 1024),
         # one child call of a document's preparation (LibreOffice's conversion to PDF)
         "prepare_timeout_s": env_float("QUIRE_PREPARE_TIMEOUT_S", 180.0),
     },
+    # Fan-out (ADR 0023, docs/ARCHITECTURE.md "Page ranges"): a job with more pages to convert
+    # than FANOUT_MIN_PAGES is split into page ranges, each a fenced unit of work any worker
+    # claims; a range has ceil(pages / (4 x FANOUT_SLOTS)) pages, bounded to
+    # [FANOUT_RANGE_MIN_PAGES, FANOUT_RANGE_MAX_PAGES]. FANOUT_SLOTS: the conversion slots
+    # (worker processes x concurrency) the ranges are sized for.
+    "FANOUT": env_bool("QUIRE_FANOUT", True),
+    "FANOUT_MIN_PAGES": env_int("QUIRE_FANOUT_MIN_PAGES", 64),
+    "FANOUT_RANGE_MIN_PAGES": env_int("QUIRE_FANOUT_RANGE_MIN_PAGES", 32),
+    "FANOUT_RANGE_MAX_PAGES": env_int("QUIRE_FANOUT_RANGE_MAX_PAGES", 256),
+    "FANOUT_SLOTS": env_int("QUIRE_FANOUT_SLOTS", 2),
     # Text pages up to this size live in their checkpoint row (written with the batch, no file,
     # no fsync of their own); 0 turns it off.
     "INLINE_PAGE_MAX_BYTES": env_int("QUIRE_INLINE_PAGE_MAX_BYTES", 65536),

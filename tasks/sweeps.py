@@ -12,6 +12,10 @@ from beat_schedules.schedule import sweep_interval
 from conversion_jobs.passwords import sealed_passwords_wipe
 from conversion_jobs.services import dispatch, recovery, sweep_health
 from conversion_jobs.services.artifacts import artifacts_remove_orphans
+from conversion_jobs.services.fanout import (
+    job_ranges_recover_if_lease_expired,
+    source_cache_remove_stale,
+)
 from conversion_jobs.services.retention import retention_apply
 
 log = logging.getLogger("quire.sweeps")
@@ -48,6 +52,11 @@ def recover_expired_leases() -> int:
     return _sweep("recover_expired_leases", recovery.conversion_jobs_recover_if_lease_expired)
 
 
+@shared_task(name="tasks.sweeps.recover_expired_ranges", ignore_result=True)
+def recover_expired_ranges() -> int:
+    return _sweep("recover_expired_ranges", job_ranges_recover_if_lease_expired)
+
+
 @shared_task(name="tasks.sweeps.repair_leaseless_jobs", ignore_result=True)
 def repair_leaseless_jobs() -> int:
     return _sweep("repair_leaseless_jobs", recovery.conversion_jobs_repair_if_leaseless)
@@ -60,6 +69,7 @@ def remove_stale_work_dirs() -> int:
 
 def _remove_stale_work_dirs() -> int:
     sealed_passwords_wipe()  # a terminal job's document password goes with its leftovers
+    source_cache_remove_stale()  # range sources cached for jobs that ended (ADR 0023)
     return recovery.work_dirs_remove_stale()
 
 

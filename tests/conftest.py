@@ -203,15 +203,19 @@ def make_job() -> Callable[..., Any]:
 
 
 @pytest.fixture
-def no_broker_publish(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[str, int]]]:
+def no_broker_publish(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[Any, ...]]]:
     """Record fast-path publishes instead of sending them (integration tests of the web side
     that must not leave messages in a broker no worker drains)."""
-    sent: list[tuple[str, int]] = []
+    sent: list[tuple[Any, ...]] = []
     from conversion_jobs.services import broker
 
     monkeypatch.setattr(
         broker,
         "publish_conversion",
-        lambda *, job_id, generation, traceparent: sent.append((str(job_id), generation)),
+        lambda *, job_id, generation, traceparent, page_range=None: sent.append(
+            (str(job_id), generation)
+            if page_range is None
+            else (str(job_id), generation, page_range.first, page_range.generation)
+        ),
     )
     yield sent

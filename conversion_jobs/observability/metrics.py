@@ -35,6 +35,18 @@ RETRY_DELAY = Histogram(
     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 300, 600),
 )
 RECOVERIES = Counter("quire_recoveries", "Jobs recovered from an expired lease", ["result"])
+#: Fenced writes that matched no row (ADR 0023): a stale range, generation or finalizer tried
+#: to write and wrote nothing. Counted from the fenced statements' row counts.
+FENCED_WRITES_REFUSED = Counter(
+    "quire_fenced_writes_refused",
+    "Fenced writes that matched no row and wrote nothing",
+    ["statement"],
+)
+#: Page ranges of fanned-out jobs (ADR 0023): planned, and recovered from an expired lease.
+RANGES_PLANNED = Counter("quire_ranges_planned", "Page ranges planned by fanned-out jobs")
+RANGE_RECOVERIES = Counter(
+    "quire_range_recoveries", "Page ranges recovered from an expired lease", ["result"]
+)
 #: Should stay 0: a leased-state job with no lease row and no open attempt (docs/OPERABILITY.md).
 REPAIRS = Counter(
     "quire_jobs_repaired", "Leased-state jobs found with no lease and repaired", ["result"]
@@ -123,6 +135,11 @@ KNOWN_SERIES: dict[Counter | Histogram, list[dict[str, str]]] = {
         for o in ("succeeded", "retryable_error", "terminal_error", "lease_lost", "cancelled")
     ],
     RECOVERIES: [{"result": r} for r in ("requeued", "exhausted", "cancelled")],
+    FENCED_WRITES_REFUSED: [
+        {"statement": s}
+        for s in ("job_pages", "job_publish", "range_pages", "range_done", "range_heartbeat")
+    ],
+    RANGE_RECOVERIES: [{"result": r} for r in ("requeued", "exhausted", "cancelled", "stale")],
     REPAIRS: [{"result": r} for r in ("requeued", "exhausted", "cancelled")],
     CANCELLATIONS: [
         {"outcome": o}

@@ -23,7 +23,7 @@ from django.conf import settings
 from django.db import connection, transaction
 
 from conversion_jobs import storage
-from conversion_jobs.models import ConversionJob, PageCheckpoint
+from conversion_jobs.models import ConversionJob, JobRange, PageCheckpoint
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +109,12 @@ def _remove_unnamed(
     if prefix == "pages":
         named = set(
             PageCheckpoint.objects.filter(job_id__in=by_job).values_list("artifact_key", flat=True)
+        )
+        # the PDF an Office document was converted to once, split by its page ranges (ADR 0023)
+        named |= set(
+            JobRange.objects.filter(job_id__in=by_job, document_key__isnull=False).values_list(
+                "document_key", flat=True
+            )
         )
     else:
         named = set(

@@ -13,6 +13,7 @@ import json
 import os
 import socket
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import amqp
@@ -40,13 +41,34 @@ def celery_app() -> Celery:
 TASK_NAME = "tasks.conversion.run_conversion"
 
 
-def publish_conversion(*, job_id: uuid.UUID, generation: int, traceparent: str) -> None:
-    """One persistent message on ``conversion.v1``, confirmed by the broker or an exception."""
+@dataclass(frozen=True)
+class RangeRef:
+    """A page range's message (ADR 0023): its first page and its generation."""
+
+    first: int
+    generation: int
+
+
+def publish_conversion(
+    *, job_id: uuid.UUID, generation: int, traceparent: str, page_range: RangeRef | None = None
+) -> None:
+    """One persistent message on ``conversion.v1``, confirmed by the broker or an exception.
+    ``page_range``: the message of one page range of the job (its args add the range's first
+    page and generation)."""
     headers = {"traceparent": traceparent} if traceparent else {}
     with tracing.span_from_traceparent(
         "outbox.publish", traceparent, **{"quire.generation": generation}
     ):
-        _send(celery_app(), job_id=job_id, generation=generation, headers=headers)
+        if page_range is None:
+            _send(celery_app(), job_id=job_id, generation=generation, headers=headers)
+        else:
+            _send(
+                celery_app(),
+                job_id=job_id,
+                generation=generation,
+                headers=headers,
+                page_range=page_range,
+            )
 
 
 _ORIGIN = f"gen{os.getpid()}@{socket.gethostname()}"
@@ -98,10 +120,20 @@ def conversion_message(*, job_id: uuid.UUID, generation: int, traceparent: str) 
     )
 
 
-def _send(app: Any, *, job_id: uuid.UUID, generation: int, headers: dict[str, str]) -> None:
+def _send(
+    app: Any,
+    *,
+    job_id: uuid.UUID,
+    generation: int,
+    headers: dict[str, str],
+    page_range: RangeRef | None = None,
+) -> None:
+    args: list[Any] = [str(job_id), generation]
+    if page_range is not None:
+        args += [page_range.first, page_range.generation]
     app.send_task(
         TASK_NAME,
-        args=[str(job_id), generation],
+        args=args,
         queue=settings.CONVERSION_QUEUE,
         # Explicit: for a direct exchange Celery otherwise falls back to the default exchange,
         # where the least-privilege publisher may not write.

@@ -14,13 +14,14 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import F
+from django.db.models import F, Q
 from django.db.models.functions import Now
 from django.utils import timezone
 
 from conversion_jobs.models import ConversionJob, ConversionOutbox
 from conversion_jobs.observability import metrics
 from conversion_jobs.services import broker, publisher
+from conversion_jobs.services.broker import RangeRef
 from conversion_jobs.states import State
 
 log = logging.getLogger(__name__)
@@ -30,19 +31,29 @@ FAST_PATH_GRACE = timedelta(seconds=2)
 
 
 def outbox_publish_after_commit(
-    *, outbox_id: int, job_id: uuid.UUID, generation: int, traceparent: str
+    *,
+    outbox_id: int,
+    job_id: uuid.UUID,
+    generation: int,
+    traceparent: str,
+    page_range: RangeRef | None = None,
 ) -> None:
     """Register the fast path: publish right after the surrounding transaction commits. In a
     web process the row is handed to the background publisher (``services/publisher.py``),
-    elsewhere it is published inline."""
-    background = publisher.current()
+    elsewhere it is published inline (a page range's row is always made by a worker or a
+    sweep: inline)."""
+    background = publisher.current() if page_range is None else None
     if background is not None:
         item = publisher.Pending(outbox_id, job_id, generation, traceparent)
         transaction.on_commit(lambda: background.submit(item))
         return
     transaction.on_commit(
         lambda: outbox_publish_fast(
-            outbox_id=outbox_id, job_id=job_id, generation=generation, traceparent=traceparent
+            outbox_id=outbox_id,
+            job_id=job_id,
+            generation=generation,
+            traceparent=traceparent,
+            page_range=page_range,
         )
     )
 
@@ -67,13 +78,20 @@ _MARK_PUBLISHED_SQL = (
 
 
 def outbox_publish_fast(
-    *, outbox_id: int, job_id: uuid.UUID, generation: int, traceparent: str
+    *,
+    outbox_id: int,
+    job_id: uuid.UUID,
+    generation: int,
+    traceparent: str,
+    page_range: RangeRef | None = None,
 ) -> bool:
     """Publish one freshly committed row. Never raises: a failure leaves the row unpublished
     for the sweeper, so the request that committed it is never failed or delayed past the
     confirm timeout."""
     try:
-        broker.publish_conversion(job_id=job_id, generation=generation, traceparent=traceparent)
+        broker.publish_conversion(
+            job_id=job_id, generation=generation, traceparent=traceparent, page_range=page_range
+        )
     except Exception as exc:
         code = broker.error_code(exc)
         log.warning(
@@ -113,15 +131,30 @@ def outbox_rows_publish_unpublished(*, batch: int | None = None) -> SweepResult:
     with transaction.atomic():
         rows = list(
             ConversionOutbox.objects.select_for_update(skip_locked=True)
-            .filter(published_at__isnull=True, created_at__lt=timezone.now() - FAST_PATH_GRACE)
+            .filter(published_at__isnull=True)
+            # A page range's row has no fast path when a worker wrote it (a worker may not
+            # publish: deploy/rabbitmq/README.md), so the sweep takes it at once (ADR 0023).
+            .filter(
+                Q(created_at__lt=timezone.now() - FAST_PATH_GRACE) | Q(range_first__isnull=False)
+            )
             .order_by("id")
-            .values_list("id", "job_id", "generation", "traceparent")[:batch]
+            .values_list(
+                "id", "job_id", "generation", "traceparent", "range_first", "range_generation"
+            )[:batch]
         )
         done: list[int] = []
-        for outbox_id, job_id, generation, traceparent in rows:
+        for outbox_id, job_id, generation, traceparent, range_first, range_generation in rows:
+            page_range = (
+                RangeRef(range_first, range_generation)
+                if range_first is not None and range_generation is not None
+                else None
+            )
             try:
                 broker.publish_conversion(
-                    job_id=job_id, generation=generation, traceparent=traceparent
+                    job_id=job_id,
+                    generation=generation,
+                    traceparent=traceparent,
+                    page_range=page_range,
                 )
             except Exception as exc:
                 code = broker.error_code(exc)

@@ -17,6 +17,7 @@ from django.db.models.functions import Now
 from conversion_jobs.models import AttemptOutcome, PageCheckpoint
 from conversion_jobs.retry_policy import backoff_delay
 from conversion_jobs.services import transitions
+from conversion_jobs.services.db_retry import db_retry
 from conversion_jobs.services.leases import Lease, LeaseLost, fenced
 from conversion_jobs.services.transitions import Claim, Result
 from conversion_jobs.states import State
@@ -34,6 +35,15 @@ def conversion_job_record_page_count(*, lease: Lease, page_count: int) -> None:
     """Fenced: remember how many pages the document has (RUNNING only)."""
     if not fenced(lease).update(source_page_count=page_count, updated_at=Now()):
         raise LeaseLost()
+
+
+def page_count_record_deferred(lease: Lease, unrecorded: dict[str, int]) -> None:
+    """Record a deferred page count (``unrecorded["page_count"]``, taken out of it) before a
+    terminal failure or a fan-out (fenced; LeaseLost if lost)."""
+    if "page_count" in unrecorded:
+        db_retry(
+            conversion_job_record_page_count, lease=lease, page_count=unrecorded.pop("page_count")
+        )
 
 
 def conversion_job_publish(

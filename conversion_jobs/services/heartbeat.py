@@ -12,10 +12,12 @@ attempt outlives it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 
 from django.conf import settings
 from django.db import connection
@@ -33,8 +35,11 @@ class StopReason:
 class Heartbeat:
     """One attempt's heartbeat; sets ``stop`` with a reason when the attempt must end."""
 
-    def __init__(self, lease: Lease) -> None:
+    def __init__(self, lease: Lease, extend: Callable[[], str] | None = None) -> None:
+        """``extend``: what one beat does (default: extend ``lease``, ``lease_heartbeat``; a page
+        range's worker extends its range's lease, ``fanout.range_heartbeat``)."""
         self.lease = lease
+        self.extend = extend or functools.partial(lease_heartbeat, lease=lease)
         self.stop = threading.Event()
         self.reason: str | None = None
         self.interval = float(settings.QUIRE["HEARTBEAT_S"])
@@ -62,7 +67,7 @@ class Heartbeat:
     def beat(self) -> bool:
         """Extend the lease once (on the heartbeat thread). True: stop beating (halted)."""
         try:
-            result = lease_heartbeat(lease=self.lease)
+            result = self.extend()
         except Exception:
             # The database (or anything else) failed: we cannot prove the lease; past its TTL
             # it is gone. A new connection is opened for the next beat.

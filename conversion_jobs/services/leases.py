@@ -37,6 +37,19 @@ class Lease:
         return self.generation == 1 and self.attempt_number == 1
 
 
+@dataclass(frozen=True)
+class RangeLease:
+    """What a worker holds while it runs one generation of one page range of a fanned-out job
+    (``job_range``, ADR 0023); its writes are fenced on this and on the job's ``Lease``."""
+
+    range_id: int
+    job_id: uuid.UUID
+    first_page: int
+    last_page: int
+    generation: int
+    token: uuid.UUID
+
+
 class LeaseLost(Exception):
     """A fenced write matched no row: the lease is gone (expired, recovered, or cancelled)."""
 

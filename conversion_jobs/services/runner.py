@@ -16,6 +16,7 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from conversion_jobs.models import ConversionJob, PageState
 from conversion_jobs.observability import metrics, tracing
 from conversion_jobs.passwords import sealed_passwords_wipe, unseal
 from conversion_jobs.pseudonym import pseudonym
-from conversion_jobs.services import execution, quarantine
+from conversion_jobs.services import execution, fanout, quarantine
 from conversion_jobs.services.checkpoints import (
     INLINE_PREFIX,
     CheckpointBatch,
@@ -44,7 +45,7 @@ from conversion_jobs.services.checkpoints import (
 )
 from conversion_jobs.services.db_retry import DB_ERRORS, db_retry, db_retry_until
 from conversion_jobs.services.heartbeat import Heartbeat
-from conversion_jobs.services.leases import Lease, LeaseLost, job_state_under_lease
+from conversion_jobs.services.leases import Lease, LeaseLost, RangeLease, job_state_under_lease
 from conversion_jobs.services.recovery import SPARE_WORKDIR_PREFIX
 from conversion_jobs.services.tidying import tidy_later, tidy_wait
 from conversion_jobs.services.zipresult import zip_result_digest, zip_result_key
@@ -219,7 +220,7 @@ def _run(
             state = db_retry(execution.conversion_job_retry_later, lease=lease, code=code)
             return str(state) if state else _stopped(lease=lease)
         try:
-            _record_page_count(lease, unrecorded)
+            execution.page_count_record_deferred(lease, unrecorded)
         except LeaseLost:
             return _stopped(lease=lease)
         # The detail is stored (and shown) only if it holds nothing of the document.
@@ -276,16 +277,6 @@ def _crash_noted(*, lease: Lease, job: ConversionJob, code: str) -> str | None:
             },
         )
     return "failed" if won else "lost"
-
-
-def _record_page_count(lease: Lease, unrecorded: dict[str, int]) -> None:
-    """Record a deferred page count before a terminal failure (fenced; LeaseLost if lost)."""
-    if "page_count" in unrecorded:
-        db_retry(
-            execution.conversion_job_record_page_count,
-            lease=lease,
-            page_count=unrecorded.pop("page_count"),
-        )
 
 
 def _stopped(*, lease: Lease) -> str:
@@ -401,6 +392,18 @@ def _convert(
         if checkpoints.get(page) is None
         or checkpoints[page].state not in (PageState.DONE, PageState.FAILED)
     ]
+    if fanout.fanout_wanted(job=job, todo=todo):
+        # Long enough to split: the pages go to page ranges that any worker claims, and this
+        # attempt ends here (ADR 0023).
+        return fanout.conversion_job_fan_out(
+            lease=lease,
+            job=job,
+            pages=pages,
+            todo=todo,
+            prepared=prepared,
+            heartbeat=heartbeat,
+            unrecorded=unrecorded,
+        )
     if len(pages) != 1 and not prepared.first_requested:
         # The child starts on the first pages (exactly what the first page call would ask for)
         # while the count is recorded: that round trip no longer delays the pages.
@@ -417,7 +420,7 @@ def _convert(
     if len(pages) != 1:
         # Progress needs the count now. With one page to convert the publish records it (no
         # UPDATE of its own), or a terminal failure first.
-        _record_page_count(lease, unrecorded)
+        execution.page_count_record_deferred(lease, unrecorded)
     page_budget = settings.QUIRE["PAGE_MAX_ATTEMPTS"]
     with CheckpointBatch(lease, checkpoints) as batch:
         return _convert_pages(
@@ -456,9 +459,13 @@ def _convert_pages(
     page_budget: int,
     batch: CheckpointBatch,
     unrecorded: dict[str, int],
+    range_lease: RangeLease | None = None,
+    finish: Callable[[], str] | None = None,
 ) -> str:
     """``todo``: the pages of ``pages`` still to convert, in order; ``inline_max``: the largest
-    text page that rides in its checkpoint row (0: none)."""
+    text page that rides in its checkpoint row (0: none). A page range of a fanned-out job
+    (ADR 0023) passes its ``range_lease`` (every checkpoint is fenced on it too) and ``finish``
+    (called once its last batch is written, instead of ``_finalize``)."""
     stop = heartbeat.stop.is_set
     local: dict[int, Path] = {}  # pages of this attempt: where their bytes are on this host
     for index, page in enumerate(todo):
@@ -497,6 +504,7 @@ def _convert_pages(
                         state=PageState.PENDING,
                         attempts=tries,
                         error_code=exc.code,
+                        range_lease=range_lease,
                     )
                     raise
                 if not exhausted:
@@ -507,7 +515,12 @@ def _convert_pages(
                     if ended_as is not None:
                         raise _QuarantineFailed(ended_as) from exc
                 checkpoints[page] = _checkpoint(
-                    lease, page=page, state=PageState.FAILED, attempts=tries, error_code=exc.code
+                    lease,
+                    page=page,
+                    state=PageState.FAILED,
+                    attempts=tries,
+                    error_code=exc.code,
+                    range_lease=range_lease,
                 )
                 break
             key = storage.page_key(
@@ -552,6 +565,9 @@ def _convert_pages(
                 )
                 batch.add(checkpoint, put)
             break
+    if finish is not None:
+        batch.flush()
+        return finish()
     return _finalize(
         lease=lease,
         job=job,
@@ -614,7 +630,7 @@ def _finalize(
     failed = [p for p in pages if outcome[p].state == PageState.FAILED]
     if failed and (not done_pages or not job.options.get("allow_partial", True)):
         batch.flush()
-        _record_page_count(lease, unrecorded)
+        execution.page_count_record_deferred(lease, unrecorded)
         code = checkpoints[failed[0]].error_code or "page_failed"
         won = db_retry(
             execution.conversion_job_fail,
@@ -682,6 +698,7 @@ def _finalize(
     else:
         # A cancelled or recovered job never shows this attempt's result; a finalizer that ran
         # twice finds its own result already published under the same key and keeps it.
+        metrics.FENCED_WRITES_REFUSED.labels(statement="job_publish").inc()
         published = ConversionJob.objects.filter(id=lease.job_id, result_key=key).exists()
         if stored and not published:
             storage.delete(key)
