@@ -6,6 +6,7 @@ the edge waits on the row lock (the real race: Postgres re-checks the guard on t
 from __future__ import annotations
 
 import ast
+import re
 import threading
 import time
 import uuid
@@ -131,8 +132,10 @@ def _state_writes(path: Path) -> list[int]:
                     lines.append(node.lineno)
         if isinstance(node, ast.Constant) and isinstance(node.value, str):
             text = " ".join(node.value.split()).lower()
-            if "update conversion_job" in text and "state =" in text:
-                lines.append(node.lineno)
+            # an UPDATE of conversion_job whose SET list (not its WHERE guard) names state
+            for m in re.finditer(r"update conversion_job\b(.*?)\bset\b(.*?)(\bwhere\b|$)", text):
+                if re.search(r"(^|[\s,])state\s*=", m.group(2)):
+                    lines.append(node.lineno)
     return lines
 
 
