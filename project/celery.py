@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 
 from celery import Celery
-from celery.signals import celeryd_after_setup, worker_process_init
+from celery.signals import celeryd_after_setup, worker_process_init, worker_process_shutdown
 from celery.worker.consumer import Consumer
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "project.settings")
@@ -82,6 +82,39 @@ def _check_converter_sandbox(sender: str, instance: object, **_: object) -> None
     status = sandbox.announce()
     if status.enabled and not status.available:
         queues.deselect([settings.CONVERSION_QUEUE])
+        return
+    global _CONVERSION_SLOTS
+    _CONVERSION_SLOTS = True
+    pool = getattr(instance, "pool_cls", "")
+    if "prefork" not in str(getattr(pool, "__module__", pool)):
+        # No forked pool processes to announce themselves: this process has all the slots.
+        from conversion_jobs.services import fair
+
+        fair.slot_beat_start(slots=int(getattr(instance, "concurrency", 1) or 1))
+
+
+#: This worker consumes conversions: each of its pool processes is a slot the fair relay may
+#: fill (conversion_jobs/services/fair.py). Set before the pool forks, so children inherit it.
+_CONVERSION_SLOTS = False
+
+
+@worker_process_init.connect
+def _announce_conversion_slot(**_: object) -> None:
+    if _CONVERSION_SLOTS:
+        from conversion_jobs.services import fair
+
+        fair.slot_beat_start()
+
+
+@worker_process_shutdown.connect
+def _withdraw_conversion_slot(**_: object) -> None:
+    if _CONVERSION_SLOTS:
+        from conversion_jobs.services import fair
+
+        try:
+            fair.slot_withdraw()
+        except Exception:  # the row lapses after QUIRE_FAIR_SLOT_TTL_S anyway
+            return
 
 
 @worker_process_init.connect

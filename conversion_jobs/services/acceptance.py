@@ -29,7 +29,7 @@ from conversion_jobs.exceptions import (
 from conversion_jobs.ids import uuid7
 from conversion_jobs.models import ConversionJob, IdempotencyRecord
 from conversion_jobs.options import normalize_options, options_digest, request_fingerprint
-from conversion_jobs.services import transitions
+from conversion_jobs.services import fair, transitions
 from conversion_jobs.services.admission import (
     admission_accepted,
     admission_admit,
@@ -372,6 +372,9 @@ def _new_job(
         traceparent=traceparent,
         password_sealed=checked.sealed,
         metadata=checked.metadata,
+        dispatch_cost=fair.dispatch_cost(
+            media_type=checked.media_type, size=upload.size, output=output, options=checked.options
+        ),
     )
     return transitions.NewJob(
         job=job,

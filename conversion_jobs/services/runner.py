@@ -34,7 +34,7 @@ from conversion_jobs.models import ConversionJob, PageState
 from conversion_jobs.observability import metrics, tracing
 from conversion_jobs.passwords import sealed_passwords_wipe, unseal
 from conversion_jobs.pseudonym import pseudonym
-from conversion_jobs.services import execution
+from conversion_jobs.services import execution, fair
 from conversion_jobs.services.checkpoints import (
     INLINE_PREFIX,
     CheckpointBatch,
@@ -138,6 +138,10 @@ def conversion_job_execute(*, job_id: uuid.UUID, generation: int) -> str:
         converters.release(spare=False)
         converters.begin_attempt(tenant=None)
         tidy_later(functools.partial(_tidy, workdir))
+        if fair.enabled():
+            # This attempt's slot is free (the job left running): the fair order fills it now,
+            # not at the next outbox sweep (docs/ARCHITECTURE.md §2b).
+            fair.relay_quietly(path="fast")
 
 
 def _tidy(workdir: Path) -> None:
