@@ -72,7 +72,7 @@ class ConversionJob(models.Model):
     queued_at = models.DateTimeField(null=True, blank=True)
     # fair dispatch (docs/ARCHITECTURE.md §2b): what one dispatch of this job costs, in page
     # units (services/fair.py ``dispatch_cost``), and which generation was last sent to a worker
-    dispatch_cost = models.PositiveIntegerField(default=1)
+    dispatch_cost = models.PositiveIntegerField(default=1, db_default=1)
     dispatched_generation = models.PositiveIntegerField(null=True, blank=True)
     dispatched_at = models.DateTimeField(null=True, blank=True)
     #: The fence: set at claim, cleared when the lease ends. ``worker_lease`` holds its expiry.

@@ -47,7 +47,7 @@ class Migration(migrations.Migration):
         migrations.AddField(
             model_name='conversionjob',
             name='dispatch_cost',
-            field=models.PositiveIntegerField(default=1),
+            field=models.PositiveIntegerField(db_default=1, default=1),
         ),
         migrations.AddField(
             model_name='conversionjob',
@@ -146,26 +146,32 @@ BEGIN
         ORDER BY t.base + (t.upto - t.cost)::float8 / t.weight, t.id
         LIMIT (SELECT n FROM credit)
     ), marked AS (
+        -- a unit another transaction holds (a sweep mid-way, an operator) is skipped, never
+        -- waited for: it stays waiting for the next pick
         UPDATE conversion_outbox o SET published_at = now(), publish_attempts = o.publish_attempts + 1
-        FROM chosen c WHERE o.id = c.id AND o.published_at IS NULL
+        WHERE o.id IN (
+            SELECT l.id FROM conversion_outbox l WHERE l.id IN (SELECT c.id FROM chosen c)
+            AND l.published_at IS NULL FOR UPDATE SKIP LOCKED)
         RETURNING o.id
+    ), went AS (
+        SELECT c.* FROM chosen c JOIN marked m ON m.id = c.id
     ), sent AS (
-        UPDATE conversion_job j SET dispatched_at = now(), dispatched_generation = c.generation
-        FROM chosen c WHERE j.id = c.job_id
+        UPDATE conversion_job j SET dispatched_at = now(), dispatched_generation = w.generation
+        FROM went w WHERE j.id = w.job_id
     ), tenants AS (
         INSERT INTO tenant_share AS s (tenant, weight, vtime, updated_at)
-        SELECT c.tenant, 1, max(c.finish_tag), now() FROM chosen c GROUP BY c.tenant
+        SELECT w.tenant, 1, max(w.finish_tag), now() FROM went w GROUP BY w.tenant
         ON CONFLICT (tenant) DO UPDATE SET vtime = GREATEST(s.vtime, EXCLUDED.vtime),
             updated_at = EXCLUDED.updated_at
     ), ticked AS (
         UPDATE dispatch_clock k SET vclock = GREATEST(k.vclock, m.start_tag)
-        FROM (SELECT max(c.start_tag) AS start_tag FROM chosen c) m
+        FROM (SELECT max(w.start_tag) AS start_tag FROM went w) m
         WHERE k.id = 1 AND m.start_tag IS NOT NULL
     )
-    SELECT c.id, c.job_id, c.generation::integer, c.traceparent::text, c.tenant::text,
-           c.cost::integer
-    FROM chosen c JOIN marked m ON m.id = c.id
-    ORDER BY c.start_tag, c.id;
+    SELECT w.id, w.job_id, w.generation::integer, w.traceparent::text, w.tenant::text,
+           w.cost::integer
+    FROM went w
+    ORDER BY w.start_tag, w.id;
 END
 $fn$;
 """

@@ -122,7 +122,9 @@ KNOWN_SERIES: dict[Counter | Histogram, list[dict[str, str]]] = {
     DUPLICATE_DELIVERIES: [{"reason": "duplicate"}, {"reason": "stale"}],
     ATTEMPT_DURATION: [
         {"outcome": o}
-        for o in ("succeeded", "retryable_error", "terminal_error", "lease_lost", "cancelled")
+        for o in (
+            "succeeded", "retryable_error", "terminal_error", "lease_lost", "cancelled", "yielded"
+        )
     ],
     RECOVERIES: [{"result": r} for r in ("requeued", "exhausted", "cancelled")],
     REPAIRS: [{"result": r} for r in ("requeued", "exhausted", "cancelled")],
