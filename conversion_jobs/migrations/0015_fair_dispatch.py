@@ -100,7 +100,11 @@ CREATE OR REPLACE FUNCTION quire_fair_pick(
     p_limit integer, p_capacity integer, p_lost_s double precision, p_slot_ttl_s double precision
 ) RETURNS TABLE (out_id bigint, out_job uuid, out_generation integer, out_traceparent text,
                  out_tenant text, out_cost integer)
-LANGUAGE plpgsql AS $fn$
+LANGUAGE plpgsql
+-- one plan per connection, kept: planning this statement afresh cost ≈ 2 ms a call, the generic
+-- plan ≈ 0.25 ms (docs/adr/0021-fair-dispatch.md)
+SET plan_cache_mode = force_generic_plan
+AS $fn$
 BEGIN
     PERFORM pg_advisory_xact_lock(7102421);
     RETURN QUERY
