@@ -114,24 +114,63 @@ def _a_flood(n: int, *, dpi: int) -> list[tuple]:
 
 
 def phase_idle(args: argparse.Namespace) -> dict:
+    """Fair dispatch off and on interleaved job by job on one stack (the machine is shared and
+    its load moves: two stacks one after the other measured the load as much as the change).
+    The switch is this process's, which runs every acceptance and so every commit's fast path;
+    the workers keep their after-attempt relay pass in both halves."""
     import latency
+    from django.conf import settings
 
     with c.quire_stack(db_name=c.bench_db_name("quire_fair_idle")) as stack:
         stack.start("beat")
         stack.start("sweeper")
         stack.start("worker", WORKER_CONCURRENCY="2")
         latency.run_idle(stack.db_url, 5, name="warm-up")
-        idle = latency.run_idle(stack.db_url, args.idle_jobs)
-        latency._latencies(stack.db_url, idle)
-        return {
-            "p50": c.percentile(idle.commit_ms, 50),
-            "p99": c.percentile(idle.commit_ms, 99),
-            "n": len(idle.commit_ms),
-            "published_p50": c.percentile(idle.published_ms, 50),
-            "published_p99": c.percentile(idle.published_ms, 99),
-            "delivered_p50": c.percentile(idle.delivered_ms, 50),
-            "delivered_p99": c.percentile(idle.delivered_ms, 99),
-        }
+        halves = {"off": latency.Phase(name="off"), "on": latency.Phase(name="on")}
+        from conversion_jobs.services import dispatch, fair
+
+        spent: dict[str, list[float]] = {"pick": [], "publish_off": [], "publish_on": []}
+        real_pick, real_publish = fair.pick, dispatch.publish_conversion
+
+        def timed_pick(**kw: object) -> object:
+            t = time.perf_counter()
+            try:
+                return real_pick(**kw)  # type: ignore[arg-type]
+            finally:
+                spent["pick"].append((time.perf_counter() - t) * 1000)
+
+        def timed_publish(**kw: object) -> object:
+            t = time.perf_counter()
+            try:
+                return real_publish(**kw)  # type: ignore[arg-type]
+            finally:
+                on = settings.QUIRE["FAIR_DISPATCH"]
+                spent["publish_on" if on else "publish_off"].append(
+                    (time.perf_counter() - t) * 1000
+                )
+
+        fair.pick, dispatch.publish_conversion = timed_pick, timed_publish
+        for i in range(2 * args.idle_jobs):
+            name = ("off", "on")[i % 2]
+            settings.QUIRE["FAIR_DISPATCH"] = name == "on"
+            one = latency.run_idle(stack.db_url, 1, name=name)
+            halves[name].commits.update(one.commits)
+        out = {}
+        for name, half in halves.items():
+            latency._latencies(stack.db_url, half)
+            out[name] = {
+                "p50": c.percentile(half.commit_ms, 50),
+                "p99": c.percentile(half.commit_ms, 99),
+                "n": len(half.commit_ms),
+                "published_p50": c.percentile(half.published_ms, 50),
+                "published_p99": c.percentile(half.published_ms, 99),
+                "delivered_p50": c.percentile(half.delivered_ms, 50),
+                "delivered_p99": c.percentile(half.delivered_ms, 99),
+            }
+        for key, values in spent.items():
+            values.sort()
+            out["off"][f"{key}_ms_p50"] = c.percentile(values, 50)
+        return out
 
 
 def phase_flood(args: argparse.Namespace) -> dict:
@@ -296,11 +335,15 @@ def main() -> int:
     print(f"load average at start {c.load_average()}", flush=True)
     ok = True
     if "idle" in only:
-        off = _run_child("idle", passthrough, QUIRE_FAIR_DISPATCH="0")
-        on = _run_child("idle", passthrough, QUIRE_FAIR_DISPATCH="1")
+        both = _run_child("idle", passthrough)
+        off, on = both["off"], both["on"]
         print(
             f"Idle commit->claim ({on['n']} jobs each): fair off p50 {off['p50']:.1f} ms"
             f" p99 {off['p99']:.1f} ms; fair on p50 {on['p50']:.1f} ms p99 {on['p99']:.1f} ms"
+        )
+        print(
+            "  in this process: pick p50 {pick_ms_p50:.2f} ms, publish p50 fair off"
+            " {publish_off_ms_p50:.2f} / on {publish_on_ms_p50:.2f} ms".format(**off)
         )
         for name, r in (("off", off), ("on", on)):
             print(

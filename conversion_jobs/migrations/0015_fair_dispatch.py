@@ -107,6 +107,11 @@ SET plan_cache_mode = force_generic_plan
 AS $fn$
 BEGIN
     PERFORM pg_advisory_xact_lock(7102421);
+    -- The pick's commit does not wait for its WAL flush (the units are published right after
+    -- it): a pick lost with a Postgres crash leaves its units waiting, and one sent meanwhile
+    -- is sent again, a duplicate the claim's CAS ignores (as ADR 0017 argues for the outbox
+    -- mark). Local to this transaction.
+    PERFORM set_config('synchronous_commit', 'off', true);
     RETURN QUERY
     WITH cap AS (
         SELECT CASE WHEN p_capacity > 0 THEN p_capacity::bigint ELSE (

@@ -70,6 +70,7 @@ class DatabaseGauges(Collector):
             last_success.add_metric([name], at.timestamp() if at else 0.0)
         yield last_success
         yield from _webhook_gauges(now)
+        yield from _fair_gauges()
 
     @classmethod
     def registry(cls) -> CollectorRegistry:
@@ -122,4 +123,42 @@ def _webhook_gauges(now: datetime) -> Iterator[GaugeMetricFamily]:
         "quire_webhook_endpoints_disabled",
         "Webhook endpoints disabled (by their tenant, a 410, or failing too long)",
         value=WebhookEndpoint.objects.filter(enabled=False).count(),
+    )
+
+
+def _fair_gauges() -> Iterator[GaugeMetricFamily]:
+    """Per tenant (a keyed pseudonym, never the tenant id; docs/THREAT_MODEL.md §3): waiting
+    dispatch units and their cost, slots in use, and the share of pages checkpointed over the
+    last ``QUIRE_FAIR_SHARE_WINDOW_S`` (docs/OPERABILITY.md "Fair share")."""
+    from conversion_jobs.pseudonym import pseudonym
+    from conversion_jobs.services import fair
+
+    rows = fair.tenants_fairness()
+    families = {
+        "backlog_units": GaugeMetricFamily(
+            "quire_tenant_backlog_units", "Dispatch units waiting, per tenant", labels=["tenant"]
+        ),
+        "backlog_cost": GaugeMetricFamily(
+            "quire_tenant_backlog_cost",
+            "Page units of the dispatch units waiting, per tenant",
+            labels=["tenant"],
+        ),
+        "running": GaugeMetricFamily(
+            "quire_tenant_running",
+            "Worker slots in use (running or sent), per tenant",
+            labels=["tenant"],
+        ),
+        "page_share": GaugeMetricFamily(
+            "quire_tenant_page_share_ratio",
+            "Share of the pages converted over the fair-share window, per tenant",
+            labels=["tenant"],
+        ),
+    }
+    for row in rows:
+        label = [pseudonym("tenant", row.tenant)]
+        for field, family in families.items():
+            family.add_metric(label, float(getattr(row, field)))
+    yield from families.values()
+    yield GaugeMetricFamily(
+        "quire_fair_capacity_slots", "Worker slots the fair relay may fill", value=fair.capacity()
     )

@@ -41,14 +41,16 @@ from typing import Any, NamedTuple
 
 from django.conf import settings
 from django.db import close_old_connections, connection, transaction
-from django.db.models import Count, F, Q
-from django.db.models.functions import Now
+from django.db.models import Count, F, Q, Sum
+from django.db.models.functions import Coalesce, Now
 from django.utils import timezone
 
 from conversion_jobs.models import (
     ConversionJob,
     ConversionOutbox,
     DispatchClock,
+    PageCheckpoint,
+    PageState,
     TenantShare,
     WorkerSlot,
 )
@@ -379,3 +381,79 @@ def slots_remove_stale(*, older_than_s: float = 3600.0) -> int:
     """Rows of processes gone for long (a sweep's housekeeping)."""
     cutoff = timezone.now() - timedelta(seconds=older_than_s)
     return WorkerSlot.objects.filter(seen_at__lt=cutoff).delete()[0]
+
+
+# --- what operators see and set ---------------------------------------------------------------
+
+
+class TenantFairness(NamedTuple):
+    """One tenant's fair-share picture (admin page, ``/metrics``)."""
+
+    tenant: str
+    weight: int
+    running_cap: int | None
+    #: dispatch units waiting, and their cost in page units
+    backlog_units: int
+    backlog_cost: int
+    #: jobs running or cancelling, and jobs sent and not yet claimed
+    running: int
+    #: pages checkpointed done in the last ``QUIRE_FAIR_SHARE_WINDOW_S``, and their share of all
+    pages_window: int
+    page_share: float
+
+
+def tenants_fairness() -> list[TenantFairness]:
+    """Every tenant with a share row, waiting work or running work (reads only; the page share
+    counts ``page_checkpoint`` rows written in the window)."""
+    window = timezone.now() - timedelta(seconds=settings.QUIRE["FAIR_SHARE_WINDOW_S"])
+    backlog: dict[str, tuple[int, int]] = {}
+    for tenant, n, cost in (
+        _waiting()
+        .values_list("job__tenant")
+        .annotate(n=Count("id"), cost=Sum(Coalesce("cost", "job__dispatch_cost")))
+        .values_list("job__tenant", "n", "cost")
+    ):
+        backlog[tenant] = (n, int(cost or 0))
+    busy = busy_by_tenant()
+    pages = dict(
+        PageCheckpoint.objects.filter(state=PageState.DONE, updated_at__gte=window)
+        .values_list("job__tenant")
+        .annotate(n=Count("id"))
+        .values_list("job__tenant", "n")
+    )
+    total = sum(pages.values())
+    shares = {s.tenant: s for s in TenantShare.objects.all()}
+    tenants = sorted(set(shares) | set(backlog) | set(busy) | set(pages))
+    return [
+        TenantFairness(
+            tenant=t,
+            weight=shares[t].weight if t in shares else 1,
+            running_cap=shares[t].running_cap if t in shares else None,
+            backlog_units=backlog.get(t, (0, 0))[0],
+            backlog_cost=backlog.get(t, (0, 0))[1],
+            running=busy.get(t, 0),
+            pages_window=pages.get(t, 0),
+            page_share=pages.get(t, 0) / total if total else 0.0,
+        )
+        for t in tenants
+    ]
+
+
+def tenant_share_set(
+    *, tenant: str, weight: int | None = None, running_cap: int | None = None, no_cap: bool = False
+) -> TenantShare:
+    """An operator sets a tenant's weight (1-1000) and/or running cap (>= 1, or none). One
+    upsert: the relay's ``vtime`` is never read or written here."""
+    if weight is not None and not 1 <= weight <= 1000:
+        raise ValueError("weight must be from 1 to 1000")
+    if running_cap is not None and running_cap < 1:
+        raise ValueError("running cap must be at least 1")
+    TenantShare.objects.get_or_create(tenant=tenant)
+    values: dict[str, Any] = {}
+    if weight is not None:
+        values["weight"] = weight
+    if running_cap is not None or no_cap:
+        values["running_cap"] = None if no_cap else running_cap
+    if values:
+        TenantShare.objects.filter(tenant=tenant).update(**values, updated_at=Now())
+    return TenantShare.objects.get(tenant=tenant)
