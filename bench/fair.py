@@ -15,14 +15,14 @@ layer in the parent of the stack, as ``bench/latency.py`` does.
 * **Flood** (one worker, ``WORKER_CONCURRENCY=2``: two worker processes): B alone first (the
   idle baseline: ``--b-jobs`` one-page jobs submitted at once, p95 of submit -> succeeded); A
   alone (``--a-jobs`` 10-page PNG jobs, pages/s from its first submit to its last finish); then
-  the flood: A's jobs again and, ``--b-delay`` s after A began, B's. Targets: B p95 <= 3 × B
-  alone, A pages/s >= 0.9 × A alone.
+  the flood: A's jobs again and, ``--b-delay`` s after A began, B's. Targets: B p95 <= 3 x B
+  alone, A pages/s >= 0.9 x A alone.
 * **Weights**: tenant A weight 3, B weight 1, both submit far more 5-page jobs than the window
   converts; share of pages checkpointed in ``--weights-s`` seconds (the first 5 s excluded).
   Target 75 % ± 5.
 * **One long job** (one worker, ``WORKER_CONCURRENCY=1``): B alone (``--long-b-jobs``
   one-page jobs, p95), then A's one ``--long-pages``-page PNG job and, once it runs, B's jobs
-  again. Targets: B p95 <= 3 × B alone; A succeeds with every page converted once
+  again. Targets: B p95 <= 3 x B alone; A succeeds with every page converted once
   (one ``done`` checkpoint per page, each written by exactly one generation).
 """
 
@@ -50,9 +50,9 @@ def le_line(label: str, ratio: float, target: float) -> str:
 
 
 def _make_pdf(pages: int) -> Path:
-    from tests import testdocs
-
     import uuid
+
+    from tests import testdocs
 
     path = Path(tempfile.mkstemp(suffix=".pdf")[1])
     salt = uuid.uuid4().hex
@@ -105,8 +105,7 @@ def _pages_per_s(db_url: str, submitted: list[tuple], pages: int) -> float:
 
 def _a_flood(n: int, *, dpi: int) -> list[tuple]:
     return [
-        _submit(tenant="tenant-a", pages=10, output="png", options={"dpi": dpi})
-        for _ in range(n)
+        _submit(tenant="tenant-a", pages=10, output="png", options={"dpi": dpi}) for _ in range(n)
     ]
 
 
@@ -258,9 +257,12 @@ def phase_long(args: argparse.Namespace) -> dict:
             tenant="tenant-a", pages=args.long_pages, output="png", options={"dpi": args.dpi}
         )
         with psycopg.connect(stack.db_url, autocommit=True) as conn:
-            while conn.execute(
-                "SELECT state FROM conversion_job WHERE id = %s", (long_id,)
-            ).fetchone()[0] != "running":
+            while (
+                conn.execute(
+                    "SELECT state FROM conversion_job WHERE id = %s", (long_id,)
+                ).fetchone()[0]
+                != "running"
+            ):
                 time.sleep(0.05)
             time.sleep(2)  # A holds the only worker
             b_during = _b_burst(stack.db_url, args.long_b_jobs)
@@ -299,12 +301,12 @@ def _run_child(phase: str, argv: list[str], **env: str) -> dict:
     import os
 
     cmd = [sys.executable, str(Path(__file__).resolve()), "--phase", phase, *argv]
-    out = subprocess.run(  # noqa: S603
+    out = subprocess.run(
         cmd, env={**os.environ, **env}, capture_output=True, text=True, cwd=ROOT, check=False
     )
     for line in out.stdout.splitlines():
         if line.startswith(RESULT):
-            return dict(json.loads(line[len(RESULT):]))
+            return dict(json.loads(line[len(RESULT) :]))
     raise RuntimeError(f"phase {phase} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
 
 

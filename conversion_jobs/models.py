@@ -498,6 +498,9 @@ class DispatchClock(models.Model):
         db_table = "dispatch_clock"
         constraints = [models.CheckConstraint(name="dispatch_clock_one_row", condition=Q(id=1))]
 
+    def __str__(self) -> str:
+        return f"dispatch clock {self.vclock}"
+
 
 class WorkerSlot(models.Model):
     """One conversion slot (a worker pool process) that announced itself; the fair relay's

@@ -123,7 +123,12 @@ KNOWN_SERIES: dict[Counter | Histogram, list[dict[str, str]]] = {
     ATTEMPT_DURATION: [
         {"outcome": o}
         for o in (
-            "succeeded", "retryable_error", "terminal_error", "lease_lost", "cancelled", "yielded"
+            "succeeded",
+            "retryable_error",
+            "terminal_error",
+            "lease_lost",
+            "cancelled",
+            "yielded",
         )
     ],
     RECOVERIES: [{"result": r} for r in ("requeued", "exhausted", "cancelled")],

@@ -268,7 +268,11 @@ def conversion_jobs_republish_if_dispatch_stale(*, batch: int | None = None) -> 
         )
         stale_jobs = ConversionJob.objects.filter(state=State.QUEUED).filter(
             Q(dispatched_generation=F("generation"), dispatched_at__lt=lost)
-            | (Q(queued_at__lt=cutoff) & ~Q(dispatched_generation=F("generation")) & ~Exists(waiting))
+            | (
+                Q(queued_at__lt=cutoff)
+                & ~Q(dispatched_generation=F("generation"))
+                & ~Exists(waiting)
+            )
         )
     count = 0
     with transaction.atomic():

@@ -4,7 +4,7 @@ A *dispatch unit* is an unpublished ``conversion_outbox`` row whose job is still
 the row's generation; its cost is ``COALESCE(outbox.cost, job.dispatch_cost)`` page units
 (:func:`dispatch_cost`). The relay sends a unit to RabbitMQ only when a worker slot is free:
 
-* **credits** = slots − busy. Slots are ``QUIRE_FAIR_CAPACITY`` when set, else the worker pool
+* **credits** = slots - busy. Slots are ``QUIRE_FAIR_CAPACITY`` when set, else the worker pool
   processes that announced themselves in ``worker_slot`` within ``QUIRE_FAIR_SLOT_TTL_S``
   (:func:`slot_beat_start`). Busy = jobs ``running`` / ``cancelling`` + jobs sent and not yet
   claimed (``dispatched_generation = generation``, ``dispatched_at`` within
@@ -119,7 +119,7 @@ def page_factor(*, media_type: str, output: str, options: dict[str, Any]) -> int
 def dispatch_cost(
     *, media_type: str, size: int, output: str, options: dict[str, Any], pages: int | None = None
 ) -> int:
-    """A dispatch's cost in page units: pages × the output's factor. ``pages``: the pages the
+    """A dispatch's cost in page units: pages x the output's factor. ``pages``: the pages the
     dispatch will convert when known (a resumed job's pages left), else estimated."""
     if pages is None:
         pages = estimated_pages(media_type=media_type, size=size, options=options)
@@ -180,8 +180,8 @@ def busy_by_tenant() -> dict[str, int]:
         dispatched_generation=F("generation"),
     )
     for query in (leased, sent):
-        for tenant, n in query.values_list("tenant").annotate(n=Count("id")).values_list(
-            "tenant", "n"
+        for tenant, n in (
+            query.values_list("tenant").annotate(n=Count("id")).values_list("tenant", "n")
         ):
             busy[tenant] += n
     return dict(busy)
@@ -207,7 +207,12 @@ def _pick_sqlite(*, limit: int) -> list[Unit]:
             _waiting()
             .order_by("id")
             .values_list(
-                "id", "job_id", "generation", "traceparent", "job__tenant", "cost",
+                "id",
+                "job_id",
+                "generation",
+                "traceparent",
+                "job__tenant",
+                "cost",
                 "job__dispatch_cost",
             )
         )
@@ -303,7 +308,9 @@ def relay_quietly(*, path: str) -> int:
     try:
         return relay(limit=settings.QUIRE["SWEEP_BATCH"], path=path)
     except Exception as exc:
-        log.warning("fair relay pass failed; the sweep retries", extra={"error": type(exc).__name__})
+        log.warning(
+            "fair relay pass failed; the sweep retries", extra={"error": type(exc).__name__}
+        )
         return 0
 
 

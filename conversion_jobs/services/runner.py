@@ -555,7 +555,9 @@ def _yield_if_others_wait(
         options=job.options,
         pages=left,
     )
-    if db_retry(execution.conversion_job_yield, lease=lease, traceparent=job.traceparent, cost=cost):
+    if db_retry(
+        execution.conversion_job_yield, lease=lease, traceparent=job.traceparent, cost=cost
+    ):
         return True
     raise LeaseLost()
 

@@ -45,9 +45,7 @@ def test_fair__a_second_tenant_is_served_during_a_flood_within_the_credits(start
     time.sleep(1.0)
     late = [submit(pages=1, tenant="tenant-b") for _ in range(3)]
     harness.wait_until(
-        lambda: all(
-            ConversionJob.objects.get(id=j.id).state == "succeeded" for j in late
-        ),
+        lambda: all(ConversionJob.objects.get(id=j.id).state == "succeeded" for j in late),
         timeout=60,
         what="tenant b's jobs to succeed",
     )
@@ -57,10 +55,10 @@ def test_fair__a_second_tenant_is_served_during_a_flood_within_the_credits(start
     ).count()
     assert unstarted >= 15, unstarted
     harness.wait_until(
-        lambda: ConversionJob.objects.filter(
-            id__in=[j.id for j in flood], state="succeeded"
-        ).count()
-        == len(flood),
+        lambda: (
+            ConversionJob.objects.filter(id__in=[j.id for j in flood], state="succeeded").count()
+            == len(flood)
+        ),
         timeout=120,
         what="the flood to drain",
     )

@@ -65,9 +65,7 @@ def test_fairness__backlog_running_and_share_per_tenant(picture):
 def test_admin__lists_every_tenant_with_its_picture_and_sets_the_weight(picture, staff_client):
     page = staff_client.get(CHANGELIST).content.decode()
     assert "tenant-a" in page and "tenant-b" in page and "75.0%" in page
-    response = staff_client.post(
-        f"{CHANGELIST}tenant-a/change/", {"weight": 3, "running_cap": 2}
-    )
+    response = staff_client.post(f"{CHANGELIST}tenant-a/change/", {"weight": 3, "running_cap": 2})
     assert response.status_code == 302, response.content[:500]
     share = TenantShare.objects.get(tenant="tenant-a")
     assert (share.weight, share.running_cap) == (3, 2)

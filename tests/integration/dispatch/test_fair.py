@@ -221,9 +221,7 @@ def test_two_relays_at_once_never_send_a_unit_twice_or_exceed_the_credits(
             unit("a" if i % 2 else f"b{round_}")
         barrier = threading.Barrier(4)
         outs: list[list[fair.Unit]] = [[] for _ in range(4)]
-        threads = [
-            threading.Thread(target=_pick_in_thread, args=(barrier, out)) for out in outs
-        ]
+        threads = [threading.Thread(target=_pick_in_thread, args=(barrier, out)) for out in outs]
         for t in threads:
             t.start()
         for t in threads:

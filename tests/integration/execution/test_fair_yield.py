@@ -11,7 +11,6 @@ import pytest
 
 from conversion_jobs.models import (
     ConversionAttempt,
-    ConversionJob,
     ConversionOutbox,
     ExecutionAuditEvent,
     PageCheckpoint,
