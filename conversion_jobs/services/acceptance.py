@@ -291,6 +291,8 @@ class _Checked:
     digest: str
     fingerprint: str
     metadata: dict[str, Any] | None = None
+    #: the page count the source's bytes suggest, for the dispatch cost (``fair.pdf_page_hint``)
+    page_hint: int | None = None
 
 
 #: The largest client ``metadata`` object, as compact UTF-8 JSON (docs/API_CONTRACT.md §3).
@@ -341,7 +343,12 @@ def _checked(
     digest = options_digest(options)
     fingerprint = request_fingerprint(source_sha256=upload.sha256, output=output, options=options)
     metadata = checked_metadata(raw_metadata)
-    return _Checked(media_type, options, sealed, digest, fingerprint, metadata)
+    hint = (
+        fair.pdf_page_hint(upload.content if upload.content is not None else upload.path)
+        if media_type == "application/pdf"
+        else None
+    )
+    return _Checked(media_type, options, sealed, digest, fingerprint, metadata, hint)
 
 
 def _new_job(
@@ -373,7 +380,11 @@ def _new_job(
         password_sealed=checked.sealed,
         metadata=checked.metadata,
         dispatch_cost=fair.dispatch_cost(
-            media_type=checked.media_type, size=upload.size, output=output, options=checked.options
+            media_type=checked.media_type,
+            size=upload.size,
+            output=output,
+            options=checked.options,
+            page_hint=checked.page_hint,
         ),
     )
     return transitions.NewJob(

@@ -32,11 +32,13 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import socket
 import threading
 import uuid
 from collections import defaultdict
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from django.conf import settings
@@ -89,9 +91,12 @@ PDF_FACTOR = 1
 MAX_ESTIMATED_PAGES = 5_000
 
 
-def estimated_pages(*, media_type: str, size: int, options: dict[str, Any]) -> int:
+def estimated_pages(
+    *, media_type: str, size: int, options: dict[str, Any], page_hint: int | None = None
+) -> int:
     """The page count an acceptance can know: the selected range when there is one, else one
-    page for a single image, else the size over the format's bytes per page (at least 1)."""
+    page for a single image, else the larger of the PDF's page hint (``pdf_page_hint``) and the
+    size over the format's bytes per page (at least 1, at most ``MAX_ESTIMATED_PAGES``)."""
     selected = options.get("pages")
     if selected:
         first, last = selected[0], selected[-1]
@@ -99,7 +104,40 @@ def estimated_pages(*, media_type: str, size: int, options: dict[str, Any]) -> i
     if media_type in ONE_PAGE:
         return 1
     per_page = BYTES_PER_PAGE.get(media_type, 50_000)
-    return max(1, min(MAX_ESTIMATED_PAGES, math.ceil(size / per_page)))
+    return max(1, min(MAX_ESTIMATED_PAGES, max(page_hint or 0, math.ceil(size / per_page))))
+
+
+#: How much of a stored PDF the hint reads: its first and its last bytes (a PDF's page tree
+#: root, with its ``/Count``, is usually near one end).
+HINT_BYTES = 256 * 1024
+_PAGE_OBJECT = re.compile(rb"/Type\s*/Page(?![A-Za-z])")
+_PAGE_COUNT = re.compile(rb"/Count\s+(\d{1,7})")
+
+
+def pdf_page_hint(source: bytes | Path | None) -> int | None:
+    """The page count a PDF's bytes suggest without parsing it (no document is interpreted in
+    the web, docs/ARCHITECTURE.md §7): the larger of the page objects seen and the largest
+    ``/Count`` seen, in the whole of a small source or the first and last ``HINT_BYTES`` of a
+    stored one. Pages inside compressed object streams are not seen (the size estimate still
+    counts); a wrong hint only moves the job's turn. None: nothing seen."""
+    if source is None:
+        return None
+    if isinstance(source, Path):
+        try:
+            with open(source, "rb") as fh:
+                head = fh.read(HINT_BYTES)
+                fh.seek(0, os.SEEK_END)
+                end = fh.tell()
+                fh.seek(max(HINT_BYTES, end - HINT_BYTES))
+                data = head + b"\n" + fh.read(HINT_BYTES)
+        except OSError:
+            return None
+    else:
+        data = source
+    objects = len(_PAGE_OBJECT.findall(data))
+    counts = [int(n) for n in _PAGE_COUNT.findall(data)]
+    hint = max([objects, *counts])
+    return min(hint, MAX_ESTIMATED_PAGES) or None
 
 
 def page_factor(*, media_type: str, output: str, options: dict[str, Any]) -> int:
