@@ -155,12 +155,21 @@ def page_factor(*, media_type: str, output: str, options: dict[str, Any]) -> int
 
 
 def dispatch_cost(
-    *, media_type: str, size: int, output: str, options: dict[str, Any], pages: int | None = None
+    *,
+    media_type: str,
+    size: int,
+    output: str,
+    options: dict[str, Any],
+    pages: int | None = None,
+    page_hint: int | None = None,
 ) -> int:
     """A dispatch's cost in page units: pages x the output's factor. ``pages``: the pages the
-    dispatch will convert when known (a resumed job's pages left), else estimated."""
+    dispatch will convert when known (a resumed job's pages left), else estimated (with the
+    source's ``page_hint``, ``pdf_page_hint``)."""
     if pages is None:
-        pages = estimated_pages(media_type=media_type, size=size, options=options)
+        pages = estimated_pages(
+            media_type=media_type, size=size, options=options, page_hint=page_hint
+        )
     return max(1, pages) * page_factor(media_type=media_type, output=output, options=options)
 
 
