@@ -82,11 +82,22 @@ def _check_converter_sandbox(sender: str, instance: object, **_: object) -> None
     status = sandbox.announce()
     if status.enabled and not status.available:
         queues.deselect([settings.CONVERSION_QUEUE])
-        return
+
+
+@celeryd_after_setup.connect
+def _conversion_slots(sender: str, instance: object, **_: object) -> None:
+    """After the sandbox check (connected after it, so it runs after it): a worker that still
+    consumes conversions offers each pool process as a slot to the fair relay."""
+    from django.conf import settings
+
     global _CONVERSION_SLOTS
+    queues = instance.app.amqp.queues  # type: ignore[attr-defined]
+    if settings.CONVERSION_QUEUE not in queues.consume_from:
+        return
     _CONVERSION_SLOTS = True
-    pool = getattr(instance, "pool_cls", "")
-    if "prefork" not in str(getattr(pool, "__module__", pool)):
+    pool = getattr(instance, "pool_cls", "prefork")
+    name = pool if isinstance(pool, str) else getattr(pool, "__module__", "")
+    if "prefork" not in name:
         # No forked pool processes to announce themselves: this process has all the slots.
         from conversion_jobs.services import fair
 
