@@ -228,3 +228,20 @@ def test_two_relays_at_once_never_send_a_unit_twice_or_exceed_the_credits(
             t.join(30)
         ids = [u.outbox_id for out in outs for u in out]
         assert len(ids) == len(set(ids)) == 7, round_
+
+
+@pytest.mark.django_db
+def test_pick__weights_hold_one_credit_at_a_time(capacity: Any, unit: Any) -> None:
+    """As a busy fleet sees it: one slot frees, one pick, the unit runs and ends."""
+    capacity(1)
+    TenantShare.objects.create(tenant="a", weight=3)
+    for _ in range(40):
+        unit("a", cost=5)
+        unit("b", cost=5)
+    served = []
+    for _ in range(40):
+        (sent,) = fair.pick(limit=1)
+        served.append(sent.tenant)
+        claim = transitions.claim(job_id=sent.job_id, generation=1, worker="w")
+        assert claim is not None and transitions.fail(lease=claim.lease, code="invalid_input")
+    assert Counter(served) == {"a": 30, "b": 10}
