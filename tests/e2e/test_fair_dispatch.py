@@ -20,9 +20,9 @@ SLOW = {"_test_fault": {"kind": "slow", "seconds": 0.15}}
 
 
 def test_fair__a_second_tenant_is_served_during_a_flood_within_the_credits(start, submit):
-    start("worker", WORKER_CONCURRENCY="2")
-    start("sweeper")
-    start("beat")
+    start("worker", WORKER_CONCURRENCY="2", QUIRE_FAIR_CAPACITY="0")
+    start("sweeper", QUIRE_FAIR_CAPACITY="0")
+    start("beat", QUIRE_FAIR_CAPACITY="0")
     harness.wait_until(
         lambda: fair.capacity() == 2, timeout=20, what="the worker's two slots announced"
     )
