@@ -10,8 +10,9 @@ fresh database, a throwaway vhost with the production topology, the Procfile's `
 layer in the parent of the stack, as ``bench/latency.py`` does.
 
 * **Idle latency**: commit -> claim p50 / p99 of ``--idle-jobs`` one-page PDF -> text jobs, one
-  at a time (``bench/latency.py``'s idle phase), with ``QUIRE_FAIR_DISPATCH=0`` (the fast path
-  as it was) and ``=1``, each on its own fresh stack in the same run.
+  at a time (``bench/latency.py``'s idle phase), fair dispatch off (the fast path as it was)
+  and on, interleaved job by job on one stack (the switch is this process's, which runs every
+  commit's fast path).
 * **Flood** (one worker, ``WORKER_CONCURRENCY=2``: two worker processes): B alone first (the
   idle baseline: ``--b-jobs`` one-page jobs submitted at once, p95 of submit -> succeeded); A
   alone (``--a-jobs`` 10-page PNG jobs, pages/s from its first submit to its last finish); then
