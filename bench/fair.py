@@ -236,12 +236,17 @@ def phase_weights(args: argparse.Namespace) -> dict:
                 " GROUP BY j.tenant",
                 (start,),
             ).fetchall()
+            started = conn.execute(
+                "SELECT j.tenant, count(*) FROM conversion_attempt a JOIN conversion_job j"
+                " ON j.id = a.job_id WHERE a.started_at >= %s GROUP BY j.tenant",
+                (start,),
+            ).fetchall()
             left = conn.execute(
                 "SELECT j.tenant, count(*) FROM conversion_job j WHERE j.state = 'queued'"
                 " GROUP BY j.tenant"
             ).fetchall()
         pages = dict(rows)
-        return {"pages": pages, "queued_at_end": dict(left)}
+        return {"pages": pages, "queued_at_end": dict(left), "attempts_started": dict(started)}
 
 
 def phase_long(args: argparse.Namespace) -> dict:
@@ -377,7 +382,8 @@ def main() -> int:
         share = a / max(1, a + b)
         print(
             f"Weights 3:1 over {args.weights_s:g} s: A {a} pages, B {b} pages, A's share"
-            f" {share:.1%} (still queued at the end: {r['queued_at_end']})"
+            f" {share:.1%} (still queued at the end: {r['queued_at_end']}; attempts started in"
+            f" the window: {r['attempts_started']})"
         )
         good = 0.70 <= share <= 0.80 and all(v > 0 for v in r["queued_at_end"].values())
         print(f"weights A share {share:.3f}   target 0.75 ± 0.05   {c.verdict(good)}")
