@@ -468,14 +468,23 @@ def main() -> int:
             failed |= not ok
             report_crash(args, r)
         if not args.skip_throughput:
-            # alternated rounds, medians: a shared machine's load moves between two phases
+            # alternated rounds, medians: a shared machine's load moves between two phases.
+            # The order alternates too (accept first, then the CLI first): whichever runs second
+            # starts while Postgres still writes out the first one's burst (accept.py drops its
+            # database when it ends, and a DROP DATABASE checkpoints), which put the CLI at a
+            # systematic disadvantage when it always came second.
             pairs = []
             for n in range(args.rounds):
-                server = accept_rate(args)
-                rate, cpu_ms = submit_rate(args, work / f"round-{n}", db_url)
+                if n % 2 == 0:
+                    server = accept_rate(args)
+                    rate, cpu_ms = submit_rate(args, work / f"round-{n}", db_url)
+                else:
+                    rate, cpu_ms = submit_rate(args, work / f"round-{n}", db_url)
+                    server = accept_rate(args)
                 pairs.append((server, rate, cpu_ms))
                 print(
-                    f"round {n + 1}: accept.py {server:.1f} jobs/s, quire submit {rate:.1f} "
+                    f"round {n + 1} ({'accept first' if n % 2 == 0 else 'CLI first'}): "
+                    f"accept.py {server:.1f} jobs/s, quire submit {rate:.1f} "
                     f"files/s ({cpu_ms:.1f} ms CLI CPU per file), ratio {rate / server:.2f}",
                     flush=True,
                 )

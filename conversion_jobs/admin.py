@@ -1,8 +1,10 @@
-"""Django admin for operators (staff only): read-only views, and the actions (cancel, retry,
-lift a quarantine) that go through the same services as the API and the manage commands."""
+"""Django admin for operators (staff only): read-only views, the actions (cancel, retry,
+lift a quarantine) that go through the same services as the API and the manage commands, and
+the tenants' fair-share settings."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from django.contrib import admin, messages
@@ -18,8 +20,10 @@ from conversion_jobs.models import (
     ExecutionAuditEvent,
     PageCheckpoint,
     TenantErasure,
+    TenantShare,
 )
 from conversion_jobs.pseudonym import actor_pseudonym
+from conversion_jobs.services import fair
 from conversion_jobs.services.cancellation import conversion_job_cancel
 from conversion_jobs.services.quarantine import document_quarantine_lift
 from conversion_jobs.services.recovery import conversion_job_retry_failed
@@ -162,3 +166,77 @@ class TenantErasureAdmin(ReadOnlyAdmin):
         "started_at",
         "finished_at",
     )
+
+
+_fairness = threading.local()
+
+
+@admin.register(TenantShare)
+class TenantShareAdmin(admin.ModelAdmin):
+    """Fair share per tenant (docs/OPERABILITY.md "Fair share"): operators set the weight and
+    the running cap; the backlog, running work and share of pages over the last
+    ``QUIRE_FAIR_SHARE_WINDOW_S`` are read when the page is shown. ``vtime`` is the relay's."""
+
+    list_display = (
+        "tenant",
+        "weight",
+        "running_cap",
+        "backlog",
+        "backlog_cost",
+        "running",
+        "pages_in_window",
+        "page_share",
+    )
+    fields = ("tenant", "weight", "running_cap", "vtime", "updated_at")
+    readonly_fields = ("vtime", "updated_at")
+    search_fields = ("tenant",)
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> tuple[str, ...]:
+        return ("tenant", "vtime", "updated_at") if obj is not None else ("vtime", "updated_at")
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> Any:
+        stats = {row.tenant: row for row in fair.tenants_fairness()}
+        # a tenant whose work has never been sent has no row yet: list it too
+        TenantShare.objects.bulk_create(
+            [TenantShare(tenant=t) for t in stats], ignore_conflicts=True
+        )
+        _fairness.stats = stats
+        try:
+            response = super().changelist_view(request, extra_context)
+            if hasattr(response, "render"):  # the columns read the stats while rendering
+                response.render()
+            return response
+        finally:
+            _fairness.stats = {}
+
+    @staticmethod
+    def _stat(obj: TenantShare) -> fair.TenantFairness | None:
+        return getattr(_fairness, "stats", {}).get(obj.tenant)
+
+    @admin.display(description="backlog (units)")
+    def backlog(self, obj: TenantShare) -> int:
+        row = self._stat(obj)
+        return row.backlog_units if row else 0
+
+    @admin.display(description="backlog (page units)")
+    def backlog_cost(self, obj: TenantShare) -> int:
+        row = self._stat(obj)
+        return row.backlog_cost if row else 0
+
+    @admin.display(description="running + sent")
+    def running(self, obj: TenantShare) -> int:
+        row = self._stat(obj)
+        return row.running if row else 0
+
+    @admin.display(description="pages (window)")
+    def pages_in_window(self, obj: TenantShare) -> int:
+        row = self._stat(obj)
+        return row.pages_window if row else 0
+
+    @admin.display(description="share of pages")
+    def page_share(self, obj: TenantShare) -> str:
+        row = self._stat(obj)
+        return f"{row.page_share:.1%}" if row else "0.0%"

@@ -70,6 +70,11 @@ class ConversionJob(models.Model):
     max_attempts = models.PositiveIntegerField(default=5)
     next_attempt_at = models.DateTimeField(null=True, blank=True)
     queued_at = models.DateTimeField(null=True, blank=True)
+    # fair dispatch (docs/ARCHITECTURE.md §2b): what one dispatch of this job costs, in page
+    # units (services/fair.py ``dispatch_cost``), and which generation was last sent to a worker
+    dispatch_cost = models.PositiveIntegerField(default=1, db_default=1)
+    dispatched_generation = models.PositiveIntegerField(null=True, blank=True)
+    dispatched_at = models.DateTimeField(null=True, blank=True)
     #: The fence: set at claim, cleared when the lease ends. ``worker_lease`` holds its expiry.
     lease_token = models.UUIDField(null=True, blank=True)
     traceparent = models.CharField(max_length=64, blank=True, default="")
@@ -166,6 +171,12 @@ class ConversionJob(models.Model):
             ),
             # retention and the orphan sweep ask who still uses a (shared) source
             models.Index(name="job_source_sha256", fields=["source_sha256"]),
+            # the fair relay's "sent, not yet claimed" count: queued jobs that were dispatched
+            models.Index(
+                name="job_dispatched_queued",
+                fields=["dispatched_at"],
+                condition=Q(state=State.QUEUED, dispatched_at__isnull=False),
+            ),
             models.Index(
                 name="job_expired_unpurged",
                 fields=["expired_at"],
@@ -195,6 +206,9 @@ class ConversionOutbox(models.Model):
     #: generation; both null for the job's own message.
     range_first = models.PositiveIntegerField(null=True, blank=True)
     range_generation = models.PositiveIntegerField(null=True, blank=True)
+    #: this dispatch unit's cost in page units when it is not the job's whole ``dispatch_cost``
+    #: (a page range's); NULL: the job's
+    cost = models.PositiveIntegerField(null=True, blank=True)
 
     class Meta:
         db_table = "conversion_outbox"
@@ -224,6 +238,9 @@ class AttemptOutcome(models.TextChoices):
     LEASE_LOST = "lease_lost"
     #: The job was cancelled during the attempt.
     CANCELLED = "cancelled"
+    #: The attempt used its fair-share slice while another tenant waited and gave its worker
+    #: back (the job is queued again; not counted as an attempt).
+    YIELDED = "yielded"
 
 
 class ConversionAttempt(models.Model):
@@ -617,6 +634,65 @@ class ErasureObject(models.Model):
 
     def __str__(self) -> str:
         return f"erasure object {self.id}"
+
+
+class TenantShare(models.Model):
+    """A tenant's fair-share settings and the relay's virtual time for it (docs/DATA_MODEL.md,
+    ``tenant_share``). ``weight`` and ``running_cap`` are the operator's (admin, manage command
+    ``tenant_share``); ``vtime`` is written only by the fair relay, under its lock."""
+
+    tenant = models.CharField(max_length=64, primary_key=True)
+    weight = models.PositiveIntegerField(default=1)
+    #: at most this many of the tenant's dispatch units running or sent at once; NULL: no cap
+    running_cap = models.PositiveIntegerField(null=True, blank=True)
+    #: virtual finish time of the tenant's last dispatched unit (page units / weight)
+    vtime = models.FloatField(default=0.0)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        db_table = "tenant_share"
+        constraints = [
+            models.CheckConstraint(
+                name="tenant_share_weight_range", condition=Q(weight__gte=1, weight__lte=1000)
+            ),
+            models.CheckConstraint(
+                name="tenant_share_cap_positive",
+                condition=Q(running_cap__isnull=True) | Q(running_cap__gte=1),
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return "tenant share"
+
+
+class DispatchClock(models.Model):
+    """The fair relay's system virtual time (one row, id 1): the start tag of the last unit it
+    dispatched. A tenant that was idle starts again from here, never from its old ``vtime``."""
+
+    id = models.PositiveSmallIntegerField(primary_key=True, default=1)
+    vclock = models.FloatField(default=0.0)
+
+    class Meta:
+        db_table = "dispatch_clock"
+        constraints = [models.CheckConstraint(name="dispatch_clock_one_row", condition=Q(id=1))]
+
+    def __str__(self) -> str:
+        return f"dispatch clock {self.vclock}"
+
+
+class WorkerSlot(models.Model):
+    """One conversion slot (a worker pool process) that announced itself; the fair relay's
+    credits are the slots seen within ``QUIRE_FAIR_SLOT_TTL_S`` (services/fair.py)."""
+
+    name = models.CharField(max_length=160, primary_key=True)
+    slots = models.PositiveSmallIntegerField(default=1)
+    seen_at = models.DateTimeField()
+
+    class Meta:
+        db_table = "worker_slot"
+
+    def __str__(self) -> str:
+        return f"worker slot {self.name}"
 
 
 # The webhook tables live beside their service (conversion_jobs/webhooks/); imported here so

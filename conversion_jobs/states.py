@@ -52,5 +52,13 @@ TRANSITIONS: dict[tuple[State, State], str] = {
 }
 
 
+#: A second edge between two states the table already joins, told apart by its name:
+#: (from, to, name) -> who moves it. Bound, fenced and tested like every edge above.
+NAMED_TRANSITIONS: dict[tuple[State, State, str], str] = {
+    (State.RUNNING, State.QUEUED, "yield"): "worker: used its fair-share slice while another "
+    "tenant waits with no free slot (generation + 1, not counted as an attempt)",
+}
+
+
 def can_transition(source: State, target: State) -> bool:
     return (source, target) in TRANSITIONS

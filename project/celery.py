@@ -19,7 +19,7 @@ import os
 import threading
 
 from celery import Celery
-from celery.signals import celeryd_after_setup, worker_process_init
+from celery.signals import celeryd_after_setup, worker_process_init, worker_process_shutdown
 from celery.worker.consumer import Consumer
 from django.conf import settings
 
@@ -88,6 +88,50 @@ def _check_converter_sandbox(sender: str, instance: object, **_: object) -> None
     status = sandbox.announce()
     if status.enabled and not status.available:
         queues.deselect([settings.CONVERSION_QUEUE])
+
+
+@celeryd_after_setup.connect
+def _conversion_slots(sender: str, instance: object, **_: object) -> None:
+    """After the sandbox check (connected after it, so it runs after it): a worker that still
+    consumes conversions offers each pool process as a slot to the fair relay."""
+    from django.conf import settings
+
+    global _CONVERSION_SLOTS
+    queues = instance.app.amqp.queues  # type: ignore[attr-defined]
+    if settings.CONVERSION_QUEUE not in queues.consume_from:
+        return
+    _CONVERSION_SLOTS = True
+    pool = getattr(instance, "pool_cls", "prefork")
+    name = pool if isinstance(pool, str) else getattr(pool, "__module__", "")
+    if "prefork" not in name:
+        # No forked pool processes to announce themselves: this process has all the slots.
+        from conversion_jobs.services import fair
+
+        fair.slot_beat_start(slots=int(getattr(instance, "concurrency", 1) or 1))
+
+
+#: This worker consumes conversions: each of its pool processes is a slot the fair relay may
+#: fill (conversion_jobs/services/fair.py). Set before the pool forks, so children inherit it.
+_CONVERSION_SLOTS = False
+
+
+@worker_process_init.connect
+def _announce_conversion_slot(**_: object) -> None:
+    if _CONVERSION_SLOTS:
+        from conversion_jobs.services import fair
+
+        fair.slot_beat_start()
+
+
+@worker_process_shutdown.connect
+def _withdraw_conversion_slot(**_: object) -> None:
+    if _CONVERSION_SLOTS:
+        from conversion_jobs.services import fair
+
+        try:
+            fair.slot_withdraw()
+        except Exception:  # the row lapses after QUIRE_FAIR_SLOT_TTL_S anyway
+            return
 
 
 @worker_process_init.connect

@@ -373,6 +373,20 @@ QUIRE: dict[str, Any] = {
     "PUBLISH_BATCH": env_int("QUIRE_PUBLISH_BATCH", 200),
     "DISPATCH_TIMEOUT_S": env_float("QUIRE_DISPATCH_TIMEOUT_S", 600.0),
     "SWEEP_BATCH": env_int("QUIRE_SWEEP_BATCH", 500),
+    # fair dispatch (docs/ARCHITECTURE.md §2b, ADR 0021; docs/OPERABILITY.md "Fair share")
+    "FAIR_DISPATCH": env_bool("QUIRE_FAIR_DISPATCH", True),
+    # worker slots the relay may fill; 0: the slots worker processes announce (worker_slot)
+    "FAIR_CAPACITY": env_int("QUIRE_FAIR_CAPACITY", 0),
+    "FAIR_SLOT_BEAT_S": env_float("QUIRE_FAIR_SLOT_BEAT_S", 2.0),
+    "FAIR_SLOT_TTL_S": env_float("QUIRE_FAIR_SLOT_TTL_S", 10.0),
+    # a sent unit not claimed within this long counts as lost: its credit returns and the
+    # stale-dispatch sweep sends the job again
+    "FAIR_LOST_S": env_float("QUIRE_FAIR_LOST_S", 30.0),
+    # a running attempt yields at a checkpoint batch after this long when another tenant waits
+    # with no free slot; 0: never
+    "FAIR_SLICE_S": env_float("QUIRE_FAIR_SLICE_S", 30.0),
+    # the window of the per-tenant page-share gauge and admin page
+    "FAIR_SHARE_WINDOW_S": env_float("QUIRE_FAIR_SHARE_WINDOW_S", 300.0),
     "SWEEP_INTERVAL_S": env_float("QUIRE_SWEEP_INTERVAL_S", 1.0),
     # per-sweep interval overrides by short name (beat_schedules/schedule.py), applied by
     # install_beat_schedule: "apply_retention=60,remove_orphaned_artifacts=30"

@@ -45,6 +45,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.engine)
 
 
+@pytest.fixture(autouse=True)
+def _fair_capacity(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process tests run no worker that would announce its slots, so the fair relay's
+    credits (docs/ARCHITECTURE.md §2b) are a fixed 10,000 there: the fast path and the sweep
+    publish through the fair pick as they would on an idle system. Tests of the credits
+    themselves are marked ``fair_credits`` and set their own capacity."""
+    if request.node.get_closest_marker("fair_credits"):
+        return
+    from django.conf import settings
+
+    monkeypatch.setitem(settings.QUIRE, "FAIR_CAPACITY", 10_000)
+
+
 def storage_kind() -> str:
     return os.environ.get("QUIRE_STORAGE", "filesystem")
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime
+from typing import Any
 
 from django.conf import settings
 from django.db.models import Count, Min
@@ -72,6 +73,7 @@ class DatabaseGauges(Collector):
         yield last_success
         yield from _webhook_gauges(now)
         yield _quarantine_gauge()
+        yield from _fair_gauges()
 
     @classmethod
     def registry(cls) -> CollectorRegistry:
@@ -142,4 +144,51 @@ def _webhook_gauges(now: datetime) -> Iterator[GaugeMetricFamily]:
         "quire_webhook_endpoints_disabled",
         "Webhook endpoints disabled (by their tenant, a 410, or failing too long)",
         value=WebhookEndpoint.objects.filter(enabled=False).count(),
+    )
+
+
+#: The per-tenant fairness rows' reader, registered by ``services/fair.py`` when it loads
+#: (observability sits below the services: a hook, not an import; docs/ARCHITECTURE.md §9).
+fairness_rows: Callable[[], Any] | None = None
+fairness_capacity: Callable[[], int] | None = None
+
+
+def _fair_gauges() -> Iterator[GaugeMetricFamily]:
+    """Per tenant (a keyed pseudonym, never the tenant id; docs/THREAT_MODEL.md §3): waiting
+    dispatch units and their cost, slots in use, and the share of pages checkpointed over the
+    last ``QUIRE_FAIR_SHARE_WINDOW_S`` (docs/OPERABILITY.md "Fair share")."""
+    from conversion_jobs.pseudonym import pseudonym
+
+    if fairness_rows is None or fairness_capacity is None:  # services/fair.py is not loaded
+        return
+    rows = fairness_rows()
+    families = {
+        "backlog_units": GaugeMetricFamily(
+            "quire_tenant_backlog_units", "Dispatch units waiting, per tenant", labels=["tenant"]
+        ),
+        "backlog_cost": GaugeMetricFamily(
+            "quire_tenant_backlog_cost",
+            "Page units of the dispatch units waiting, per tenant",
+            labels=["tenant"],
+        ),
+        "running": GaugeMetricFamily(
+            "quire_tenant_running",
+            "Worker slots in use (running or sent), per tenant",
+            labels=["tenant"],
+        ),
+        "page_share": GaugeMetricFamily(
+            "quire_tenant_page_share_ratio",
+            "Share of the pages converted over the fair-share window, per tenant",
+            labels=["tenant"],
+        ),
+    }
+    for row in rows:
+        label = [pseudonym("tenant", row.tenant)]
+        for field, family in families.items():
+            family.add_metric(label, float(getattr(row, field)))
+    yield from families.values()
+    yield GaugeMetricFamily(
+        "quire_fair_capacity_slots",
+        "Worker slots the fair relay may fill",
+        value=fairness_capacity(),
     )

@@ -18,6 +18,8 @@ OUTBOX_PUBLISHED = Counter("quire_outbox_published", "Outbox rows published", ["
 OUTBOX_PUBLISH_FAILURES = Counter(
     "quire_outbox_publish_failures", "Outbox publish failures", ["path", "code"]
 )
+FAIR_DISPATCHED = Counter("quire_fair_dispatched", "Dispatch units the fair relay sent")
+FAIR_YIELDS = Counter("quire_fair_yields", "Attempts that yielded their worker at a slice's end")
 REDISPATCHES = Counter("quire_redispatches", "Jobs dispatched again", ["reason"])
 DUPLICATE_DELIVERIES = Counter(
     "quire_duplicate_deliveries", "Deliveries acked without work", ["reason"]
@@ -128,11 +130,20 @@ KNOWN_SERIES: dict[Counter | Histogram, list[dict[str, str]]] = {
         for code in ("broker_timeout", "broker_unreachable", "publish_failed")
     ]
     + [{"path": "fast", "code": "queue_full"}],
-    REDISPATCHES: [{"reason": r} for r in ("dispatch_timeout", "retry_due", "operator_retry")],
+    REDISPATCHES: [
+        {"reason": r} for r in ("dispatch_timeout", "retry_due", "operator_retry", "yielded")
+    ],
     DUPLICATE_DELIVERIES: [{"reason": "duplicate"}, {"reason": "stale"}],
     ATTEMPT_DURATION: [
         {"outcome": o}
-        for o in ("succeeded", "retryable_error", "terminal_error", "lease_lost", "cancelled")
+        for o in (
+            "succeeded",
+            "retryable_error",
+            "terminal_error",
+            "lease_lost",
+            "cancelled",
+            "yielded",
+        )
     ],
     RECOVERIES: [{"result": r} for r in ("requeued", "exhausted", "cancelled")],
     FENCED_WRITES_REFUSED: [

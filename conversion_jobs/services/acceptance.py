@@ -30,7 +30,7 @@ from conversion_jobs.ids import uuid7
 from conversion_jobs.models import ConversionJob, IdempotencyRecord
 from conversion_jobs.observability import metrics
 from conversion_jobs.options import normalize_options, options_digest, request_fingerprint
-from conversion_jobs.services import transitions
+from conversion_jobs.services import fair, transitions
 from conversion_jobs.services.admission import (
     admission_accepted,
     admission_admit,
@@ -335,6 +335,8 @@ class _Checked:
     metadata: dict[str, Any] | None = None
     #: ``converters.engine_version`` of the sniffed type (the quarantine's key)
     engine_version: str = ""
+    #: the page count the source's bytes suggest, for the dispatch cost (``fair.pdf_page_hint``)
+    page_hint: int | None = None
 
 
 #: The largest client ``metadata`` object, as compact UTF-8 JSON (docs/API_CONTRACT.md §3).
@@ -386,7 +388,14 @@ def _checked(
     fingerprint = request_fingerprint(source_sha256=upload.sha256, output=output, options=options)
     metadata = checked_metadata(raw_metadata)
     engine = converters.engine_version(media_type)
-    return _Checked(media_type, options, sealed, digest, fingerprint, metadata, engine)
+    hint = (
+        fair.pdf_page_hint(upload.content if upload.content is not None else upload.path)
+        if media_type == "application/pdf"
+        else None
+    )
+    return _Checked(
+        media_type, options, sealed, digest, fingerprint, metadata, engine, page_hint=hint
+    )
 
 
 def _new_job(
@@ -417,6 +426,13 @@ def _new_job(
         traceparent=traceparent,
         password_sealed=checked.sealed,
         metadata=checked.metadata,
+        dispatch_cost=fair.dispatch_cost(
+            media_type=checked.media_type,
+            size=upload.size,
+            output=output,
+            options=checked.options,
+            page_hint=checked.page_hint,
+        ),
     )
     return transitions.NewJob(
         job=job,

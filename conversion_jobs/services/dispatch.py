@@ -14,13 +14,13 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import F, Q
+from django.db.models import Exists, F, OuterRef, Q
 from django.db.models.functions import Now
 from django.utils import timezone
 
 from conversion_jobs.models import ConversionJob, ConversionOutbox
 from conversion_jobs.observability import metrics
-from conversion_jobs.services import broker, publisher
+from conversion_jobs.services import broker, fair, publisher
 from conversion_jobs.services.broker import RangeRef
 from conversion_jobs.states import State
 
@@ -87,7 +87,10 @@ def outbox_publish_fast(
 ) -> bool:
     """Publish one freshly committed row. Never raises: a failure leaves the row unpublished
     for the sweeper, so the request that committed it is never failed or delayed past the
-    confirm timeout."""
+    confirm timeout. With fair dispatch the commit runs a fair pick instead, which on an idle
+    system sends this very row (``fair.py``)."""
+    if fair.enabled():
+        return fair.relay_quietly(path="fast") > 0
     try:
         broker.publish_conversion(
             job_id=job_id, generation=generation, traceparent=traceparent, page_range=page_range
@@ -127,11 +130,26 @@ def outbox_rows_publish_unpublished(*, batch: int | None = None) -> SweepResult:
     ``FOR UPDATE SKIP LOCKED`` (two beats never take the same row), publish each with confirms,
     mark it. A failure stops the batch (the broker is likely down) and is recorded on the row."""
     batch = batch or settings.QUIRE["SWEEP_BATCH"]
+    if fair.enabled():
+        # Page ranges' rows go in id order, outside the fair pick: a range's job is running
+        # (its planner's), so it is no unit of the pick yet (ADR 0021 "Page ranges").
+        ranges = _rows_publish_in_order(batch=batch, ranges_only=True)
+        # The backstop of the fair relay: one pick, bounded by the free credits.
+        fair.outbox_rows_retire_superseded(batch=batch)
+        fair.slots_remove_stale()
+        sent = fair.relay(limit=batch, path="sweep")
+        return SweepResult(published=sent + ranges.published, failed=ranges.failed)
+    return _rows_publish_in_order(batch=batch, ranges_only=False)
+
+
+def _rows_publish_in_order(*, batch: int, ranges_only: bool) -> SweepResult:
     published = failed = 0
+    unpublished = ConversionOutbox.objects.filter(published_at__isnull=True)
+    if ranges_only:
+        unpublished = unpublished.filter(range_first__isnull=False)
     with transaction.atomic():
         rows = list(
-            ConversionOutbox.objects.select_for_update(skip_locked=True)
-            .filter(published_at__isnull=True)
+            unpublished.select_for_update(skip_locked=True)
             # A page range's row has no fast path when a worker wrote it (a worker may not
             # publish: deploy/rabbitmq/README.md), so the sweep takes it at once (ADR 0023).
             .filter(
@@ -179,18 +197,36 @@ def conversion_jobs_republish_if_dispatch_stale(*, batch: int | None = None) -> 
     generation (a duplicate message is harmless: the claim is a CAS). ``queued_at`` moves
     forward in the same guarded UPDATE, so the next sweep waits another full timeout."""
     batch = batch or settings.QUIRE["SWEEP_BATCH"]
-    cutoff = timezone.now() - timedelta(seconds=settings.QUIRE["DISPATCH_TIMEOUT_S"])
+    now = timezone.now()
+    cutoff = now - timedelta(seconds=settings.QUIRE["DISPATCH_TIMEOUT_S"])
+    stale_jobs = ConversionJob.objects.filter(state=State.QUEUED, queued_at__lt=cutoff)
+    if fair.enabled():
+        # A job waiting its turn in the fair order is not stale: only a unit sent and not
+        # claimed within QUIRE_FAIR_LOST_S (its message lost), or a job with no unit waiting
+        # past the dispatch timeout (sent before fair dispatch was on), is sent again.
+        lost = now - timedelta(seconds=settings.QUIRE["FAIR_LOST_S"])
+        waiting = ConversionOutbox.objects.filter(
+            job_id=OuterRef("id"), generation=OuterRef("generation"), published_at__isnull=True
+        )
+        stale_jobs = ConversionJob.objects.filter(state=State.QUEUED).filter(
+            Q(dispatched_generation=F("generation"), dispatched_at__lt=lost)
+            | (
+                Q(queued_at__lt=cutoff)
+                & ~Q(dispatched_generation=F("generation"))
+                & ~Exists(waiting)
+            )
+        )
     count = 0
     with transaction.atomic():
         stale = list(
-            ConversionJob.objects.select_for_update(skip_locked=True)
-            .filter(state=State.QUEUED, queued_at__lt=cutoff)
-            .values_list("id", "generation", "traceparent")[:batch]
+            stale_jobs.select_for_update(skip_locked=True).values_list(
+                "id", "generation", "traceparent"
+            )[:batch]
         )
         for job_id, generation, traceparent in stale:
             moved = ConversionJob.objects.filter(
                 id=job_id, state=State.QUEUED, generation=generation
-            ).update(queued_at=Now())
+            ).update(queued_at=Now(), dispatched_at=None)
             if moved:
                 ConversionOutbox.objects.create(
                     job_id=job_id, generation=generation, traceparent=traceparent

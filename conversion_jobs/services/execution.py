@@ -114,3 +114,8 @@ def attempt_record_lease_lost(*, lease: Lease) -> None:
     transitions.attempt_close(
         lease=lease, outcome=AttemptOutcome.LEASE_LOST, error_code="lease_lost"
     )
+
+
+def conversion_job_yield(*, lease: Lease, traceparent: str, cost: int) -> bool:
+    """RUNNING -> QUEUED "yielded" (``transitions.yield_slice``). False: lost."""
+    return transitions.yield_slice(lease=lease, traceparent=traceparent, cost=cost)

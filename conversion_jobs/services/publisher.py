@@ -35,7 +35,7 @@ from django.db.models.functions import Now
 
 from conversion_jobs.models import ConversionOutbox
 from conversion_jobs.observability import metrics, tracing
-from conversion_jobs.services import broker
+from conversion_jobs.services import broker, fair
 from conversion_jobs.services.prepared import prepared_cursor
 
 log = logging.getLogger(__name__)
@@ -179,7 +179,10 @@ class BackgroundPublisher:
                     break
                 batch.append(item)
             try:
-                self.publish_batch(batch)
+                if fair.enabled():
+                    self.publish_fair()
+                else:
+                    self.publish_batch(batch)
             except Exception as exc:  # never let the thread die; the rows stay for the sweep
                 log.warning("outbox fast path batch failed", extra={"error": type(exc).__name__})
             finally:
@@ -189,7 +192,21 @@ class BackgroundPublisher:
         self._drop_connection()
         _reset_db()
 
-    def publish_batch(self, batch: list[Pending]) -> None:
+    def publish_fair(self) -> None:
+        """Fair dispatch (``fair.py``): the rows handed over only say "something was committed";
+        what is sent is what a fair pick chooses now (on an idle system, those very rows)."""
+        try:
+            units = fair.pick(limit=self.max_batch)
+        except Exception:
+            _reset_db()
+            raise
+        if units:
+            batch = [Pending(u.outbox_id, u.job_id, u.generation, u.traceparent) for u in units]
+            self.publish_batch(batch, picked=units)
+
+    def publish_batch(self, batch: list[Pending], picked: list[fair.Unit] | None = None) -> None:
+        """Publish ``batch`` and mark the confirmed rows; ``picked``: the rows were marked sent by
+        a fair pick already, and the ones not confirmed go back to waiting."""
         confirmed: list[int] = []
         error: BaseException | None = None
         for _attempt in (0, 1):  # one immediate retry on a fresh connection (ADR 0015)
@@ -205,7 +222,8 @@ class BackgroundPublisher:
         done = set(confirmed)
         failed = [p.outbox_id for p in batch if p.outbox_id not in done]
         if confirmed:
-            self._mark_published(confirmed)
+            if picked is None:
+                self._mark_published(confirmed)
             metrics.OUTBOX_PUBLISHED.labels(path="fast").inc(len(confirmed))
         if failed:
             code = broker.error_code(error) if error is not None else "publish_failed"
@@ -214,7 +232,15 @@ class BackgroundPublisher:
                 extra={"code": code, "error": type(error).__name__ if error else "Nacked"},
             )
             metrics.OUTBOX_PUBLISH_FAILURES.labels(path="fast", code=code).inc(len(failed))
-            self._record_failure(failed, code)
+            if picked is None:
+                self._record_failure(failed, code)
+            else:
+                lost = set(failed)
+                try:
+                    fair.unsend([u for u in picked if u.outbox_id in lost], code=code)
+                except Exception:  # the database is away: they count as lost, then are resent
+                    log.warning("could not return unpublished units", exc_info=False)
+                    _reset_db()
 
     def _publish(self, batch: list[Pending]) -> list[int]:
         """Publish ``batch``; the outbox ids the broker confirmed."""

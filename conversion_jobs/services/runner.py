@@ -34,7 +34,7 @@ from conversion_jobs.models import ConversionJob, PageState
 from conversion_jobs.observability import metrics, tracing
 from conversion_jobs.passwords import sealed_passwords_wipe, unseal
 from conversion_jobs.pseudonym import pseudonym
-from conversion_jobs.services import execution, fanout, quarantine
+from conversion_jobs.services import execution, fair, fanout, quarantine
 from conversion_jobs.services.checkpoints import (
     INLINE_PREFIX,
     CheckpointBatch,
@@ -140,6 +140,10 @@ def conversion_job_execute(*, job_id: uuid.UUID, generation: int) -> str:
         converters.release(spare=False)
         converters.begin_attempt(tenant=None)
         tidy_later(functools.partial(_tidy, workdir))
+        if fair.enabled():
+            # This attempt's slot is free (the job left running): the fair order fills it now,
+            # not at the next outbox sweep (docs/ARCHITECTURE.md §2b).
+            fair.relay_quietly(path="fast")
 
 
 def _tidy(workdir: Path) -> None:
@@ -468,11 +472,20 @@ def _convert_pages(
     (called once its last batch is written, instead of ``_finalize``)."""
     stop = heartbeat.stop.is_set
     local: dict[int, Path] = {}  # pages of this attempt: where their bytes are on this host
+    slice_ = _Slice()
     for index, page in enumerate(todo):
         done = checkpoints.get(page)
         if heartbeat.stop.is_set():
             raise ConversionStopped()
         batch.flush_if_due()
+        # A page range (ADR 0023) never yields: it is already a bounded unit of work, and a yield
+        # would move the whole fanned-out job (ADR 0021).
+        if (
+            range_lease is None
+            and slice_.due()
+            and _yield_if_others_wait(lease=lease, job=job, batch=batch, left=len(todo) - index)
+        ):
+            return "yielded"
         tries = done.attempts if done is not None else 0
         while True:
             try:
@@ -579,6 +592,49 @@ def _convert_pages(
         local=local,
         unrecorded=unrecorded,
     )
+
+
+class _Slice:
+    """When this attempt may give its worker back (``QUIRE_FAIR_SLICE_S`` after it began
+    converting pages; 0 or fair dispatch off: never). Past the slice, it asks at most once a
+    second whether another tenant waits."""
+
+    def __init__(self) -> None:
+        self.seconds = settings.QUIRE["FAIR_SLICE_S"] if fair.enabled() else 0.0
+        self.next_check = time.monotonic() + self.seconds
+
+    def due(self) -> bool:
+        if self.seconds <= 0:
+            return False
+        now = time.monotonic()
+        if now < self.next_check:
+            return False
+        self.next_check = now + 1.0
+        return True
+
+
+def _yield_if_others_wait(
+    *, lease: Lease, job: ConversionJob, batch: CheckpointBatch, left: int
+) -> bool:
+    """At a page boundary past the slice: when another tenant's work waits with no free slot,
+    checkpoint the pages done so far and end the attempt ``yielded`` (docs/ARCHITECTURE.md
+    §2b); the job is queued again at the cost of its ``left`` pages. False: keep converting.
+    A yield that loses its fence (a cancel, a lost lease) raises ``LeaseLost``."""
+    if not db_retry(fair.others_waiting, tenant=job.tenant):
+        return False
+    batch.flush()  # the next attempt skips every page done so far
+    cost = fair.dispatch_cost(
+        media_type=job.source_media_type,
+        size=job.source_size,
+        output=job.output,
+        options=job.options,
+        pages=left,
+    )
+    if db_retry(
+        execution.conversion_job_yield, lease=lease, traceparent=job.traceparent, cost=cost
+    ):
+        return True
+    raise LeaseLost()
 
 
 def _path(artifact: Any) -> Path:

@@ -74,25 +74,35 @@ from conversion_jobs.services.checkpoints import (
 from conversion_jobs.services.dispatch import outbox_publish_after_commit
 from conversion_jobs.services.leases import Lease, lease_ttl
 from conversion_jobs.services.prepared import prepared_cursor
-from conversion_jobs.states import LEASED_STATES, TERMINAL_STATES, TRANSITIONS, State
+from conversion_jobs.states import (
+    LEASED_STATES,
+    NAMED_TRANSITIONS,
+    TERMINAL_STATES,
+    TRANSITIONS,
+    State,
+)
 from conversion_jobs.webhooks.outbox import EVENT_OF_STATE, PUBLISH_MESSAGES, messages_enqueue
 
 Fn = TypeVar("Fn", bound=Callable[..., Any])
 
-#: (from, to) -> the function that makes that move.
-EDGES: dict[tuple[State, State], Callable[..., Any]] = {}
+#: (from, to) or (from, to, name) -> the function that makes that move.
+EDGES: dict[tuple[Any, ...], Callable[..., Any]] = {}
 
 
-def edge(source: State, target: State) -> Callable[[Fn], Fn]:
-    """Bind a function to its edge of ``TRANSITIONS`` (at import: a stray edge fails loudly)."""
+def edge(source: State, target: State, name: str | None = None) -> Callable[[Fn], Fn]:
+    """Bind a function to its edge of ``TRANSITIONS`` (or, with ``name``, of
+    ``NAMED_TRANSITIONS``); at import: a stray edge fails loudly."""
+    key: tuple[Any, ...] = (source, target) if name is None else (source, target, name)
 
     def bind(fn: Fn) -> Fn:
         if (source, target) not in TRANSITIONS:
             raise LookupError(f"{source} -> {target} is not an edge of states.TRANSITIONS")
-        if (source, target) in EDGES:
-            raise LookupError(f"{source} -> {target} already has {EDGES[(source, target)]}")
-        EDGES[(source, target)] = fn
-        fn.edge = (source, target)  # type: ignore[attr-defined]
+        if name is not None and key not in NAMED_TRANSITIONS:
+            raise LookupError(f"{key} is not an edge of states.NAMED_TRANSITIONS")
+        if key in EDGES:
+            raise LookupError(f"{key} already has {EDGES[key]}")
+        EDGES[key] = fn
+        fn.edge = key  # type: ignore[attr-defined]
         return fn
 
     return bind
@@ -1056,6 +1066,43 @@ def requeue_lost_lease(*, lease: Lease, traceparent: str) -> bool:
             attempt_id=lease.attempt_id,
             details={"result": "requeued"},
         )
+    return True
+
+
+@edge(State.RUNNING, State.QUEUED, name="yield")
+def yield_slice(*, lease: Lease, traceparent: str, cost: int) -> bool:
+    """RUNNING -> QUEUED "yielded" (generation + 1, new outbox row of ``cost`` page units): the
+    attempt used its fair-share slice while another tenant waits with no free slot
+    (docs/ARCHITECTURE.md §2b). Not a failure and not an attempt: ``attempts`` goes back down,
+    the attempt closes ``yielded``; the job resumes from its checkpoints when the fair order
+    sends it again. Fenced like every worker write. False: lost, nothing written."""
+    with transaction.atomic():
+        if not _move(
+            _fenced(lease),
+            State.RUNNING,
+            State.QUEUED,
+            generation=F("generation") + 1,
+            attempts=F("attempts") - 1,
+            queued_at=Now(),
+            lease_token=None,
+            dispatch_cost=max(1, cost),
+        ):
+            return False
+        _lease_ends(lease, outcome=AttemptOutcome.YIELDED, error_code=None)
+        _redispatch(
+            job_id=lease.job_id,
+            generation=lease.generation + 1,
+            traceparent=traceparent,
+            reason="yielded",
+        )
+        audit_event_append(
+            job_id=lease.job_id,
+            event_type="yielded",
+            generation=lease.generation,
+            attempt_id=lease.attempt_id,
+            details={"attempt": lease.attempt_number, "cost": max(1, cost)},
+        )
+        transaction.on_commit(metrics.FAIR_YIELDS.inc)
     return True
 
 

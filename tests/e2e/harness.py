@@ -272,6 +272,10 @@ def process_env(**extra: str) -> dict[str, str]:
         # Some tests read a task's outcome ('lost', 'duplicate') from Celery's "succeeded in"
         # line, which production keeps at WARNING (ADR 0017, session 4).
         QUIRE_TASK_LOG_LEVEL="INFO",
+        # As in-process (tests/conftest.py _fair_capacity): fair dispatch with a fixed 10,000
+        # slots, so a test without workers still sees its rows published; the fair dispatch
+        # tests pass QUIRE_FAIR_CAPACITY="0" (the slots the workers announce).
+        QUIRE_FAIR_CAPACITY="10000",
     )
     env.update(extra)
     return env

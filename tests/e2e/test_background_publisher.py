@@ -90,9 +90,13 @@ def test_background_publisher__broker_down_still_202_and_the_sweep_publishes(
         closed_port = probe.getsockname()[1]  # nothing listens there: connection refused
     web = start("web", **_broker_env(closed_port))
     job_ids = [_accept(web.port) for _ in range(3)]
-    # The publisher tried, failed, and recorded it on the rows; nothing was published.
+    # The publisher tried, failed, and recorded it on the rows; nothing was published. (Fair
+    # dispatch: each accept's pick takes every waiting row, so a row may be tried more than
+    # once before the sweep.)
     harness.wait_until(
-        lambda: {(p, a, e) for p, a, e in _rows(job_ids)} == {(None, 1, "broker_unreachable")},
+        lambda: (
+            {(p, a >= 1, e) for p, a, e in _rows(job_ids)} == {(None, True, "broker_unreachable")}
+        ),
         timeout=15,
         what="the fast path's failure recorded on the rows",
     )
@@ -103,7 +107,7 @@ def test_background_publisher__broker_down_still_202_and_the_sweep_publishes(
         timeout=30,
         what="the sweep to publish the rows",
     )
-    assert {attempts for _, attempts, _ in _rows(job_ids)} == {2}
+    assert all(attempts >= 2 for _, attempts, _ in _rows(job_ids))
     assert web.popen.poll() is None
 
 

@@ -30,7 +30,7 @@ from conversion_jobs.models import (
 from conversion_jobs.services import transitions
 from conversion_jobs.services.audit import audit_chain_verify
 from conversion_jobs.services.leases import Lease
-from conversion_jobs.states import TRANSITIONS, State
+from conversion_jobs.states import NAMED_TRANSITIONS, TRANSITIONS, State
 from tests.integration.transitions.builders import text_result
 
 ROOT = Path(__file__).resolve().parents[3] / "conversion_jobs"
@@ -38,7 +38,7 @@ RESULT = text_result()
 
 #: edge -> (the source state to set up, the call that makes the move, what winning returns)
 Call = Callable[[ConversionJob, Lease | None], Any]
-CASES: dict[tuple[State, State], tuple[State, Call]] = {
+CASES: dict[tuple[Any, ...], tuple[State, Call]] = {
     (State.QUEUED, State.RUNNING): (
         State.QUEUED,
         lambda j, _: transitions.claim(job_id=j.id, generation=j.generation, worker="w"),
@@ -79,6 +79,10 @@ CASES: dict[tuple[State, State], tuple[State, Call]] = {
         State.RUNNING,
         lambda _, lease: transitions.requeue_lost_lease(lease=lease, traceparent=""),
     ),
+    (State.RUNNING, State.QUEUED, "yield"): (
+        State.RUNNING,
+        lambda _, lease: transitions.yield_slice(lease=lease, traceparent="", cost=7),
+    ),
     (State.RUNNING, State.CANCELLING): (
         State.RUNNING,
         lambda j, _: transitions.cancel_running(job_id=j.id, tenant=j.tenant, actor="a"),
@@ -99,11 +103,12 @@ CASES: dict[tuple[State, State], tuple[State, Call]] = {
 
 
 def test_every_edge_has_exactly_one_function_and_every_function_an_edge():
-    assert set(transitions.EDGES) == set(TRANSITIONS)
+    every = set(TRANSITIONS) | set(NAMED_TRANSITIONS)
+    assert set(transitions.EDGES) == every
     bound = [fn for fn in vars(transitions).values() if callable(fn) and hasattr(fn, "edge")]
-    assert sorted(fn.edge for fn in bound) == sorted(TRANSITIONS)
+    assert sorted(fn.edge for fn in bound) == sorted(every)
     assert all(transitions.EDGES[fn.edge] is fn for fn in bound)
-    assert set(CASES) == set(TRANSITIONS)  # the matrix below covers every edge
+    assert set(CASES) == every  # the matrix below covers every edge
 
 
 def test_edge_outside_the_table_is_refused():
@@ -111,6 +116,8 @@ def test_edge_outside_the_table_is_refused():
         transitions.edge(State.SUCCEEDED, State.QUEUED)(lambda: None)
     with pytest.raises(LookupError):  # a second function for a bound edge
         transitions.edge(State.QUEUED, State.RUNNING)(lambda: None)
+    with pytest.raises(LookupError):  # a name the named table does not have
+        transitions.edge(State.RUNNING, State.QUEUED, name="nap")(lambda: None)
 
 
 def _range_state(value: ast.expr) -> bool:
@@ -229,7 +236,7 @@ def _competitor_sql(source: State) -> str:
     )
 
 
-EDGE_IDS = [f"{a.value}->{b.value}" for a, b in CASES]
+EDGE_IDS = ["->".join(str(getattr(part, "value", part)) for part in edge) for edge in CASES]
 
 
 @pytest.mark.django_db(transaction=True)

@@ -1,0 +1,521 @@
+"""Fair dispatch (docs/ARCHITECTURE.md §2b, ADR 0021): Postgres decides what runs next.
+
+A *dispatch unit* is an unpublished ``conversion_outbox`` row whose job is still ``queued`` in
+the row's generation; its cost is ``COALESCE(outbox.cost, job.dispatch_cost)`` page units
+(:func:`dispatch_cost`). The relay sends a unit to RabbitMQ only when a worker slot is free:
+
+* **credits** = slots - busy. Slots are ``QUIRE_FAIR_CAPACITY`` when set, else the worker pool
+  processes that announced themselves in ``worker_slot`` within ``QUIRE_FAIR_SLOT_TTL_S``
+  (:func:`slot_beat_start`). Busy = jobs ``running`` / ``cancelling`` + jobs sent and not yet
+  claimed (``dispatched_generation = generation``, ``dispatched_at`` within
+  ``QUIRE_FAIR_LOST_S``). Every figure is counted from rows at each pick, never kept as a
+  running counter: a credit returns by itself when a job ends, yields, is cancelled or loses
+  its lease (it leaves ``running``), and a message lost after its pick stops counting after
+  ``QUIRE_FAIR_LOST_S`` (the stale-dispatch sweep then writes a new unit for it).
+* **order**: start-time fair queueing over cost / weight. Each tenant has a virtual time
+  (``tenant_share.vtime``, the finish tag of its last sent unit); a waiting unit's start tag is
+  ``max(vtime, clock) + (cost of the tenant's units before it) / weight``; the units with the
+  smallest start tags are sent, ``dispatch_clock.vclock`` follows the last start tag sent, so a
+  tenant that was idle starts again at the clock and banks nothing.
+* **one picker at a time**: Postgres runs the whole pick as ``quire_fair_pick`` (migration 0015)
+  under a transaction-scoped advisory lock; SQLite's twin below runs under ``BEGIN IMMEDIATE``
+  (the database's one write lock). Two relays never send one unit twice or exceed the credits.
+
+Every caller that may have freed or filled a slot runs a pick: the commit fast path (the web's
+background publisher, or inline), the worker after each attempt (its credit returned), the
+outbox sweep every second (the backstop). On an idle system the unit a commit wrote is the one
+its own fast path picks: one statement before the publish instead of one after.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import socket
+import threading
+import uuid
+from collections import defaultdict
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from django.conf import settings
+from django.db import close_old_connections, connection, transaction
+from django.db.models import Count, F, Q, Sum
+from django.db.models.functions import Coalesce, Now
+from django.utils import timezone
+
+from conversion_jobs.models import (
+    ConversionJob,
+    ConversionOutbox,
+    DispatchClock,
+    PageCheckpoint,
+    PageState,
+    TenantShare,
+    WorkerSlot,
+)
+from conversion_jobs.observability import gauges, metrics
+from conversion_jobs.states import LEASED_STATES, State
+
+log = logging.getLogger(__name__)
+
+
+def enabled() -> bool:
+    return bool(settings.QUIRE["FAIR_DISPATCH"])
+
+
+# --- cost ----------------------------------------------------------------------------------------
+
+#: Bytes per page when the page count is not known yet (acceptance): medians of the test corpus
+#: and of common office documents, rounded (docs/OPERABILITY.md "Fair share", cost estimate).
+BYTES_PER_PAGE = {
+    "application/pdf": 60_000,
+    "image/tiff": 400_000,
+    "application/vnd.openxmlformats-officedocument.wordprocessingml.document": 20_000,
+    "application/vnd.oasis.opendocument.text": 20_000,
+    "application/rtf": 8_000,
+    "application/vnd.openxmlformats-officedocument.presentationml.presentation": 150_000,
+    "application/vnd.openxmlformats-officedocument.spreadsheetml.sheet": 30_000,
+}
+#: Single-image formats are one page whatever their size.
+ONE_PAGE = frozenset({"image/png", "image/jpeg"})
+#: Page units per page, by what the page costs a worker (measured relative to PDF -> text).
+TEXT_FACTOR = 1
+OCR_FACTOR = 40
+OFFICE_FACTOR = 10  # LibreOffice's share per page, added to the output's own
+PNG_FACTOR_AT_150_DPI = 4
+PDF_FACTOR = 1
+#: A guess is capped: a huge source's real page count replaces it at its first yield or retry.
+MAX_ESTIMATED_PAGES = 5_000
+
+
+def estimated_pages(
+    *, media_type: str, size: int, options: dict[str, Any], page_hint: int | None = None
+) -> int:
+    """The page count an acceptance can know: the selected range when there is one, else one
+    page for a single image, else the larger of the PDF's page hint (``pdf_page_hint``) and the
+    size over the format's bytes per page (at least 1, at most ``MAX_ESTIMATED_PAGES``)."""
+    selected = options.get("pages")
+    if selected:
+        first, last = selected[0], selected[-1]
+        return max(1, int(last) - int(first) + 1)
+    if media_type in ONE_PAGE:
+        return 1
+    per_page = BYTES_PER_PAGE.get(media_type, 50_000)
+    return max(1, min(MAX_ESTIMATED_PAGES, max(page_hint or 0, math.ceil(size / per_page))))
+
+
+#: How much of a stored PDF the hint reads: its first and its last bytes (a PDF's page tree
+#: root, with its ``/Count``, is usually near one end).
+HINT_BYTES = 256 * 1024
+_PAGE_OBJECT = re.compile(rb"/Type\s*/Page(?![A-Za-z])")
+_PAGE_COUNT = re.compile(rb"/Count\s+(\d{1,7})")
+
+
+def pdf_page_hint(source: bytes | Path | None) -> int | None:
+    """The page count a PDF's bytes suggest without parsing it (no document is interpreted in
+    the web, docs/ARCHITECTURE.md §7): the larger of the page objects seen and the largest
+    ``/Count`` seen, in the whole of a small source or the first and last ``HINT_BYTES`` of a
+    stored one. Pages inside compressed object streams are not seen (the size estimate still
+    counts); a wrong hint only moves the job's turn. None: nothing seen."""
+    if source is None:
+        return None
+    if isinstance(source, Path):
+        try:
+            with open(source, "rb") as fh:
+                head = fh.read(HINT_BYTES)
+                fh.seek(0, os.SEEK_END)
+                end = fh.tell()
+                fh.seek(max(HINT_BYTES, end - HINT_BYTES))
+                data = head + b"\n" + fh.read(HINT_BYTES)
+        except OSError:
+            return None
+    else:
+        data = source
+    objects = len(_PAGE_OBJECT.findall(data))
+    counts = [int(n) for n in _PAGE_COUNT.findall(data)]
+    hint = max([objects, *counts])
+    return min(hint, MAX_ESTIMATED_PAGES) or None
+
+
+def page_factor(*, media_type: str, output: str, options: dict[str, Any]) -> int:
+    """What one page of this output costs, in page units (PDF -> text = 1)."""
+    image = media_type.startswith("image/")
+    office = not image and media_type != "application/pdf"
+    if output == "text":
+        factor = OCR_FACTOR if image else TEXT_FACTOR
+    elif output == "png":
+        dpi = options.get("dpi") or 150
+        factor = max(1, round(PNG_FACTOR_AT_150_DPI * (dpi / 150) ** 2))
+    else:
+        factor = PDF_FACTOR
+    return factor + (OFFICE_FACTOR if office else 0)
+
+
+def dispatch_cost(
+    *,
+    media_type: str,
+    size: int,
+    output: str,
+    options: dict[str, Any],
+    pages: int | None = None,
+    page_hint: int | None = None,
+) -> int:
+    """A dispatch's cost in page units: pages x the output's factor. ``pages``: the pages the
+    dispatch will convert when known (a resumed job's pages left), else estimated (with the
+    source's ``page_hint``, ``pdf_page_hint``)."""
+    if pages is None:
+        pages = estimated_pages(
+            media_type=media_type, size=size, options=options, page_hint=page_hint
+        )
+    return max(1, pages) * page_factor(media_type=media_type, output=output, options=options)
+
+
+# --- the pick -----------------------------------------------------------------------------------
+
+
+class Unit(NamedTuple):
+    """A dispatch unit the relay chose to send now."""
+
+    outbox_id: int
+    job_id: uuid.UUID
+    generation: int
+    traceparent: str
+    tenant: str
+    cost: int
+
+
+def pick(*, limit: int) -> list[Unit]:
+    """Choose and mark sent at most ``limit`` units, fewer when credits are short, in fair order.
+    Commits before it returns when called outside a transaction (the caller publishes after)."""
+    q = settings.QUIRE
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT * FROM quire_fair_pick(%s, %s, %s, %s)",
+                [limit, q["FAIR_CAPACITY"], q["FAIR_LOST_S"], q["FAIR_SLOT_TTL_S"]],
+            )
+            rows = cursor.fetchall()
+        units = [Unit(r[0], r[1], r[2], r[3] or "", r[4], r[5]) for r in rows]
+    else:
+        units = _pick_sqlite(limit=limit)
+    if units:
+        metrics.FAIR_DISPATCHED.inc(len(units))
+    return units
+
+
+def capacity() -> int:
+    """Worker slots: ``QUIRE_FAIR_CAPACITY``, or those announced within the slot TTL."""
+    fixed = settings.QUIRE["FAIR_CAPACITY"]
+    if fixed > 0:
+        return int(fixed)
+    since = timezone.now() - timedelta(seconds=settings.QUIRE["FAIR_SLOT_TTL_S"])
+    return sum(WorkerSlot.objects.filter(seen_at__gt=since).values_list("slots", flat=True))
+
+
+def busy_by_tenant() -> dict[str, int]:
+    """Slots in use per tenant: running or cancelling jobs, plus jobs sent and not claimed yet
+    (within ``QUIRE_FAIR_LOST_S``). Read from rows."""
+    lost = timezone.now() - timedelta(seconds=settings.QUIRE["FAIR_LOST_S"])
+    busy: dict[str, int] = defaultdict(int)
+    leased = ConversionJob.objects.filter(state__in=LEASED_STATES)
+    sent = ConversionJob.objects.filter(
+        state=State.QUEUED,
+        dispatched_at__gt=lost,
+        dispatched_generation=F("generation"),
+    )
+    for query in (leased, sent):
+        for tenant, n in (
+            query.values_list("tenant").annotate(n=Count("id")).values_list("tenant", "n")
+        ):
+            busy[tenant] += n
+    return dict(busy)
+
+
+def _waiting() -> Any:
+    """Dispatch units: unpublished outbox rows whose job is queued in their generation."""
+    return ConversionOutbox.objects.filter(
+        published_at__isnull=True, job__state=State.QUEUED, job__generation=F("generation")
+    )
+
+
+def _pick_sqlite(*, limit: int) -> list[Unit]:
+    """``quire_fair_pick`` for the standalone profile, the same algorithm in Python: every
+    transaction there is ``BEGIN IMMEDIATE``, so this one holds the database's write lock from
+    its first read, as the Postgres function holds its advisory lock."""
+    with transaction.atomic():
+        busy = busy_by_tenant()
+        credit = min(limit, capacity() - sum(busy.values()))
+        if credit <= 0:
+            return []
+        rows = list(
+            _waiting()
+            .order_by("id")
+            .values_list(
+                "id",
+                "job_id",
+                "generation",
+                "traceparent",
+                "job__tenant",
+                "cost",
+                "job__dispatch_cost",
+            )
+        )
+        shares = {s.tenant: s for s in TenantShare.objects.filter(tenant__in={r[4] for r in rows})}
+        clock = DispatchClock.objects.get_or_create(id=1)[0].vclock
+        per_tenant: dict[str, list[tuple[Any, ...]]] = defaultdict(list)
+        for row in rows:
+            per_tenant[row[4]].append(row)
+        candidates = []
+        for tenant, units in per_tenant.items():
+            share = shares.get(tenant)
+            weight = share.weight if share else 1
+            base = max(share.vtime if share else 0.0, clock)
+            room = credit
+            if share is not None and share.running_cap is not None:
+                room = min(room, share.running_cap - busy.get(tenant, 0))
+            upto = 0
+            for row in units[: max(0, room)]:
+                cost = max(row[5] if row[5] is not None else row[6], 1)
+                start = base + upto / weight
+                upto += cost
+                candidates.append((start, row[0], base + upto / weight, row, cost))
+        candidates.sort(key=lambda c: (c[0], c[1]))
+        chosen = candidates[:credit]
+        if not chosen:
+            return []
+        now = timezone.now()
+        ConversionOutbox.objects.filter(
+            id__in=[c[1] for c in chosen], published_at__isnull=True
+        ).update(published_at=now, publish_attempts=F("publish_attempts") + 1)
+        for _start, _id, _finish, row, _cost in chosen:
+            ConversionJob.objects.filter(id=row[1]).update(
+                dispatched_at=now, dispatched_generation=row[2]
+            )
+        finish: dict[str, float] = {}
+        for _start, _id, fin, row, _cost in chosen:
+            finish[row[4]] = max(finish.get(row[4], 0.0), fin)
+        for tenant, fin in finish.items():
+            TenantShare.objects.get_or_create(tenant=tenant)
+            TenantShare.objects.filter(tenant=tenant, vtime__lt=fin).update(vtime=fin)
+        DispatchClock.objects.filter(id=1, vclock__lt=chosen[-1][0]).update(vclock=chosen[-1][0])
+        return [
+            Unit(row[0], row[1], row[2], row[3] or "", row[4], cost)
+            for _s, _i, _f, row, cost in chosen
+        ]
+
+
+def unsend(units: list[Unit], *, code: str) -> None:
+    """Units picked but not published (a broker error): back to waiting, the failure recorded.
+    Their tenants' virtual time stays advanced (a little unfair to them, never to the others)."""
+    if not units:
+        return
+    with transaction.atomic():
+        ConversionOutbox.objects.filter(id__in=[u.outbox_id for u in units]).update(
+            published_at=None, last_error_code=code
+        )
+        for u in units:
+            ConversionJob.objects.filter(id=u.job_id, dispatched_generation=u.generation).update(
+                dispatched_at=None
+            )
+
+
+# --- the relay ------------------------------------------------------------------------------------
+
+
+def relay(*, limit: int, path: str) -> int:
+    """Pick and publish; units the broker did not take go back to waiting. The count sent."""
+    from conversion_jobs.services.broker import error_code as _error_code
+    from conversion_jobs.services.broker import publish_conversion
+
+    units = pick(limit=limit)
+    for index, unit in enumerate(units):
+        try:
+            publish_conversion(
+                job_id=unit.job_id, generation=unit.generation, traceparent=unit.traceparent
+            )
+        except Exception as exc:
+            code = _error_code(exc)
+            metrics.OUTBOX_PUBLISH_FAILURES.labels(path=path, code=code).inc(len(units) - index)
+            log.warning(
+                "fair relay publish failed; the units wait for the next pick",
+                extra={"code": code, "error": type(exc).__name__},
+            )
+            unsend(units[index:], code=code)
+            return index
+    if units:
+        metrics.OUTBOX_PUBLISHED.labels(path=path).inc(len(units))
+    return len(units)
+
+
+def relay_quietly(*, path: str) -> int:
+    """:func:`relay` for hooks that must never fail their caller (after a commit, after an
+    attempt): an error leaves the units to the outbox sweep."""
+    try:
+        return relay(limit=settings.QUIRE["SWEEP_BATCH"], path=path)
+    except Exception as exc:
+        log.warning(
+            "fair relay pass failed; the sweep retries", extra={"error": type(exc).__name__}
+        )
+        return 0
+
+
+def others_waiting(*, tenant: str) -> bool:
+    """Another tenant has a unit waiting and no slot is free for it: the condition under which
+    a running attempt that used its slice yields (docs/ARCHITECTURE.md §2b)."""
+    if not _waiting().exclude(job__tenant=tenant).exists():
+        return False
+    return capacity() - sum(busy_by_tenant().values()) <= 0
+
+
+def outbox_rows_retire_superseded(*, batch: int) -> int:
+    """Unpublished rows whose job left that generation (cancelled, requeued, finished) are no
+    dispatch unit any more: marked so the backlog and its gauges do not keep them."""
+    cutoff = timezone.now() - timedelta(seconds=settings.QUIRE["FAIR_LOST_S"])
+    ids = list(
+        ConversionOutbox.objects.filter(
+            published_at__isnull=True, created_at__lt=cutoff, range_first__isnull=True
+        )
+        .exclude(Q(job__state=State.QUEUED) & Q(job__generation=F("generation")))
+        .values_list("id", flat=True)[:batch]
+    )
+    if not ids:
+        return 0
+    return ConversionOutbox.objects.filter(id__in=ids, published_at__isnull=True).update(
+        published_at=Now(), last_error_code="superseded"
+    )
+
+
+# --- worker slots ---------------------------------------------------------------------------------
+
+_slot_lock = threading.Lock()
+_slot_thread: tuple[int, threading.Thread] | None = None
+
+
+def slot_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"[:160]
+
+
+def slot_announce(*, slots: int = 1) -> None:
+    """Say "this process has ``slots`` conversion slots, free or busy" (upsert, seen now)."""
+    WorkerSlot.objects.update_or_create(
+        name=slot_name(), defaults={"slots": slots, "seen_at": timezone.now()}
+    )
+
+
+def slot_withdraw() -> None:
+    WorkerSlot.objects.filter(name=slot_name()).delete()
+
+
+def slot_beat_start(*, slots: int = 1) -> None:
+    """Announce this worker pool process now and every ``QUIRE_FAIR_SLOT_BEAT_S`` on a daemon
+    thread (its own database connection); a process that dies stops counting after the TTL."""
+    global _slot_thread
+    with _slot_lock:
+        if _slot_thread is not None and _slot_thread[0] == os.getpid():
+            return
+        thread = threading.Thread(
+            target=_slot_beat, args=(slots,), name="quire-fair-slot", daemon=True
+        )
+        _slot_thread = (os.getpid(), thread)
+        thread.start()
+
+
+def _slot_beat(slots: int) -> None:
+    stop = threading.Event()
+    while True:
+        try:
+            slot_announce(slots=slots)
+        except Exception as exc:  # the database is away: the slot lapses, credits shrink
+            log.warning("worker slot beat failed", extra={"error": type(exc).__name__})
+            close_old_connections()
+        stop.wait(settings.QUIRE["FAIR_SLOT_BEAT_S"])
+
+
+def slots_remove_stale(*, older_than_s: float = 3600.0) -> int:
+    """Rows of processes gone for long (a sweep's housekeeping)."""
+    cutoff = timezone.now() - timedelta(seconds=older_than_s)
+    return WorkerSlot.objects.filter(seen_at__lt=cutoff).delete()[0]
+
+
+# --- what operators see and set ---------------------------------------------------------------
+
+
+class TenantFairness(NamedTuple):
+    """One tenant's fair-share picture (admin page, ``/metrics``)."""
+
+    tenant: str
+    weight: int
+    running_cap: int | None
+    #: dispatch units waiting, and their cost in page units
+    backlog_units: int
+    backlog_cost: int
+    #: jobs running or cancelling, and jobs sent and not yet claimed
+    running: int
+    #: pages checkpointed done in the last ``QUIRE_FAIR_SHARE_WINDOW_S``, and their share of all
+    pages_window: int
+    page_share: float
+
+
+def tenants_fairness() -> list[TenantFairness]:
+    """Every tenant with a share row, waiting work or running work (reads only; the page share
+    counts ``page_checkpoint`` rows written in the window)."""
+    window = timezone.now() - timedelta(seconds=settings.QUIRE["FAIR_SHARE_WINDOW_S"])
+    backlog: dict[str, tuple[int, int]] = {}
+    for tenant, n, cost in (
+        _waiting()
+        .values_list("job__tenant")
+        .annotate(n=Count("id"), cost=Sum(Coalesce("cost", "job__dispatch_cost")))
+        .values_list("job__tenant", "n", "cost")
+    ):
+        backlog[tenant] = (n, int(cost or 0))
+    busy = busy_by_tenant()
+    pages = dict(
+        PageCheckpoint.objects.filter(state=PageState.DONE, updated_at__gte=window)
+        .values_list("job__tenant")
+        .annotate(n=Count("id"))
+        .values_list("job__tenant", "n")
+    )
+    total = sum(pages.values())
+    shares = {s.tenant: s for s in TenantShare.objects.all()}
+    tenants = sorted(set(shares) | set(backlog) | set(busy) | set(pages))
+    return [
+        TenantFairness(
+            tenant=t,
+            weight=shares[t].weight if t in shares else 1,
+            running_cap=shares[t].running_cap if t in shares else None,
+            backlog_units=backlog.get(t, (0, 0))[0],
+            backlog_cost=backlog.get(t, (0, 0))[1],
+            running=busy.get(t, 0),
+            pages_window=pages.get(t, 0),
+            page_share=pages.get(t, 0) / total if total else 0.0,
+        )
+        for t in tenants
+    ]
+
+
+def tenant_share_set(
+    *, tenant: str, weight: int | None = None, running_cap: int | None = None, no_cap: bool = False
+) -> TenantShare:
+    """An operator sets a tenant's weight (1-1000) and/or running cap (>= 1, or none). One
+    upsert: the relay's ``vtime`` is never read or written here."""
+    if weight is not None and not 1 <= weight <= 1000:
+        raise ValueError("weight must be from 1 to 1000")
+    if running_cap is not None and running_cap < 1:
+        raise ValueError("running cap must be at least 1")
+    TenantShare.objects.get_or_create(tenant=tenant)
+    values: dict[str, Any] = {}
+    if weight is not None:
+        values["weight"] = weight
+    if running_cap is not None or no_cap:
+        values["running_cap"] = None if no_cap else running_cap
+    if values:
+        TenantShare.objects.filter(tenant=tenant).update(**values, updated_at=Now())
+    return TenantShare.objects.get(tenant=tenant)
+
+
+# the fairness gauges read through this hook (observability imports no service)
+gauges.fairness_rows = tenants_fairness
+gauges.fairness_capacity = capacity
