@@ -127,10 +127,10 @@ def phase_idle(args: argparse.Namespace) -> dict:
         stack.start("worker", WORKER_CONCURRENCY="2")
         latency.run_idle(stack.db_url, 5, name="warm-up")
         halves = {"off": latency.Phase(name="off"), "on": latency.Phase(name="on")}
-        from conversion_jobs.services import dispatch, fair
+        from conversion_jobs.services import broker, fair
 
         spent: dict[str, list[float]] = {"pick": [], "publish_off": [], "publish_on": []}
-        real_pick, real_publish = fair.pick, dispatch.publish_conversion
+        real_pick, real_publish = fair.pick, broker.publish_conversion
 
         def timed_pick(**kw: object) -> object:
             t = time.perf_counter()
@@ -149,7 +149,7 @@ def phase_idle(args: argparse.Namespace) -> dict:
                     (time.perf_counter() - t) * 1000
                 )
 
-        fair.pick, dispatch.publish_conversion = timed_pick, timed_publish
+        fair.pick, broker.publish_conversion = timed_pick, timed_publish
         for i in range(2 * args.idle_jobs):
             name = ("off", "on")[i % 2]
             settings.QUIRE["FAIR_DISPATCH"] = name == "on"

@@ -57,6 +57,7 @@ from conversion_jobs.models import (
     WorkerSlot,
 )
 from conversion_jobs.observability import gauges, metrics
+from conversion_jobs.services import broker
 from conversion_jobs.states import LEASED_STATES, State
 
 log = logging.getLogger(__name__)
@@ -327,17 +328,14 @@ def unsend(units: list[Unit], *, code: str) -> None:
 
 def relay(*, limit: int, path: str) -> int:
     """Pick and publish; units the broker did not take go back to waiting. The count sent."""
-    from conversion_jobs.services.broker import error_code as _error_code
-    from conversion_jobs.services.broker import publish_conversion
-
     units = pick(limit=limit)
     for index, unit in enumerate(units):
         try:
-            publish_conversion(
+            broker.publish_conversion(
                 job_id=unit.job_id, generation=unit.generation, traceparent=unit.traceparent
             )
         except Exception as exc:
-            code = _error_code(exc)
+            code = broker.error_code(exc)
             metrics.OUTBOX_PUBLISH_FAILURES.labels(path=path, code=code).inc(len(units) - index)
             log.warning(
                 "fair relay publish failed; the units wait for the next pick",

@@ -20,7 +20,7 @@ from conversion_jobs.models import (
     TenantShare,
     WorkerSlot,
 )
-from conversion_jobs.services import dispatch, fair, transitions
+from conversion_jobs.services import broker, dispatch, fair, transitions
 from conversion_jobs.states import State
 
 pytestmark = [pytest.mark.fair_credits]
@@ -156,7 +156,7 @@ def test_relay__a_broker_error_returns_the_units_to_waiting(
         calls.append(kwargs)
         raise ConnectionRefusedError
 
-    monkeypatch.setattr(dispatch, "publish_conversion", refuse)
+    monkeypatch.setattr(broker, "publish_conversion", refuse)
     assert fair.relay(limit=10, path="sweep") == 0
     assert len(calls) == 1  # the first failure stops the pass
     rows = ConversionOutbox.objects.filter(job__in=jobs)
@@ -164,7 +164,7 @@ def test_relay__a_broker_error_returns_the_units_to_waiting(
     assert set(rows.values_list("last_error_code", flat=True)) == {"broker_unreachable"}
     assert set(ConversionJob.objects.values_list("dispatched_at", flat=True)) == {None}
     sent: list[Any] = []
-    monkeypatch.setattr(dispatch, "publish_conversion", lambda **kw: sent.append(kw))
+    monkeypatch.setattr(broker, "publish_conversion", lambda **kw: sent.append(kw))
     assert fair.relay(limit=10, path="sweep") == 3  # the credits were returned too
     assert sorted(kw["job_id"] for kw in sent) == sorted(j.id for j in jobs)
 
