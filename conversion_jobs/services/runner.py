@@ -140,9 +140,10 @@ def conversion_job_execute(*, job_id: uuid.UUID, generation: int) -> str:
         converters.release(spare=False)
         converters.begin_attempt(tenant=None)
         tidy_later(functools.partial(_tidy, workdir))
-        if fair.enabled():
+        if fair.enabled() and settings.STANDALONE:
             # This attempt's slot is free (the job left running): the fair order fills it now,
-            # not at the next outbox sweep (docs/ARCHITECTURE.md §2b).
+            # not at the next outbox sweep. Only where the worker may publish: in production
+            # its broker user may not (deploy/rabbitmq; docs/ARCHITECTURE.md §2b).
             fair.relay_quietly(path="fast")
 
 
