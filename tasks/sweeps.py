@@ -12,6 +12,7 @@ from beat_schedules.schedule import sweep_interval
 from conversion_jobs.passwords import sealed_passwords_wipe
 from conversion_jobs.services import dispatch, recovery, sweep_health
 from conversion_jobs.services.artifacts import artifacts_remove_orphans
+from conversion_jobs.services.db_retry import connections_refresh
 from conversion_jobs.services.fanout import (
     job_ranges_recover_if_lease_expired,
     source_cache_remove_stale,
@@ -24,7 +25,9 @@ log = logging.getLogger("quire.sweeps")
 def _sweep(name: str, run: Callable[[], int]) -> int:
     """Run one sweep; only a sweep that finished records a success. A sweep that moved
     anything says so at INFO (its name and count only), so what the sweeper did can be read
-    from its log after the fact (docs/OPERABILITY.md, "Sweeps")."""
+    from its log after the fact (docs/OPERABILITY.md, "Sweeps"). A connection a failed sweep
+    left broken (a database outage) is replaced first."""
+    connections_refresh()
     done = run()
     sweep_health.sweep_succeeded(name=name, interval_s=sweep_interval(name))
     if done:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
 from django.conf import settings
-from django.db import InterfaceError, OperationalError, connection
+from django.db import InterfaceError, OperationalError, connection, connections
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -40,3 +40,17 @@ def db_retry_until(deadline_s: float, fn: Callable[P, T], *args: P.args, **kwarg
 
 def lease_ttl_s() -> float:
     return float(settings.QUIRE["LEASE_S"])
+
+
+def connections_refresh() -> None:
+    """``close_old_connections()`` without its health-check ping: a connection past its
+    ``CONN_MAX_AGE``, in a failed state or with errors is closed as before, but a healthy-looking
+    one is not probed with a ``SELECT 1`` before the claim or the sweep (one round trip each). A
+    connection that died meanwhile fails the next statement, which marks it, and the next call
+    of this closes it: a worker's claim is retried on a new connection (``db_retry_until``), and
+    a sweeper's next sweep runs on one (Celery's Django fix-up, with ``CELERY_DB_REUSE_MAX``,
+    checks connections only every 2 x N tasks)."""
+    for conn in connections.all(initialized_only=True):
+        conn.close_if_unusable_or_obsolete()
+        if conn.connection is not None and not conn.errors_occurred:
+            conn.health_check_done = True  # type: ignore[attr-defined]

@@ -27,7 +27,12 @@ from conversion_jobs.services.checkpoints import (
     CheckpointBatch,
     page_checkpoints_by_page,
 )
-from conversion_jobs.services.db_retry import DB_ERRORS, db_retry, db_retry_until
+from conversion_jobs.services.db_retry import (
+    DB_ERRORS,
+    connections_refresh,
+    db_retry,
+    db_retry_until,
+)
 from conversion_jobs.services.fanout import (
     RangeClaim,
     range_claim,
@@ -74,7 +79,7 @@ def conversion_range_execute(
     """Claim and run one page range of a fanned-out job. Returns ``duplicate``, ``range_done``
     (its pages are checkpointed, other ranges remain), the job's end when this range was the
     join (``succeeded``, ``partial``, ``failed``), ``retry_wait``, ``cancelled`` or ``lost``."""
-    runner._connections_refresh()
+    connections_refresh()
     converters.sandbox.configure(work_dir=settings.QUIRE["WORK_DIR"])
     claim = db_retry_until(
         runner.CLAIM_DEADLINE_S,

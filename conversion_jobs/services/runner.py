@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from django.conf import settings
-from django.db import connections, transaction
+from django.db import transaction
 
 from conversion_jobs import converters, storage
 from conversion_jobs.converters import ConversionError, ConversionStopped, Limits
@@ -43,7 +43,12 @@ from conversion_jobs.services.checkpoints import (
     page_checkpoint_record,
     page_checkpoints_by_page,
 )
-from conversion_jobs.services.db_retry import DB_ERRORS, db_retry, db_retry_until
+from conversion_jobs.services.db_retry import (
+    DB_ERRORS,
+    connections_refresh,
+    db_retry,
+    db_retry_until,
+)
 from conversion_jobs.services.heartbeat import Heartbeat
 from conversion_jobs.services.leases import Lease, LeaseLost, RangeLease, job_state_under_lease
 from conversion_jobs.services.recovery import SPARE_WORKDIR_PREFIX
@@ -84,22 +89,10 @@ def engine_settings_from_settings() -> EngineSettings:
     )
 
 
-def _connections_refresh() -> None:
-    """``close_old_connections()`` without its health-check ping: a connection past its
-    ``CONN_MAX_AGE``, in a failed state or with errors is closed as before, but a healthy-looking
-    one is not probed with a ``SELECT 1`` before the claim (one round trip per job). A connection
-    that died meanwhile fails the claim statement before it runs, and the claim is retried on a
-    new connection (``db_retry_until``), as every later call of the attempt is (``db_retry``)."""
-    for conn in connections.all(initialized_only=True):
-        conn.close_if_unusable_or_obsolete()
-        if conn.connection is not None and not conn.errors_occurred:
-            conn.health_check_done = True  # type: ignore[attr-defined]
-
-
 def conversion_job_execute(*, job_id: uuid.UUID, generation: int) -> str:
     """Claim and run one delivery. Returns what happened (for logs and tests): ``duplicate``,
     ``succeeded``, ``partial``, ``failed``, ``retry_wait``, ``cancelled`` or ``lost``."""
-    _connections_refresh()
+    connections_refresh()
     converters.sandbox.configure(work_dir=settings.QUIRE["WORK_DIR"])
     claim = db_retry_until(
         CLAIM_DEADLINE_S,
