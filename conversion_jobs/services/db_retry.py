@@ -51,6 +51,8 @@ def connections_refresh() -> None:
     a sweeper's next sweep runs on one (Celery's Django fix-up, with ``CELERY_DB_REUSE_MAX``,
     checks connections only every 2 x N tasks)."""
     for conn in connections.all(initialized_only=True):
+        if conn.in_atomic_block:  # a transaction is using it: never closed under its feet
+            continue
         conn.close_if_unusable_or_obsolete()
         if conn.connection is not None and not conn.errors_occurred:
             conn.health_check_done = True  # type: ignore[attr-defined]

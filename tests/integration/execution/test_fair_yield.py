@@ -15,7 +15,7 @@ from conversion_jobs.models import (
     ExecutionAuditEvent,
     PageCheckpoint,
 )
-from conversion_jobs.services import fair
+from conversion_jobs.services import dispatch, fair
 from tests import testdocs
 from tests.integration.execution.jobkit import execute, submit, unique_text
 
@@ -59,7 +59,10 @@ def test_yield__a_long_job_gives_its_slot_to_a_waiting_tenant_and_resumes(
     assert ConversionOutbox.objects.get(job=short).published_at is not None
     assert ConversionOutbox.objects.get(job=long, generation=2).published_at is None
     assert execute(short) == "succeeded"
-    # b's attempt ended: its worker's relay pass sent a's next generation into the free slot
+    # b's attempt ended: a's next generation goes into the free slot, sent by the worker's relay
+    # pass (standalone) or the next outbox sweep (production: a worker may not publish;
+    # docs/ARCHITECTURE.md §2b)
+    dispatch.outbox_rows_publish_unpublished()
     assert (str(long.id), 2) in no_broker_publish
     assert fair.pick(limit=5) == []
     # nobody waits now, so a's second attempt runs to the end without yielding
