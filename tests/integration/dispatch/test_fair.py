@@ -213,7 +213,7 @@ def test_two_relays_at_once_never_send_a_unit_twice_or_exceed_the_credits(
     capacity: Any, unit: Any
 ) -> None:
     if connection.vendor != "postgresql":
-        pytest.skip("the Postgres advisory lock; SQLite serialises every writer")
+        pytest.fail("this test needs the production profile (the Postgres advisory lock)")
     capacity(7)
     for round_ in range(5):
         ConversionJob.objects.filter(state=State.QUEUED).delete()
