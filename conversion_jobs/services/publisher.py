@@ -180,7 +180,7 @@ class BackgroundPublisher:
                 batch.append(item)
             try:
                 if fair.enabled():
-                    self.publish_fair()
+                    self.publish_fair(batch)
                 else:
                     self.publish_batch(batch)
             except Exception as exc:  # never let the thread die; the rows stay for the sweep
@@ -192,9 +192,26 @@ class BackgroundPublisher:
         self._drop_connection()
         _reset_db()
 
-    def publish_fair(self) -> None:
+    def publish_fair(self, handed: list[Pending]) -> None:
         """Fair dispatch (``fair.py``): the rows handed over only say "something was committed";
-        what is sent is what a fair pick chooses now (on an idle system, those very rows)."""
+        what is sent is what a fair pick chooses now (on an idle system, those very rows). The
+        broker channel comes first: a pick marks its units sent, so it is taken only when they
+        can be published at once; a broker that refuses or hangs leaves the units waiting for
+        the sweep's pick (a unit picked and never published waits for QUIRE_FAIR_LOST_S), and
+        the failure is recorded on the rows handed over."""
+        if settings.AMQP_BROKER:
+            try:
+                self._confirm_channel()
+            except Exception as exc:
+                self._drop_connection()
+                code = broker.error_code(exc)
+                log.warning(
+                    "outbox fast path publish failed; the sweeper will retry",
+                    extra={"code": code, "error": type(exc).__name__},
+                )
+                self._record_failure([p.outbox_id for p in handed], code)
+                metrics.OUTBOX_PUBLISH_FAILURES.labels(path="fast", code=code).inc(len(handed))
+                return
         try:
             units = fair.pick(limit=self.max_batch)
         except Exception:
