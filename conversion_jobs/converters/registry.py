@@ -6,6 +6,7 @@ import functools
 import shutil
 import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from . import engines
@@ -243,29 +244,26 @@ class _ChildPages:
         """The page requests' ``password`` and ``inline_max_bytes`` (none by default)."""
         return {}
 
-    def _request(
-        self, *, prepared, output, options, dest_dir, limits, should_stop, inline_max_bytes=0
-    ) -> PageRequest:
-        """The keywords of ``convert_page`` / ``request_pages`` (the ``Converter`` protocol,
-        base.py) as one request for the document's child session."""
-        self._check_output(prepared.media_type, output)
-        return PageRequest(
+    def _request(self, request: PageRequest) -> PageRequest:
+        """The caller's request as this converter's child session takes it: its page ``op``
+        and its page requests' extras (``_page_args_for``)."""
+        self._check_output(request.prepared.media_type, request.output)
+        extras = self._page_args_for(request.output, request.options, request.inline_max_bytes)
+        return replace(
+            request,
             op=self.page_op,
-            prepared=prepared,
-            output=output,
-            options=options,
-            dest_dir=dest_dir,
-            limits=limits,
-            should_stop=should_stop,
-            **self._page_args_for(output, options, inline_max_bytes),
+            password=extras.get("password"),
+            inline_max_bytes=extras.get("inline_max_bytes", 0),
         )
 
-    def convert_page(self, *, page, lookahead=(), **request) -> PageArtifact:
-        return _page_call(self._request(**request), page=page, lookahead=lookahead)
+    def convert_page(
+        self, request: PageRequest, *, page: int, lookahead: Sequence[int] = ()
+    ) -> PageArtifact:
+        return _page_call(self._request(request), page=page, lookahead=lookahead)
 
-    def request_pages(self, *, pages, **request) -> None:
+    def request_pages(self, request: PageRequest, *, pages: Sequence[int]) -> None:
         try:
-            built = self._request(**request)
+            built = self._request(request)
         except UnsupportedConversion:
             return  # the first convert_page raises it
         _request_first(built, pages=pages)

@@ -14,13 +14,13 @@ from django.conf import settings
 
 from conversion_jobs import converters, storage
 from conversion_jobs.converters import registry
-from conversion_jobs.converters.base import PDF, FirstPages, Prepared
+from conversion_jobs.converters.base import PDF, FirstPages, PageRequest, Prepared
 from conversion_jobs.converters.engines import configure
 from conversion_jobs.models import (
     ConversionJob,
     PageState,
 )
-from conversion_jobs.passwords import sealed_passwords_wipe, unseal
+from conversion_jobs.passwords import sealed_passwords_wipe
 from conversion_jobs.pseudonym import pseudonym
 from conversion_jobs.services import execution, runner
 from conversion_jobs.services.checkpoints import (
@@ -150,12 +150,7 @@ def _run_range(*, claim: RangeClaim, beats: _Beats, workdir: Path) -> str:
 def _convert_range(*, claim: RangeClaim, beats: _Beats, workdir: Path) -> str:
     lease, range_lease, job = claim.lease, claim.range_lease, claim.job
     heartbeat = beats.current
-    options = runner._options_for_attempt(job.options, lease)
-    if job.password_sealed is not None and claim.document_key is None:
-        password = unseal(job.password_sealed)
-        if password is None:
-            raise converters.PasswordRequired()
-        options = {**options, "password": password}
+    options = runner._attempt_options(job, lease, password=claim.document_key is None)
     limits = runner.limits_from_settings()
     configure(runner.engine_settings_from_settings())
     converter: converters.Converter
@@ -194,38 +189,35 @@ def _convert_range(*, claim: RangeClaim, beats: _Beats, workdir: Path) -> str:
         options=options,
         first=FirstPages(pages=ahead, output=job.output, inline_max_bytes=inline_max),
     )
+    request = PageRequest(
+        prepared=prepared,
+        output=job.output,
+        options=options,
+        dest_dir=workdir,
+        limits=limits,
+        should_stop=stop,
+        inline_max_bytes=inline_max,
+    )
     if todo and not prepared.first_requested:
-        converter.request_pages(
-            prepared=prepared,
-            pages=list(ahead),
-            output=job.output,
-            options=options,
-            dest_dir=workdir,
-            limits=limits,
-            should_stop=stop,
-            inline_max_bytes=inline_max,
-        )
+        converter.request_pages(request, pages=ahead)
     with CheckpointBatch(lease, checkpoints, range_lease=range_lease) as batch:
         return runner._convert_pages(
-            lease=lease,
-            heartbeat=heartbeat,
-            workdir=workdir,
-            job=job,
-            options=options,
-            limits=limits,
-            converter=converter,
-            prepared=prepared,
-            pages=pages,
-            todo=todo,
-            inline_max=inline_max,
-            checkpoints=checkpoints,
-            page_budget=settings.QUIRE["PAGE_MAX_ATTEMPTS"],
-            batch=batch,
-            unrecorded={},
-            range_lease=range_lease,
-            finish=functools.partial(
-                _range_done, claim=claim, beats=beats, workdir=workdir, source=source
-            ),
+            runner.PageRun(
+                lease=lease,
+                job=job,
+                heartbeat=heartbeat,
+                converter=converter,
+                request=request,
+                pages=pages,
+                todo=todo,
+                checkpoints=checkpoints,
+                batch=batch,
+                unrecorded={},
+                range_lease=range_lease,
+                finish=functools.partial(
+                    _range_done, claim=claim, beats=beats, workdir=workdir, source=source
+                ),
+            )
         )
 
 
