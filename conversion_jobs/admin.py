@@ -40,6 +40,17 @@ class ReadOnlyAdmin(admin.ModelAdmin):
         return False
 
 
+class ReadOnlyWithActionsAdmin(ReadOnlyAdmin):
+    """Read-only but for its ``actions``: they need "change" on the changelist; the form
+    itself stays read-only."""
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return obj is None and bool(request.user.is_staff)
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
+        return [f.name for f in self.model._meta.fields]
+
+
 def _operator(request: HttpRequest) -> str:
     return actor_pseudonym(tenant="operators", subject=str(request.user.pk))
 
@@ -67,18 +78,11 @@ def retry_jobs(modeladmin: Any, request: HttpRequest, queryset: QuerySet[Convers
 
 
 @admin.register(ConversionJob)
-class ConversionJobAdmin(ReadOnlyAdmin):
+class ConversionJobAdmin(ReadOnlyWithActionsAdmin):
     list_display = ("id", "state", "generation", "output", "attempts", "created_at", "finished_at")
     list_filter = ("state", "output")
     search_fields = ("id",)
     actions = [cancel_jobs, retry_jobs]
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        # Actions need "change" on the changelist; the form itself stays read-only.
-        return obj is None and bool(request.user.is_staff)
-
-    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
-        return [f.name for f in ConversionJob._meta.fields]
 
 
 @admin.register(ConversionAttempt)
@@ -131,7 +135,7 @@ def lift_quarantines(
 
 
 @admin.register(DocumentQuarantine)
-class DocumentQuarantineAdmin(ReadOnlyAdmin):
+class DocumentQuarantineAdmin(ReadOnlyWithActionsAdmin):
     """Poison documents (docs/OPERABILITY.md "Quarantine"): read-only but for the lift."""
 
     list_display = (
@@ -146,12 +150,6 @@ class DocumentQuarantineAdmin(ReadOnlyAdmin):
     list_filter = (("quarantined_at", admin.EmptyFieldListFilter),)
     search_fields = ("=job_id",)
     actions = [lift_quarantines]
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return obj is None and bool(request.user.is_staff)
-
-    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
-        return [f.name for f in DocumentQuarantine._meta.fields]
 
 
 @admin.register(TenantErasure)

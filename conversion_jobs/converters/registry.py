@@ -229,12 +229,43 @@ def _page_dest(dest_dir: Path, page: int, output: str) -> Path:
 
 
 class _ChildPages:
-    """``convert_page`` and ``request_pages`` of a converter whose pages its document's child
-    session converts with ``page_op``; a converter says which outputs it can make now
+    """``prepare``, ``convert_page`` and ``request_pages`` of a converter whose document's child
+    session prepares it with ``prepare_op`` (the document's password along when
+    ``with_password``; the first pages in the same request when ``reads_first``) and converts
+    its pages with ``page_op``; a converter says which outputs it can make now
     (``_check_output``) and what else its page requests carry (``_page_args_for``)."""
 
+    prepare_op: str = ""
     page_op: str
     outputs: frozenset[str]
+    with_password = False
+    reads_first = False
+
+    def prepare(
+        self, *, source, media_type, workdir, limits, should_stop, options=None, first=None
+    ) -> Prepared:
+        _check_magic(source, media_type)
+        if first is not None and not (
+            self.reads_first and first.output in self.outputs and first.pages
+        ):
+            first = None
+        result = _prepare_in_session(
+            op=self.prepare_op,
+            source=source,
+            workdir=workdir,
+            limits=limits,
+            should_stop=should_stop,
+            password=(options or {}).get("password") if self.with_password else None,
+            first=first,
+            page_op=self.page_op,
+            options=options,
+        )
+        return Prepared(
+            document=Path(source),
+            media_type=media_type,
+            page_count=result["page_count"],
+            first_requested=first is not None,
+        )
 
     def _check_output(self, media_type: str, output: str) -> None:
         if output not in self.outputs:
@@ -275,7 +306,10 @@ class PdfConverter(_ChildPages):
     name = "pdfium"
     media_types = frozenset({PDF})
     outputs = frozenset({"text", "png"})
+    prepare_op = "pdf_prepare"
     page_op = "pdf_page"
+    with_password = True
+    reads_first = True
 
     def available(self) -> bool:
         return True
@@ -286,30 +320,6 @@ class PdfConverter(_ChildPages):
             "inline_max_bytes": inline_max_bytes if output == "text" else 0,
         }
 
-    def prepare(
-        self, *, source, media_type, workdir, limits, should_stop, options=None, first=None
-    ) -> Prepared:
-        _check_magic(source, media_type)
-        if first is not None and (first.output not in self.outputs or not first.pages):
-            first = None
-        result = _prepare_in_session(
-            op="pdf_prepare",
-            source=source,
-            workdir=workdir,
-            limits=limits,
-            should_stop=should_stop,
-            password=(options or {}).get("password"),
-            first=first,
-            page_op="pdf_page",
-            options=options,
-        )
-        return Prepared(
-            document=Path(source),
-            media_type=PDF,
-            page_count=result["page_count"],
-            first_requested=first is not None,
-        )
-
 
 class ImageConverter(_ChildPages):
     """PNG / JPEG / TIFF, one page per frame -> png, pdf (img2pdf), text (tesseract)."""
@@ -317,6 +327,7 @@ class ImageConverter(_ChildPages):
     name = "image"
     media_types = IMAGE_TYPES
     outputs = frozenset({"text", "png", "pdf"})
+    prepare_op = "image_prepare"
     page_op = "image_page"
 
     def available(self) -> bool:
@@ -326,21 +337,6 @@ class ImageConverter(_ChildPages):
         super()._check_output(media_type, output)
         if output == "text" and not tesseract_available():
             raise UnsupportedConversion("OCR (tesseract) is not installed")
-
-    def prepare(
-        self, *, source, media_type, workdir, limits, should_stop, options=None, first=None
-    ) -> Prepared:
-        _check_magic(source, media_type)
-        result = _prepare_in_session(
-            op="image_prepare",
-            source=source,
-            workdir=workdir,
-            limits=limits,
-            should_stop=should_stop,
-        )
-        return Prepared(
-            document=Path(source), media_type=media_type, page_count=result["page_count"]
-        )
 
 
 def engine_label(converter: Converter) -> str:

@@ -8,7 +8,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
@@ -40,6 +40,8 @@ from conversion_jobs.services.artifacts import source_lock
 from conversion_jobs.services.prepared import prepared_cursor
 from conversion_jobs.services.quarantine import document_quarantined
 from conversion_jobs.states import LIVE_STATES, State
+
+P = ParamSpec("P")
 
 
 @dataclass(frozen=True)
@@ -168,6 +170,22 @@ def _precheck(
     return _Seen(fingerprint, as_uuid(key_job), as_uuid(duplicate), bool(quarantined))
 
 
+def _quarantine_refusals_counted(accept: Callable[P, Acceptance]) -> Callable[P, Acceptance]:
+    """``accept``, counting the refusals of a quarantined document
+    (``QUARANTINE_REFUSALS``)."""
+
+    @functools.wraps(accept)
+    def counted(*args: P.args, **kwargs: P.kwargs) -> Acceptance:
+        try:
+            return accept(*args, **kwargs)
+        except DocumentQuarantined:
+            metrics.QUARANTINE_REFUSALS.inc()
+            raise
+
+    return counted
+
+
+@_quarantine_refusals_counted
 def conversion_job_accept(
     *,
     tenant: str,
@@ -195,33 +213,6 @@ def conversion_job_accept(
     A document the tenant has quarantined (services/quarantine.py) is refused with
     DocumentQuarantined (422), nothing written, after a key's replay and before a duplicate:
     the pre-check read asks, and the insert statement itself is guarded (no row back)."""
-    try:
-        return _accept(
-            tenant=tenant,
-            actor=actor,
-            upload=upload,
-            output=output,
-            raw_options=raw_options,
-            idempotency_key=idempotency_key,
-            traceparent=traceparent,
-            raw_metadata=raw_metadata,
-        )
-    except DocumentQuarantined:
-        metrics.QUARANTINE_REFUSALS.inc()
-        raise
-
-
-def _accept(
-    *,
-    tenant: str,
-    actor: str,
-    upload: StagedUpload,
-    output: str,
-    raw_options: Any,
-    idempotency_key: str | None,
-    traceparent: str,
-    raw_metadata: Any,
-) -> Acceptance:
     inline = upload.content is not None
     db = transaction.get_connection()
     # No pre-check read for an inline source on Postgres: its statement settles duplicates.

@@ -16,7 +16,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -356,10 +356,8 @@ def _convert(
     ``source_bytes``: an inline source's bytes, as the claim read them with the row.
     ``unrecorded`` gets the page count when its recording is deferred to the publish."""
     options = _attempt_options(job, lease)
-    limits = limits_from_settings()
     configure(engine_settings_from_settings())
     converter = converters.converter_for(job.source_media_type, job.output)
-    stop = heartbeat.stop.is_set
     # The converter reads a copy in the attempt's work directory, never the store itself.
     source = workdir / "source"
     if storage.is_inline_source(job.source_key):
@@ -370,35 +368,29 @@ def _convert(
             fh.write(source_bytes)
     else:
         storage.download(job.source_key, source)
-    # A small text page comes back from the child as bytes and rides in its checkpoint row.
-    inline_max = settings.QUIRE["INLINE_PAGE_MAX_BYTES"] if job.output == "text" else 0
-    # A first run converts its selected pages from the first on: the prepare asks for them in
-    # its own request (a resumed attempt first reads which pages are done, so it does not).
-    first = _first_pages(job.options) if lease.first_run else ()
     started = time.monotonic()
-    prepared = converter.prepare(
+    request = _prepared(
+        converter,
+        job=job,
         source=source,
         media_type=job.source_media_type,
-        workdir=workdir,
-        limits=limits,
-        should_stop=stop,
         options=options,
-        first=converters.FirstPages(pages=first, output=job.output, inline_max_bytes=inline_max),
+        workdir=workdir,
+        stop=heartbeat.stop.is_set,
+        # A first run converts its selected pages from the first on: the prepare asks for them
+        # in its own request (a resumed attempt first reads which pages are done, so it does
+        # not).
+        first=_first_pages(job.options) if lease.first_run else (),
     )
     metrics.CONVERSION_DURATION.labels(
         input=job.source_media_type, engine=engine_label(converter)
     ).observe(time.monotonic() - started)
+    prepared = request.prepared
     if job.source_page_count != prepared.page_count:
         unrecorded["page_count"] = prepared.page_count
     pages = _selected_pages(job.options, prepared.page_count)  # terminal errors record it (_run)
     checkpoints = {} if lease.first_run else db_retry(page_checkpoints_by_page, job_id=lease.job_id)
-    # A resumed job never redoes a finished page.
-    todo = [
-        page
-        for page in pages
-        if checkpoints.get(page) is None
-        or checkpoints[page].state not in (PageState.DONE, PageState.FAILED)
-    ]
+    todo = _unfinished(pages, checkpoints)  # a resumed job never redoes a finished page
     if fanout.fanout_wanted(job=job, todo=todo):
         # Long enough to split: the pages go to page ranges that any worker claims, and this
         # attempt ends here (ADR 0023).
@@ -411,15 +403,6 @@ def _convert(
             heartbeat=heartbeat,
             unrecorded=unrecorded,
         )
-    request = PageRequest(
-        prepared=prepared,
-        output=job.output,
-        options=options,
-        dest_dir=workdir,
-        limits=limits,
-        should_stop=stop,
-        inline_max_bytes=inline_max,
-    )
     if len(pages) != 1 and not prepared.first_requested:
         # The child starts on the first pages (exactly what the first page call would ask for)
         # while the count is recorded: that round trip no longer delays the pages.
@@ -428,21 +411,68 @@ def _convert(
         # Progress needs the count now. With one page to convert the publish records it (no
         # UPDATE of its own), or a terminal failure first.
         execution.page_count_record_deferred(lease, unrecorded)
-    with CheckpointBatch(lease, checkpoints) as batch:
-        return _convert_pages(
-            PageRun(
-                lease=lease,
-                job=job,
-                heartbeat=heartbeat,
-                converter=converter,
-                request=request,
-                pages=pages,
-                todo=todo,
-                checkpoints=checkpoints,
-                batch=batch,
-                unrecorded=unrecorded,
-            )
+    return _convert_pages(
+        PageRun(
+            lease=lease,
+            job=job,
+            heartbeat=heartbeat,
+            converter=converter,
+            request=request,
+            pages=pages,
+            todo=todo,
+            checkpoints=checkpoints,
+            unrecorded=unrecorded,
         )
+    )
+
+
+def _prepared(
+    converter: converters.Converter,
+    *,
+    job: ConversionJob,
+    source: Path,
+    media_type: str,
+    options: dict[str, Any],
+    workdir: Path,
+    stop: Callable[[], bool],
+    first: Sequence[int],
+) -> PageRequest:
+    """The ``source`` document prepared (``first``: the pages to ask for with the prepare) and
+    the request of its pages: this job's output and options, the work dir, the limits, the
+    stop flag and, for a text job, the largest page that comes back from the child as bytes
+    (it then rides in its checkpoint row)."""
+    limits = limits_from_settings()
+    inline_max = settings.QUIRE["INLINE_PAGE_MAX_BYTES"] if job.output == "text" else 0
+    prepared = converter.prepare(
+        source=source,
+        media_type=media_type,
+        workdir=workdir,
+        limits=limits,
+        should_stop=stop,
+        options=options,
+        first=converters.FirstPages(
+            pages=tuple(first), output=job.output, inline_max_bytes=inline_max
+        ),
+    )
+    return PageRequest(
+        prepared=prepared,
+        output=job.output,
+        options=options,
+        dest_dir=workdir,
+        limits=limits,
+        should_stop=stop,
+        inline_max_bytes=inline_max,
+    )
+
+
+def _unfinished(pages: list[int], checkpoints: dict[int, Any]) -> list[int]:
+    """The pages of ``pages`` (in order) with no final (done or failed) checkpoint."""
+    return [
+        page
+        for page in pages
+        if checkpoints.get(page) is None
+        or checkpoints[page].state not in (PageState.DONE, PageState.FAILED)
+    ]
 
 
 @dataclass(frozen=True)
@@ -463,54 +493,57 @@ class PageRun:
     pages: list[int]
     todo: list[int]
     checkpoints: dict[int, Any]
-    batch: CheckpointBatch
     unrecorded: dict[str, int]
     range_lease: RangeLease | None = None
     finish: Callable[[], str] | None = None
 
 
 def _convert_pages(run: PageRun) -> str:
-    """Convert ``run.todo`` page by page (each page up to ``PAGE_MAX_ATTEMPTS`` tries), yield
-    the worker at a page boundary past the fair slice, then finalize (or ``run.finish``)."""
-    local: dict[int, Path] = {}  # pages of this attempt: where their bytes are on this host
-    slice_ = _Slice()
-    page_budget = settings.QUIRE["PAGE_MAX_ATTEMPTS"]
-    for index, page in enumerate(run.todo):
-        if run.heartbeat.stop.is_set():
-            raise ConversionStopped()
-        run.batch.flush_if_due()
-        # A page range (ADR 0023) never yields: it is already a bounded unit of work, and a yield
-        # would move the whole fanned-out job (ADR 0021).
-        if (
-            run.range_lease is None
-            and slice_.due()
-            and _yield_if_others_wait(
-                lease=run.lease, job=run.job, batch=run.batch, left=len(run.todo) - index
+    """Convert ``run.todo`` page by page (each page up to ``PAGE_MAX_ATTEMPTS`` tries) into
+    one checkpoint batch, yield the worker at a page boundary past the fair slice, then
+    finalize (or ``run.finish``)."""
+    with CheckpointBatch(run.lease, run.checkpoints, range_lease=run.range_lease) as batch:
+        local: dict[int, Path] = {}  # pages of this attempt: where their bytes are on this host
+        slice_ = _Slice()
+        page_budget = settings.QUIRE["PAGE_MAX_ATTEMPTS"]
+        for index, page in enumerate(run.todo):
+            if run.heartbeat.stop.is_set():
+                raise ConversionStopped()
+            batch.flush_if_due()
+            # A page range (ADR 0023) never yields: it is already a bounded unit of work, and a
+            # yield would move the whole fanned-out job (ADR 0021).
+            if (
+                run.range_lease is None
+                and slice_.due()
+                and _yield_if_others_wait(
+                    lease=run.lease, job=run.job, batch=batch, left=len(run.todo) - index
+                )
+            ):
+                return "yielded"
+            lookahead = run.todo[index + 1 : index + 2 * converters.READ_AHEAD_PAGES]
+            artifact, tries = _page_converted(
+                run, batch, page, lookahead=lookahead, budget=page_budget
             )
-        ):
-            return "yielded"
-        lookahead = run.todo[index + 1 : index + 2 * converters.READ_AHEAD_PAGES]
-        artifact, tries = _page_converted(run, page, lookahead=lookahead, budget=page_budget)
-        if artifact is not None:
-            _page_stored(run, page, artifact=artifact, tries=tries, local=local)
-    if run.finish is not None:
-        run.batch.flush()
-        return run.finish()
-    return _finalize(
-        lease=run.lease,
-        job=run.job,
-        pages=run.pages,
-        checkpoints=run.checkpoints,
-        batch=run.batch,
-        prepared=run.request.prepared,
-        workdir=run.request.dest_dir,
-        local=local,
-        unrecorded=run.unrecorded,
-    )
+            if artifact is not None:
+                _page_stored(run, batch, page, artifact=artifact, tries=tries, local=local)
+        if run.finish is not None:
+            batch.flush()
+            return run.finish()
+        return _finalize(
+            lease=run.lease,
+            job=run.job,
+            pages=run.pages,
+            checkpoints=run.checkpoints,
+            batch=batch,
+            prepared=run.request.prepared,
+            workdir=run.request.dest_dir,
+            local=local,
+            unrecorded=run.unrecorded,
+        )
 
 
 def _page_converted(
-    run: PageRun, page: int, *, lookahead: list[int], budget: int
+    run: PageRun, batch: CheckpointBatch, page: int, *, lookahead: list[int], budget: int
 ) -> tuple[Any, int]:
     """``page`` converted, tried again after an error until ``budget`` tries (counting those
     of earlier attempts); the artifact and the tries before it. ``(None, tries)``: the page
@@ -528,16 +561,9 @@ def _page_converted(
         except ConversionError as exc:
             tries += 1
             exhausted = tries >= budget or exc.code in ("conversion_timeout", "input_too_large")
-            run.batch.flush()
+            batch.flush()
             if exc.retryable and not exhausted:
-                _checkpoint(
-                    run.lease,
-                    page=page,
-                    state=PageState.PENDING,
-                    attempts=tries,
-                    error_code=exc.code,
-                    range_lease=run.range_lease,
-                )
+                _checkpoint(run, page, PageState.PENDING, attempts=tries, error_code=exc.code)
                 raise
             if exhausted:
                 _page_failed(run, page, tries=tries, exc=exc)
@@ -553,17 +579,18 @@ def _page_failed(run: PageRun, page: int, *, tries: int, exc: ConversionError) -
         if ended_as is not None:
             raise _QuarantineFailed(ended_as) from exc
     run.checkpoints[page] = _checkpoint(
-        run.lease,
-        page=page,
-        state=PageState.FAILED,
-        attempts=tries,
-        error_code=exc.code,
-        range_lease=run.range_lease,
+        run, page, PageState.FAILED, attempts=tries, error_code=exc.code
     )
 
 
 def _page_stored(
-    run: PageRun, page: int, *, artifact: Any, tries: int, local: dict[int, Path]
+    run: PageRun,
+    batch: CheckpointBatch,
+    page: int,
+    *,
+    artifact: Any,
+    tries: int,
+    local: dict[int, Path],
 ) -> None:
     """A converted page goes to the batch: a small text page in its checkpoint row, any other
     stored as an object (``local`` notes where its bytes are on this host)."""
@@ -587,11 +614,11 @@ def _page_stored(
     if job.output == "text" and size <= run.request.inline_max_bytes:
         # A small text page rides in its checkpoint row: durable when the batch commits.
         content = artifact.content if artifact.content is not None else _path(artifact).read_bytes()
-        run.batch.add(done(artifact_key=INLINE_PREFIX + key, content=content), None)
+        batch.add(done(artifact_key=INLINE_PREFIX + key, content=content), None)
     else:
         put = storage.put_file(key, _path(artifact), wait=False, sha256=sha)
         local[page] = put.local
-        run.batch.add(done(artifact_key=key), put)
+        batch.add(done(artifact_key=key), put)
 
 
 class _Slice:
@@ -661,8 +688,19 @@ def _fetch(key: str, workdir: Path) -> Path:
     return dest
 
 
-def _checkpoint(lease: Lease, **values: Any) -> Any:
-    return db_retry(page_checkpoint_record, lease=lease, **values)
+def _checkpoint(
+    run: PageRun, page: int, state: PageState, *, attempts: int, error_code: str
+) -> Any:
+    """A page not done (pending, failed), checkpointed at once (fenced on the run's range too)."""
+    return db_retry(
+        page_checkpoint_record,
+        lease=run.lease,
+        page=page,
+        state=state,
+        attempts=attempts,
+        error_code=error_code,
+        range_lease=run.range_lease,
+    )
 
 
 def _finalize(
