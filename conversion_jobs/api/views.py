@@ -624,11 +624,8 @@ def _zip_result_response(job: ConversionJob, *, request: Request) -> HttpRespons
     return response
 
 
-class NoResult(QuireError):
+class NoResult(QuireError, code="no_result", status=409):
     """The job finished without a result (failed, cancelled, or expired by retention)."""
-
-    code = "no_result"
-    status = 409
 
 
 class JobPagesView(QuireView):
