@@ -146,7 +146,6 @@ def _run_range(*, claim: RangeClaim, beats: _Beats, workdir: Path) -> str:
 
 def _convert_range(*, claim: RangeClaim, beats: _Beats, workdir: Path) -> str:
     lease, range_lease, job = claim.lease, claim.range_lease, claim.job
-    heartbeat = beats.current
     options = runner._attempt_options(job, lease, password=claim.document_key is None)
     configure(runner.engine_settings_from_settings())
     converter: converters.Converter
@@ -176,7 +175,7 @@ def _convert_range(*, claim: RangeClaim, beats: _Beats, workdir: Path) -> str:
         media_type=media_type,
         options=options,
         workdir=workdir,
-        stop=heartbeat.stop.is_set,
+        stop=beats.current.stop.is_set,
         first=ahead,
     )
     if todo and not request.prepared.first_requested:
@@ -185,7 +184,6 @@ def _convert_range(*, claim: RangeClaim, beats: _Beats, workdir: Path) -> str:
         runner.PageRun(
             lease=lease,
             job=job,
-            heartbeat=heartbeat,
             converter=converter,
             request=request,
             pages=pages,

@@ -415,7 +415,6 @@ def _convert(
         PageRun(
             lease=lease,
             job=job,
-            heartbeat=heartbeat,
             converter=converter,
             request=request,
             pages=pages,
@@ -487,7 +486,6 @@ class PageRun:
 
     lease: Lease
     job: ConversionJob
-    heartbeat: Heartbeat
     converter: converters.Converter
     request: PageRequest
     pages: list[int]
@@ -507,7 +505,7 @@ def _convert_pages(run: PageRun) -> str:
         slice_ = _Slice()
         page_budget = settings.QUIRE["PAGE_MAX_ATTEMPTS"]
         for index, page in enumerate(run.todo):
-            if run.heartbeat.stop.is_set():
+            if run.request.should_stop():  # the heartbeat's stop flag
                 raise ConversionStopped()
             batch.flush_if_due()
             # A page range (ADR 0023) never yields: it is already a bounded unit of work, and a
