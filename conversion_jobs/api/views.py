@@ -538,31 +538,28 @@ class DownloadNegotiation(DefaultContentNegotiation):
         return renderer, renderer.media_type
 
 
+def _download_schema(
+    description: str, types: Iterable[str], *, errors: Iterable[int], summary: str, op: str
+) -> Callable[[Any], Any]:
+    """A download's OpenAPI operation: ``description`` and ``types`` of its bytes, its problems
+    (``errors`` beside the authentication's and 404)."""
+    return extend_schema(
+        parameters=DOWNLOAD_HEADERS,
+        responses={**download(description, *types), **problems(*AUTHENTICATED, 404, *errors)},
+        summary=summary,
+        operation_id=op,
+    )
+
+
 class _DownloadView(QuireView):
     """A download of a job's bytes (its result, a page): any media type is accepted."""
 
     required_scopes = {"GET": "jobs:read"}
     content_negotiation_class = DownloadNegotiation
 
-    @staticmethod
-    def schema(
-        description: str, types: Iterable[str], *, errors: Iterable[int], summary: str, op: str
-    ) -> Callable[[Any], Any]:
-        """The download's OpenAPI operation: ``description`` and ``types`` of its bytes, its
-        problems (``errors`` beside the authentication's and 404)."""
-        return extend_schema(
-            parameters=DOWNLOAD_HEADERS,
-            responses={
-                **download(description, *types),
-                **problems(*AUTHENTICATED, 404, *errors),
-            },
-            summary=summary,
-            operation_id=op,
-        )
-
 
 class JobResultView(_DownloadView):
-    @_DownloadView.schema(
+    @_download_schema(
         "The result's bytes, with its media type: text/plain; charset=utf-8 (output text),"
         " application/pdf (pdf), application/zip (png: the page PNGs)",
         RESULT_TYPES,
@@ -643,7 +640,7 @@ class JobPagesView(QuireView):
 
 
 class JobPageView(_DownloadView):
-    @_DownloadView.schema(
+    @_download_schema(
         "The page's bytes, with its media type: text/plain; charset=utf-8 (output text),"
         " application/pdf (pdf), image/png (png)",
         PAGE_TYPES,
