@@ -91,6 +91,33 @@ def _wait(url: str, query: str, target: int, timeout: float, what: str) -> None:
         time.sleep(0.25)
 
 
+def _tree_cpu_s(proc: object) -> float:
+    """CPU seconds of a started process's tree: each live member's own and that of the children
+    it has reaped (converter children, recycled LibreOffice engines)."""
+    total = 0.0
+    for pid in proc.tree():  # type: ignore[attr-defined]
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += sum(int(f) for f in fields[11:15]) / c.CLK_TCK
+    return total
+
+
+def _poison_attempts(url: str, job_ids: list[str]) -> tuple[int, float, str]:
+    """(attempts, slot-seconds they held, their error codes) of the crashing documents' jobs."""
+    ids = ",".join(f"'{i}'" for i in job_ids)
+    row = _scalar(
+        url,
+        "SELECT count(*) || ' ' || coalesce(sum(extract(epoch FROM finished_at - started_at)), 0)"  # noqa: S608
+        " || ' ' || coalesce(string_agg(error_code || ':' ||"
+        " round(extract(epoch FROM finished_at - started_at)::numeric, 1), ',' ORDER BY"
+        f" started_at), '-') FROM conversion_attempt WHERE job_id IN ({ids})",
+    )
+    n, held, codes = str(row).split(" ", 2)
+    return int(n), float(held), codes
+
+
 def _state(url: str, job_id: object) -> tuple[str, str]:
     row = _scalar(
         url,
@@ -137,6 +164,7 @@ def main() -> int:
         # --- clean -------------------------------------------------------------------------
         for path in clean_pdfs:
             c.accept_file(path, tenant="clean")
+        busy0 = c.machine_cpu()
         worker = stack.start("worker", WORKER_CONCURRENCY="2")
         _wait(
             url,
@@ -147,6 +175,9 @@ def main() -> int:
             "the clean phase",
         )
         clean_done, clean_s = _window(url, "clean")
+        clean_cpu = _tree_cpu_s(worker)
+        busy1 = c.machine_cpu()
+        clean_busy = (busy1[0] - busy0[0]) / max(1.0, busy1[1] - busy0[1])
         print(f"clean:  {clean_done} jobs in {clean_s:.1f} s", flush=True)
         worker.stop()  # type: ignore[attr-defined]
 
@@ -161,6 +192,7 @@ def main() -> int:
         office_job = c.accept_file(office_doc, tenant="poisoned", output="pdf")
         for path in poisoned_pdfs[half:]:
             normal.append(str(c.accept_file(path, tenant="poisoned").id))  # type: ignore[attr-defined]
+        busy0 = c.machine_cpu()
         worker = stack.start("worker", WORKER_CONCURRENCY="2")
         office_jobs = [office_job.id]  # type: ignore[attr-defined]
         deadline = time.monotonic() + args.timeout
@@ -184,6 +216,13 @@ def main() -> int:
                 raise RuntimeError("timed out in the poison phase")
             time.sleep(0.25)
         normal_done, poison_s = _window(url, "poisoned", normal)
+        poison_cpu = _tree_cpu_s(worker)
+        busy1 = c.machine_cpu()
+        poison_busy = (busy1[0] - busy0[0]) / max(1.0, busy1[1] - busy0[1])
+        held = {
+            "segv": _poison_attempts(url, [str(segv_job.id)]),  # type: ignore[attr-defined]
+            "office": _poison_attempts(url, [str(j) for j in office_jobs]),
+        }
         office_states = [_state(url, job_id) for job_id in office_jobs]
         most_crashes = int(
             _scalar(url, "SELECT coalesce(max(crashes), 0) FROM document_quarantine")
@@ -225,6 +264,16 @@ def main() -> int:
     print(f"load after: {c.load_average()}")
     print(f"clean:  {clean_done} jobs in {clean_s:.1f} s = {clean_rate:.1f} jobs/s")
     print(f"poison: {normal_done} normal jobs in {poison_s:.1f} s = {poison_rate:.1f} jobs/s")
+    print(
+        f"worker tree CPU: clean {clean_cpu:.1f} s ({1000 * clean_cpu / clean_done:.1f} ms/job),"
+        f" poison phase {poison_cpu:.1f} s; machine busy: clean {clean_busy:.0%},"
+        f" poison {poison_busy:.0%}"
+    )
+    for name, (n, seconds, codes) in held.items():
+        print(
+            f"{name} attempts: {n}, holding a slot {seconds:.1f} s = {seconds / (2 * poison_s):.1%}"
+            f" of the poison phase's 2 slots ({codes})"
+        )
     print(f"segv job: {_fmt(segv_state)}, attempts {segv_attempts}")
     print(f"office jobs: {', '.join(_fmt(s) for s in office_states)}")
     print(f"quarantine rows: {crashes}")

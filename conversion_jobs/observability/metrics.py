@@ -131,7 +131,14 @@ KNOWN_SERIES: dict[Counter | Histogram, list[dict[str, str]]] = {
     ]
     + [{"path": "fast", "code": "queue_full"}],
     REDISPATCHES: [
-        {"reason": r} for r in ("dispatch_timeout", "retry_due", "operator_retry", "yielded")
+        {"reason": r}
+        for r in (
+            "dispatch_timeout",
+            "retry_due",
+            "operator_retry",
+            "yielded",
+            "unconfirmed",
+        )
     ],
     DUPLICATE_DELIVERIES: [{"reason": "duplicate"}, {"reason": "stale"}],
     ATTEMPT_DURATION: [

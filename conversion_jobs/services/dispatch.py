@@ -137,6 +137,9 @@ def outbox_rows_publish_unpublished(*, batch: int | None = None) -> SweepResult:
         # The backstop of the fair relay: one pick, bounded by the free credits.
         fair.outbox_rows_retire_superseded(batch=batch)
         fair.slots_remove_stale()
+        # Units picked and never confirmed (their picker died before its publish) wait again,
+        # so this very pick can send them (ADR 0021, "A unit picked and lost").
+        fair.units_return_unconfirmed(batch=batch)
         sent = fair.relay(limit=batch, path="sweep")
         return SweepResult(published=sent + ranges.published, failed=ranges.failed)
     return _rows_publish_in_order(batch=batch, ranges_only=False)

@@ -47,6 +47,7 @@ from django.db.models import Count, F, Q, Sum
 from django.db.models.functions import Coalesce, Now
 from django.utils import timezone
 
+from conversion_jobs import faults
 from conversion_jobs.models import (
     ConversionJob,
     ConversionOutbox,
@@ -58,6 +59,7 @@ from conversion_jobs.models import (
 )
 from conversion_jobs.observability import gauges, metrics
 from conversion_jobs.services import broker
+from conversion_jobs.services.prepared import Int8s, prepared_cursor
 from conversion_jobs.states import LEASED_STATES, State
 
 log = logging.getLogger(__name__)
@@ -188,15 +190,31 @@ class Unit(NamedTuple):
     cost: int
 
 
+#: The pick as the commit fast path sends it: bound by the server and prepared once per
+#: connection (``prepared.prepared_cursor``), so Postgres neither parses nor plans the call
+#: again. The columns are named, not ``*``: a later version of the function that returns more
+#: columns leaves this statement's result type, and its prepared plan, valid.
+_PICK_SQL = (
+    "SELECT out_id, out_job, out_generation, out_traceparent, out_tenant, out_cost"
+    " FROM quire_fair_pick(%(limit)s::integer, %(capacity)s::integer,"
+    " %(lost)s::float8, %(ttl)s::float8)"
+)
+
+
 def pick(*, limit: int) -> list[Unit]:
     """Choose and mark sent at most ``limit`` units, fewer when credits are short, in fair order.
     Commits before it returns when called outside a transaction (the caller publishes after)."""
     q = settings.QUIRE
     if connection.vendor == "postgresql":
-        with connection.cursor() as cursor:
+        with prepared_cursor() as cursor:
             cursor.execute(
-                "SELECT * FROM quire_fair_pick(%s, %s, %s, %s)",
-                [limit, q["FAIR_CAPACITY"], q["FAIR_LOST_S"], q["FAIR_SLOT_TTL_S"]],
+                _PICK_SQL,
+                {
+                    "limit": limit,
+                    "capacity": q["FAIR_CAPACITY"],
+                    "lost": float(q["FAIR_LOST_S"]),
+                    "ttl": float(q["FAIR_SLOT_TTL_S"]),
+                },
             )
             rows = cursor.fetchall()
         units = [Unit(r[0], r[1], r[2], r[3] or "", r[4], r[5]) for r in rows]
@@ -327,8 +345,11 @@ def unsend(units: list[Unit], *, code: str) -> None:
 
 
 def relay(*, limit: int, path: str) -> int:
-    """Pick and publish; units the broker did not take go back to waiting. The count sent."""
+    """Pick and publish; units the broker did not take go back to waiting, the ones it
+    confirmed are marked so (:func:`confirm`). The count sent."""
     units = pick(limit=limit)
+    if units:
+        faults.hit("fair.after_pick")
     for index, unit in enumerate(units):
         try:
             broker.publish_conversion(
@@ -341,11 +362,125 @@ def relay(*, limit: int, path: str) -> int:
                 "fair relay publish failed; the units wait for the next pick",
                 extra={"code": code, "error": type(exc).__name__},
             )
+            confirm([u.outbox_id for u in units[:index]])
             unsend(units[index:], code=code)
             return index
     if units:
+        confirm([u.outbox_id for u in units])
         metrics.OUTBOX_PUBLISHED.labels(path=path).inc(len(units))
     return len(units)
+
+
+# --- a pick that was never published ------------------------------------------------------------
+
+#: The broker confirmed these picked units: their row's ``published_at`` moves from the pick's
+#: time (which ``conversion_job.dispatched_at`` also holds) to now. Its own transaction, which
+#: does not wait for its WAL flush (a mark lost in a Postgres crash only makes the unit look
+#: unconfirmed: sent once more, a duplicate the claim's CAS ignores).
+_CONFIRM_SQL = (
+    "UPDATE conversion_outbox"
+    " SET published_at = GREATEST(clock_timestamp(), published_at + interval '1 microsecond')"
+    " WHERE id = ANY(%(ids)s::bigint[]) AND published_at IS NOT NULL"
+    " AND set_config('synchronous_commit', 'off', true) IS NOT NULL"
+)
+
+
+def confirm(outbox_ids: list[int]) -> None:
+    """Record that the broker confirmed these picked units' messages (ADR 0021, "A unit picked
+    and lost"). Never raises: a mark that fails leaves the units looking unconfirmed, and
+    :func:`units_return_unconfirmed` sends them once more (a harmless duplicate)."""
+    if not outbox_ids:
+        return
+    try:
+        if connection.vendor == "postgresql":
+            with prepared_cursor() as cursor:
+                cursor.execute(_CONFIRM_SQL, {"ids": Int8s(outbox_ids)})
+        else:
+            now = timezone.now()
+            ConversionOutbox.objects.filter(id__in=outbox_ids, published_at__isnull=False).update(
+                published_at=now
+            )
+    except Exception as exc:
+        log.warning("could not mark picked units confirmed", extra={"error": type(exc).__name__})
+        raw = connection.connection
+        if raw is not None and (getattr(raw, "broken", False) or getattr(raw, "closed", False)):
+            connection.close()  # a thread with no request cycle would keep a dead one
+
+
+def unconfirmed_after_s() -> float:
+    """How long a picked unit may stay unconfirmed before it goes back to waiting: twice the
+    publisher's confirm timeout (a live publisher has had its confirm or given the unit back
+    by then)."""
+    return 2.0 * float(settings.QUIRE["PUBLISH_CONFIRM_TIMEOUT_S"])
+
+
+#: Jobs sent by a pick (``dispatched_at`` set in their generation), not claimed, whose outbox
+#: row still carries the pick's own time (never confirmed) past ``unconfirmed_after_s``: the
+#: picker died or stalled between its pick and its publish. Their rows go back to waiting and
+#: the jobs stop counting as busy, in one statement; the jobs' row locks first, skipping any a
+#: claim holds. A confirm that commits meanwhile changes ``published_at``, so the row no longer
+#: matches and nothing is returned for it.
+_RETURN_UNCONFIRMED_SQL = """
+WITH lost AS (
+    SELECT j.id, j.generation, j.dispatched_at FROM conversion_job j
+    WHERE j.state = 'queued' AND j.dispatched_at IS NOT NULL
+      AND j.dispatched_generation = j.generation
+      AND j.dispatched_at < now() - make_interval(secs => %(after)s)
+    ORDER BY j.dispatched_at
+    LIMIT %(batch)s
+    FOR UPDATE OF j SKIP LOCKED
+), back AS (
+    UPDATE conversion_outbox o SET published_at = NULL, last_error_code = 'unconfirmed'
+    FROM lost l
+    WHERE o.job_id = l.id AND o.generation = l.generation AND o.published_at = l.dispatched_at
+      AND o.range_first IS NULL
+    RETURNING o.job_id
+)
+UPDATE conversion_job j SET dispatched_at = NULL
+FROM (SELECT DISTINCT b.job_id FROM back b) r WHERE j.id = r.job_id
+RETURNING j.id
+"""
+
+
+def units_return_unconfirmed(*, batch: int) -> int:
+    """Units picked and never confirmed (their picker killed between its pick and its publish)
+    go back to waiting after ``unconfirmed_after_s``, for the next pick, instead of counting as
+    busy until ``QUIRE_FAIR_LOST_S`` and the stale-dispatch sweep. The outbox sweep runs this
+    before its pick, every tick. Their tenants' virtual time stays advanced, as after a broker
+    error (:func:`unsend`). A picker that was only stalled and publishes after all sends a
+    duplicate message, which the claim's CAS ignores. The count returned."""
+    after = unconfirmed_after_s()
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:  # one statement, its own transaction
+            cursor.execute(_RETURN_UNCONFIRMED_SQL, {"after": after, "batch": batch})
+            count = len(cursor.fetchall())
+    else:
+        count = _return_unconfirmed_sqlite(after=after, batch=batch)
+    if count:
+        metrics.REDISPATCHES.labels(reason="unconfirmed").inc(count)
+        log.warning("picked units never confirmed went back to waiting", extra={"count": count})
+    return count
+
+
+def _return_unconfirmed_sqlite(*, after: float, batch: int) -> int:
+    cutoff = timezone.now() - timedelta(seconds=after)
+    with transaction.atomic():  # BEGIN IMMEDIATE: the database's write lock from here
+        rows = list(
+            ConversionOutbox.objects.filter(
+                range_first__isnull=True,
+                job__state=State.QUEUED,
+                job__generation=F("generation"),
+                job__dispatched_generation=F("generation"),
+                job__dispatched_at__lt=cutoff,
+                published_at=F("job__dispatched_at"),
+            ).values_list("id", "job_id")[:batch]
+        )
+        if not rows:
+            return 0
+        ConversionOutbox.objects.filter(id__in=[r[0] for r in rows]).update(
+            published_at=None, last_error_code="unconfirmed"
+        )
+        return ConversionJob.objects.filter(id__in={r[1] for r in rows}).update(dispatched_at=None)
 
 
 def relay_quietly(*, path: str) -> int:

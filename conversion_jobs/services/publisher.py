@@ -33,6 +33,7 @@ from django.db import connection
 from django.db.models import F
 from django.db.models.functions import Now
 
+from conversion_jobs import faults
 from conversion_jobs.models import ConversionOutbox
 from conversion_jobs.observability import metrics, tracing
 from conversion_jobs.services import broker, fair
@@ -197,8 +198,9 @@ class BackgroundPublisher:
         what is sent is what a fair pick chooses now (on an idle system, those very rows). The
         broker channel comes first: a pick marks its units sent, so it is taken only when they
         can be published at once; a broker that refuses or hangs leaves the units waiting for
-        the sweep's pick (a unit picked and never published waits for QUIRE_FAIR_LOST_S), and
-        the failure is recorded on the rows handed over."""
+        the sweep's pick, and the failure is recorded on the rows handed over. The units the
+        broker confirms are marked so (``fair.confirm``); a unit this process picked and never
+        confirmed (killed before its publish) waits again after twice the confirm timeout."""
         if settings.AMQP_BROKER:
             try:
                 self._confirm_channel()
@@ -218,6 +220,7 @@ class BackgroundPublisher:
             _reset_db()
             raise
         if units:
+            faults.hit("fair.after_pick")
             batch = [Pending(u.outbox_id, u.job_id, u.generation, u.traceparent) for u in units]
             self.publish_batch(batch, picked=units)
 
@@ -241,6 +244,8 @@ class BackgroundPublisher:
         if confirmed:
             if picked is None:
                 self._mark_published(confirmed)
+            else:  # the pick marked them sent; this says the broker has them (ADR 0021)
+                fair.confirm(confirmed)
             metrics.OUTBOX_PUBLISHED.labels(path="fast").inc(len(confirmed))
         if failed:
             code = broker.error_code(error) if error is not None else "publish_failed"

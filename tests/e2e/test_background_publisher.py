@@ -9,6 +9,7 @@ publish, leaves the rows to the outbox sweep.
 from __future__ import annotations
 
 import socket
+import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -134,4 +135,54 @@ def test_background_publisher__web_killed_after_the_202_before_publishing__the_s
         lambda: harness.queue_depth(harness.CONVERSION_QUEUE) == 1,
         timeout=10,
         what="one message in conversion.v1",
+    )
+
+
+def test_background_publisher__web_killed_between_its_pick_and_its_publish__sent_within_seconds(
+    start: Callable[..., harness.Proc],
+) -> None:
+    """The web's publisher dies (SIGKILL, the fault point ``fair.after_pick``) right after its
+    fair pick marked the unit sent, on a live broker: nothing was published and nothing given
+    back. The unit waits again after twice the confirm timeout and the next sweep sends it
+    (ADR 0021, "A unit picked and lost"), long before QUIRE_FAIR_LOST_S."""
+    lost_s = "120"  # the older recovery (a lost unit's slot, the stale-dispatch sweep): far off
+    start("worker", QUIRE_FAIR_LOST_S=lost_s)
+    web = start(
+        "web",
+        WEB_CONCURRENCY="1",
+        QUIRE_TEST_FAULT_KILL="fair.after_pick",
+        QUIRE_FAIR_LOST_S=lost_s,
+    )
+    job_id = _accept(web.port)
+    harness.wait_until(
+        lambda: _rows([job_id])[0][0] is not None,
+        timeout=15,
+        what="the web's pick to mark the unit sent",
+    )
+    killed_at = time.monotonic()
+    time.sleep(0.5)  # a live publisher's confirm would have come back within milliseconds
+    job = ConversionJob.objects.get(id=job_id)
+    row = ConversionOutbox.objects.get(job_id=job_id)
+    # picked (the pick's time on both rows: never confirmed), and the publisher died there
+    assert (job.state, job.dispatched_generation) == ("queued", 1)
+    assert row.published_at == job.dispatched_at
+    web.kill9()
+    assert ConversionJob.objects.get(id=job_id).attempts == 0  # no message reached the worker
+    start("sweeper", QUIRE_FAIR_LOST_S=lost_s)
+    start("beat", QUIRE_FAIR_LOST_S=lost_s)
+    harness.wait_until(
+        lambda: ConversionJob.objects.get(id=job_id).attempts >= 1,
+        timeout=60,
+        what="the lost unit picked again, sent and claimed",
+    )
+    # Claimed within seconds of the kill (the sweeper's and beat's start included), not after
+    # QUIRE_FAIR_LOST_S: returned to waiting (its one row, marked so), not written anew.
+    claimed_after = time.monotonic() - killed_at
+    assert claimed_after < 20, claimed_after
+    rows = list(ConversionOutbox.objects.filter(job_id=job_id).values_list("last_error_code"))
+    assert rows == [("unconfirmed",)]
+    harness.wait_until(
+        lambda: ConversionJob.objects.get(id=job_id).state == "succeeded",
+        timeout=60,
+        what="the job to run",
     )

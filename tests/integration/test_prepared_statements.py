@@ -54,7 +54,13 @@ def test_prepared__the_precheck_and_the_insert_are_prepared_once_per_connection(
     for n in range(3):
         _accept(tmp_path, key=f"k{n}" if n else None)  # with and without a key: one statement
     prepared = _prepared()
-    assert prepared == {"SELECT (SELECT fingerprint FRO": 3, "WITH job AS ( INSERT INTO conv": 3}
+    # ... and the commit fast path's fair pick and its confirm mark (services/fair.py)
+    assert prepared == {
+        "SELECT (SELECT fingerprint FRO": 3,
+        "WITH job AS ( INSERT INTO conv": 3,
+        "SELECT out_id, out_job, out_ge": 3,
+        "UPDATE conversion_outbox SET p": 3,
+    }
 
 
 def test_prepared__a_rollback_discards_them_and_the_next_acceptance_prepares_again(
@@ -69,7 +75,7 @@ def test_prepared__a_rollback_discards_them_and_the_next_acceptance_prepares_aga
         raise RuntimeError("roll back")
     assert _prepared() == {}
     _accept(tmp_path)
-    assert len(_prepared()) == 2
+    assert len(_prepared()) == 4  # the acceptance's two, the fair pick and its confirm mark
 
     with pytest.raises(IntegrityError) as conflict, transaction.atomic():
         with prepared_cursor() as cursor:

@@ -189,6 +189,72 @@ def test_lost_message__its_credit_returns_and_the_job_is_sent_again(
     assert dispatch.conversion_jobs_republish_if_dispatch_stale() == 0
 
 
+def _age_pick(job: ConversionJob, seconds: float) -> None:
+    """Move a pick ``seconds`` into the past as the pick wrote it: the job's ``dispatched_at``
+    and its row's ``published_at`` one and the same time (a confirm would have moved the
+    row's)."""
+    at = ConversionJob.objects.get(id=job.id).dispatched_at - timedelta(seconds=seconds)
+    row = ConversionOutbox.objects.get(job=job)
+    if row.published_at == ConversionJob.objects.get(id=job.id).dispatched_at:
+        ConversionOutbox.objects.filter(id=row.id).update(published_at=at)
+    else:
+        ConversionOutbox.objects.filter(id=row.id).update(
+            published_at=row.published_at - timedelta(seconds=seconds)
+        )
+    ConversionJob.objects.filter(id=job.id).update(dispatched_at=at)
+
+
+@pytest.mark.django_db
+def test_unconfirmed_pick__goes_back_to_waiting_after_twice_the_confirm_timeout(
+    capacity: Any, unit: Any, settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A picker killed between its pick and its publish: its unit waits again after
+    2 x QUIRE_PUBLISH_CONFIRM_TIMEOUT_S, not QUIRE_FAIR_LOST_S; a confirmed one stays sent."""
+    capacity(2)
+    lost, published, waiting = unit("a"), unit("a"), unit("a")
+    assert [u.job_id for u in fair.pick(limit=1)] == [lost.id]  # ... and its picker dies
+    sent: list[Any] = []
+    monkeypatch.setattr(broker, "publish_conversion", lambda **kw: sent.append(kw))
+    assert fair.relay(limit=1, path="sweep") == 1  # published and confirmed
+    assert [kw["job_id"] for kw in sent] == [published.id]
+    assert fair.pick(limit=10) == []  # both slots held
+    after = fair.unconfirmed_after_s()
+    assert after == 2 * settings.QUIRE["PUBLISH_CONFIRM_TIMEOUT_S"]
+    # younger than the bound: a live publisher may still be waiting for its confirm
+    _age_pick(lost, after - 0.3)
+    _age_pick(published, after + 5)
+    assert fair.units_return_unconfirmed(batch=10) == 0
+    _age_pick(lost, 0.6)
+    assert fair.units_return_unconfirmed(batch=10) == 1
+    row = ConversionOutbox.objects.get(job=lost)
+    assert (row.published_at, row.last_error_code) == (None, "unconfirmed")
+    assert ConversionJob.objects.get(id=lost.id).dispatched_at is None
+    assert ConversionOutbox.objects.get(job=published).published_at is not None
+    # its slot is free again, and the lost unit is first in line (it was picked before)
+    assert [u.job_id for u in fair.pick(limit=10)] == [lost.id]
+    assert fair.units_return_unconfirmed(batch=10) == 0
+    assert ConversionJob.objects.get(id=waiting.id).dispatched_at is None
+
+
+@pytest.mark.django_db
+def test_unconfirmed_pick__a_claimed_or_superseded_job_is_left_alone(
+    capacity: Any, unit: Any
+) -> None:
+    capacity(5)
+    claimed, cancelled = unit("a"), unit("a")
+    assert len(fair.pick(limit=10)) == 2
+    _age_pick(claimed, 5)
+    _age_pick(cancelled, 5)
+    assert transitions.claim(job_id=claimed.id, generation=1, worker="w") is not None
+    ConversionJob.objects.filter(id=cancelled.id).update(generation=2)
+    assert fair.units_return_unconfirmed(batch=10) == 0
+    assert set(
+        ConversionOutbox.objects.filter(job__in=[claimed, cancelled]).values_list(
+            "last_error_code", flat=True
+        )
+    ) == {None}
+
+
 @pytest.mark.django_db
 def test_clock__follows_the_last_start_tag_sent(capacity: Any, unit: Any) -> None:
     capacity(10)
