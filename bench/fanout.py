@@ -559,7 +559,9 @@ def main() -> None:
     parser.add_argument("--cancel-runs", type=int, default=10)
     parser.add_argument("--skip", default="")
     parser.add_argument("--keep", action="store_true")
-    parser.add_argument("--db", default="quire_cx_fanout", help="the database to create")
+    parser.add_argument(
+        "--db", default=_common.bench_db_name("quire_cx_fanout"), help="the database to create"
+    )
     parser.add_argument("--outputs", default="text,png", help="speed-up: text, png or both")
     parser.add_argument(
         "--modes", default="off,on,forced", help="speed-up: fan-out off, on, forced (text)"

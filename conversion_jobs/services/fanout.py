@@ -105,6 +105,18 @@ def fanout_wanted(*, job: ConversionJob, todo: list[int]) -> bool:
     return bool(settings.QUIRE["FANOUT"]) and len(todo) > fanout_min_pages(job=job)
 
 
+def fanout_likely(job: ConversionJob) -> bool:
+    """Whether the acceptance's page estimate (``dispatch_cost`` / the output's factor) says the
+    job will fan out: its planner then asks its converter for no first pages (they would be
+    converted again by the first range). A wrong guess costs nothing but that overlap."""
+    if not settings.QUIRE["FANOUT"]:
+        return False
+    factor = fair.page_factor(
+        media_type=job.source_media_type, output=job.output, options=job.options
+    )
+    return job.dispatch_cost // max(1, factor) > fanout_min_pages(job=job)
+
+
 def range_size(page_count: int) -> int:
     """Pages per range for a document of ``page_count`` selected pages: four ranges per
     conversion slot (``FANOUT_SLOTS``: the tail of the last ranges spreads over every slot),

@@ -393,8 +393,9 @@ def _convert(
     # A small text page comes back from the child as bytes and rides in its checkpoint row.
     inline_max = settings.QUIRE["INLINE_PAGE_MAX_BYTES"] if job.output == "text" else 0
     # A first run converts its selected pages from the first on: the prepare asks for them in
-    # its own request (a resumed attempt first reads which pages are done, so it does not).
-    first = _first_pages(job.options) if lease.first_run else ()
+    # its own request (a resumed attempt first reads which pages are done, so it does not; nor
+    # does a job its acceptance estimate says will fan out: its planner converts no page).
+    first = _first_pages(job.options) if lease.first_run and not fanout.fanout_likely(job) else ()
     started = time.monotonic()
     prepared = converter.prepare(
         source=source,
