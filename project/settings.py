@@ -370,7 +370,7 @@ QUIRE: dict[str, Any] = {
     # costs against a range's fixed cost (docs/OPERABILITY.md "Fan-out thresholds"): text from
     # a PDF costs ≈ 0.1 ms a page, so it never pays below the page limit.
     "FANOUT_MIN_PAGES": env_pages_by_output(
-        "QUIRE_FANOUT_MIN_PAGES", {"text": 20_000, "ocr": 16, "png": 64, "pdf": 64}
+        "QUIRE_FANOUT_MIN_PAGES", {"text": 20_000, "ocr": 64, "png": 64, "pdf": 64}
     ),
     "FANOUT_RANGE_MIN_PAGES": env_int("QUIRE_FANOUT_RANGE_MIN_PAGES", 32),
     "FANOUT_RANGE_MAX_PAGES": env_int("QUIRE_FANOUT_RANGE_MAX_PAGES", 256),

@@ -146,8 +146,9 @@ def conversion_job_execute(
         converters.release(spare=False)
         converters.begin_attempt(tenant=None)
         tidy_later(functools.partial(_tidy, workdir))
-        if not kept:
-            slot_freed()
+        # The attempt's slot is free, or (fanned out) the ranges just planned wait for the other
+        # slots: the relay picks now either way.
+        slot_freed()
     if kept and then is not None:
         return then(kept[0])
     return outcome

@@ -67,7 +67,7 @@ def test_range_sizes__taper_towards_the_end(settings: Any):
     assert range_sizes(2000) == [250] * 8
 
 
-DEFAULTS = {"text": 20_000, "ocr": 16, "png": 64, "pdf": 64}
+DEFAULTS = {"text": 20_000, "ocr": 64, "png": 64, "pdf": 64}
 
 
 @pytest.mark.parametrize(
@@ -95,15 +95,16 @@ def test_fanout_min_pages__a_bad_value_refuses_to_start(monkeypatch: pytest.Monk
 @pytest.mark.parametrize(
     ("media_type", "output", "pages"),
     [
-        ("application/pdf", "text", 20_000),
-        ("image/tiff", "text", 16),  # OCR
-        ("application/pdf", "png", 64),
-        ("image/tiff", "pdf", 64),
-        ("application/vnd.oasis.opendocument.text", "text", 20_000),
+        ("application/pdf", "text", 1000),
+        ("image/tiff", "text", 10),  # OCR
+        ("application/pdf", "png", 20),
+        ("image/tiff", "pdf", 30),
+        ("application/vnd.oasis.opendocument.text", "text", 1000),
     ],
 )
 def test_fanout_min_pages__by_output(settings: Any, media_type: str, output: str, pages: int):
-    settings.QUIRE = {**settings.QUIRE, "FANOUT_MIN_PAGES": DEFAULTS}
+    by_output = {"text": 1000, "ocr": 10, "png": 20, "pdf": 30}
+    settings.QUIRE = {**settings.QUIRE, "FANOUT_MIN_PAGES": by_output}
     job = ConversionJob(source_media_type=media_type, output=output)
     assert fanout_min_pages(job=job) == pages
     settings.QUIRE = {**settings.QUIRE, "FANOUT_MIN_PAGES": 7}  # one number: every output
