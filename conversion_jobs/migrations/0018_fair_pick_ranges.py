@@ -59,7 +59,7 @@ BEGIN
             -- a range's slot: running, or sent and not claimed yet
             SELECT j.tenant FROM job_range r
             JOIN conversion_job j ON j.id = r.job_id AND j.generation = r.job_generation
-            WHERE j.state IN ('running', 'cancelling')
+            WHERE j.state IN ('running', 'cancelling') AND r.state IN ('queued', 'running')
               AND (r.state = 'running'
                    OR (r.state = 'queued' AND r.dispatched_at IS NOT NULL
                        AND r.dispatched_at > now() - make_interval(secs => p_lost_s)))
