@@ -172,15 +172,21 @@ def timeline(job_id: Any) -> str:
         f"{fmt(events.get('fanned_out'))}, ranges_joined {fmt(events.get('ranges_joined'))}, "
         f"finished {fmt(at(job.finished_at))} "
         f"(join {(at(job.finished_at) or 0) - (events.get('ranges_joined') or 0):.2f} s)",
-        "    range       slot     published claimed  done   (s)",
+        "    range       slot     published claimed  done   (s)  pages/s",
     ]
     slots: dict[str, list[tuple[float, float]]] = {}
     for r in JobRange.objects.filter(job_id=job.id).order_by("first_page"):
         claimed, done = at(r.claimed_at), at(r.updated_at)
         slot = r.worker.rsplit(":", 1)[-1]
+        rate = (
+            f"{(r.last_page - r.first_page + 1) / (done - claimed):8.1f}"
+            if claimed is not None and done is not None and done > claimed
+            else "       -"
+        )
         lines.append(
             f"    {r.first_page:5}-{r.last_page:<5} {slot:>8} "
             f"{fmt(published.get((r.first_page, r.generation)))}   {fmt(claimed)}  {fmt(done)}"
+            f"     {rate}"
         )
         if claimed is not None and done is not None:
             slots.setdefault(slot, []).append((claimed, done))
