@@ -271,3 +271,16 @@ def test_wake__a_freed_worker_slot_is_filled_at_once_in_production(
     runner.slot_freed()  # what a production worker does after an attempt: NOTIFY
     assert _until(lambda: len(no_broker_publish) == 2)
     assert no_broker_publish[1] == (str(second.id), 1)
+
+
+@pytest.mark.django_db
+def test_wake__fair_dispatch_off_publishes_the_range_rows_in_page_order(
+    settings: Any, fanned_out: Any, no_broker_publish: list[Any]
+) -> None:
+    from conversion_jobs.services import dispatch
+
+    settings.QUIRE = {**settings.QUIRE, "FAIR_DISPATCH": False}
+    job, _lease = fanned_out("a", ranges=3, pages=10)
+    assert dispatch.outbox_rows_publish_woken() == 3
+    assert no_broker_publish == [(str(job.id), 1, first, 1) for first in (1, 11, 21)]
+    assert dispatch.outbox_rows_publish_woken() == 0  # marked published
