@@ -2,35 +2,41 @@
 ADR 0023).
 
     python bench/fanout.py [--pages 2000] [--dpi 100] [--size-pages 20000] [--cancel-runs 10]
-                           [--skip speed,faults,size,cancel]
+                           [--skip speed,faults,size,cancel] [--db quire_cx_fanout]
+                           [--outputs text,png] [--modes off,on,forced]
+                           [--worker-env 'QUIRE_X=1;QUIRE_Y=2']
 
-Everything runs through real processes on a fresh database ``quire_cx_fanout``, a throwaway
+Everything runs through real processes on a fresh database ``--db``, a throwaway
 RabbitMQ vhost with the production topology, the Procfile's ``worker``, ``sweeper`` and ``beat``.
 Documents are generated here (tests/testdocs.py), never committed.
 
 1. **Speed-up**: a ``--pages`` text PDF -> text, and the same -> PNG at ``--dpi``. One worker
    process with concurrency 2 (``WORKER_CONCURRENCY=2``), fan-out off (``QUIRE_FANOUT=false``),
-   then the same stack with a worker with fan-out on; each job's time is ``finished_at -
-   created_at`` (Postgres timestamps: dispatch, claim, pages, join and publish). Ratio = off /
-   on; target >= 1.7 for PNG. The text and PNG results of both runs are compared byte for byte.
-2. **Faults**: the ``--pages`` text job (each page slowed by 10 ms so that it lasts long enough)
-   on two workers of concurrency 1; a worker is killed with SIGKILL at 20 % and at 50 % of the
-   pages (a new one started each time), and one is frozen (SIGSTOP) at 70 % until the job has
-   ended without it, then thawed. Reported: the result against the unsplit run's (byte-identical),
-   the ranges that ran again (only the killed and frozen workers'), pages written again (a
-   checkpoint rewritten after the fault: must be 0 - a page checkpointed before a kill is never
-   converted again), finalizers (``published`` and ``ranges_joined`` audit events: 1 each), and
-   stale writes: the frozen worker's fenced statements after the thaw are refused
-   (``quire_fenced_writes_refused_total``, from the processes' metric files) and the job's rows
-   are unchanged (zero rows written).
-3. **Size**: a ``--size-pages`` text PDF -> text, fan-out on, one worker of concurrency 2; the
-   peak RSS (VmHWM) of every process of the worker (main, pool processes, fork servers,
-   converter children) sampled every 100 ms. Target: each <= 300 MB; the text is checked page by
-   page.
-4. **Cancel**: ``--cancel-runs`` jobs of ``--pages`` pages (each page slowed by 50 ms), two
-   workers of concurrency 1; once two ranges run, the job is cancelled (the service the API
-   calls); latency = until the job is ``cancelled``, no range is queued or running and no
-   converter child is working. p50 / p99 / max; target p99 <= 2 s.
+   then the same stack with a worker with fan-out on (the default thresholds: the text job is
+   not split, docs/OPERABILITY.md "Fan-out thresholds"), then (``forced``) one splitting text
+   too (``QUIRE_FANOUT_MIN_PAGES=64``); each job's time is ``finished_at - created_at``
+   (Postgres timestamps: dispatch, claim, pages, join and publish). Ratio = off / on; target
+   >= 1.7 for PNG. The results are compared byte for byte with the unsplit run's. Every
+   fanned-out job's timeline is printed (:func:`timeline`: plan, each range's publish, claim
+   and end per worker slot, the idle gaps of each slot, the join).
+2. **Faults**: the ``--pages`` text job (each page slowed by 10 ms so that it lasts long enough;
+   fan-out forced for text, as in parts 3 and 4) on two workers of concurrency 1; a worker is
+   killed with SIGKILL at 20 % and at 50 % of the pages (a new one started each time), and one
+   is frozen (SIGSTOP) at 70 % until the job has ended without it, then thawed. Reported: the
+   result against the unsplit run's (byte-identical), the ranges that ran again (only the
+   killed and frozen workers'), pages written again (a checkpoint rewritten after the fault:
+   must be 0 - a page checkpointed before a kill is never converted again), finalizers
+   (``published`` and ``ranges_joined`` audit events: 1 each), and stale writes: the frozen
+   worker's fenced statements after the thaw are refused (``quire_fenced_writes_refused_total``,
+   from the processes' metric files) and the job's rows are unchanged (zero rows written).
+3. **Size**: a ``--size-pages`` text PDF -> text, fan-out forced, one worker of concurrency 2;
+   the peak RSS (VmHWM) of every process of the worker (main, pool processes, fork servers,
+   converter children) sampled every 100 ms. Target: each <= 300 MB; the text is checked page
+   by page.
+4. **Cancel**: ``--cancel-runs`` text jobs of ``--pages`` pages (each page slowed by 50 ms,
+   fan-out forced), two workers of concurrency 1; once two ranges run, the job is cancelled
+   (the service the API calls); latency = until the job is ``cancelled``, no range is queued or
+   running and no converter child is working. p50 / p99 / max; target p99 <= 2 s.
 
 The machine is shared: the load average and the CPU the rest of the machine used during each
 part are printed with it.
@@ -40,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import sys
 import threading
@@ -124,6 +131,79 @@ class _Others:
         )
 
 
+def timeline(job_id: Any) -> str:
+    """Where a fanned-out job's time went, from its rows (seconds from ``created_at``): the
+    planner's attempt (claim, plan), each range's message (published; none for the range the
+    planner kept), claim, end and worker slot, the join, and per slot its idle gaps (before its
+    first range, between ranges, after its last until the publish)."""
+    from conversion_jobs.models import (
+        ConversionAttempt,
+        ConversionOutbox,
+        ExecutionAuditEvent,
+        JobRange,
+    )
+
+    job = _job(job_id)
+    t0 = job.created_at
+
+    def at(when: Any) -> float | None:
+        return None if when is None else (when - t0).total_seconds()
+
+    def fmt(value: float | None) -> str:
+        return "    -" if value is None else f"{value:5.2f}"
+
+    events = {
+        e.event_type: at(e.created_at)
+        for e in ExecutionAuditEvent.objects.filter(job_id=job.id).order_by("seq")
+    }
+    attempts = list(ConversionAttempt.objects.filter(job_id=job.id).order_by("id"))
+    published = {
+        (o.range_first, o.range_generation): at(o.published_at)
+        for o in ConversionOutbox.objects.filter(job_id=job.id, range_first__isnull=False)
+    }
+    first_message = (
+        ConversionOutbox.objects.filter(job_id=job.id, range_first__isnull=True)
+        .values_list("published_at", flat=True)
+        .first()
+    )
+    lines = [
+        f"    job: message published {fmt(at(first_message))}, planner claimed "
+        f"{fmt(at(attempts[0].started_at) if attempts else None)}, fanned_out "
+        f"{fmt(events.get('fanned_out'))}, ranges_joined {fmt(events.get('ranges_joined'))}, "
+        f"finished {fmt(at(job.finished_at))} "
+        f"(join {(at(job.finished_at) or 0) - (events.get('ranges_joined') or 0):.2f} s)",
+        "    range       slot     published claimed  done   (s)  pages/s",
+    ]
+    slots: dict[str, list[tuple[float, float]]] = {}
+    for r in JobRange.objects.filter(job_id=job.id).order_by("first_page"):
+        claimed, done = at(r.claimed_at), at(r.updated_at)
+        slot = r.worker.rsplit(":", 1)[-1]
+        rate = (
+            f"{(r.last_page - r.first_page + 1) / (done - claimed):8.1f}"
+            if claimed is not None and done is not None and done > claimed
+            else "       -"
+        )
+        lines.append(
+            f"    {r.first_page:5}-{r.last_page:<5} {slot:>8} "
+            f"{fmt(published.get((r.first_page, r.generation)))}   {fmt(claimed)}  {fmt(done)}"
+            f"     {rate}"
+        )
+        if claimed is not None and done is not None:
+            slots.setdefault(slot, []).append((claimed, done))
+    plan = events.get("fanned_out") or 0.0
+    joined = events.get("ranges_joined") or 0.0
+    for slot, spans in sorted(slots.items()):
+        spans.sort()
+        gaps = [spans[0][0] - plan] + [b[0] - a[1] for a, b in itertools.pairwise(spans)]
+        tail = joined - spans[-1][1]
+        lines.append(
+            f"    slot {slot}: {len(spans)} ranges, busy {sum(d - c for c, d in spans):.2f} s; "
+            f"gaps: first {gaps[0]:.2f}, between {sum(gaps[1:]):.2f} "
+            f"({', '.join(f'{g:.2f}' for g in gaps[1:])}), idle before the join {tail:.2f} s"
+        )
+    return "\n".join(lines)
+
+
 def _own_cpu() -> float:
     return sum(os.times()[:4])
 
@@ -132,20 +212,37 @@ def _worker(stack: Any, **env: str) -> Any:
     return stack.start("worker", **{**FAST, **env})
 
 
+#: Fan-out forced for every output (the text case's "what if": text's default threshold keeps a
+#: 2,000-page text job unsplit, docs/OPERABILITY.md "Fan-out thresholds").
+FANOUT_FORCED = {**FANOUT_ON, "QUIRE_FANOUT_MIN_PAGES": "64"}
+
+
 def part_speed(stack: Any, args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     salt = uuid.uuid4().hex[:8]
     pdf = _pdf(scratch / "speed.pdf", args.pages, salt)
-    cases = [("text", {}), ("png", {"dpi": args.dpi})]
+    wanted = args.outputs.split(",")
+    cases = [
+        (output, options)
+        for output, options in (("text", {}), ("png", {"dpi": args.dpi}))
+        if output in wanted
+    ]
     out: dict[str, Any] = {"pdf": pdf, "salt": salt}
     timings: dict[tuple[str, str], float] = {}
     results: dict[tuple[str, str], bytes] = {}
-    for mode, env in (("off", FANOUT_OFF), ("on", FANOUT_ON)):
-        worker = _worker(stack, WORKER_CONCURRENCY="2", **env)
+    # "forced": text split at the default range sizes although its threshold says no (what
+    # bounds it is printed with its timeline)
+    modes = [
+        (mode, env, [c for c in cases if mode != "forced" or c[0] == "text"])
+        for mode, env in (("off", FANOUT_OFF), ("on", FANOUT_ON), ("forced", FANOUT_FORCED))
+        if mode in args.modes.split(",") and (mode != "forced" or "text" in wanted)
+    ]
+    for mode, env, mode_cases in modes:
+        worker = _worker(stack, WORKER_CONCURRENCY="2", **{**env, **args.worker_env})
         warm = _accept(
             _pdf(scratch / f"warm-{mode}.pdf", 4, uuid.uuid4().hex), tenant="warm", output="text"
         )
         _wait_end(warm.id)
-        for output, options in cases:
+        for output, options in mode_cases:
             cpu0 = _common.tree_cpu_s(worker.pid)
             with _Others() as others:
                 job = _wait_end(_accept(pdf, tenant=f"t-{mode}", output=output, options=options).id)
@@ -159,22 +256,30 @@ def part_speed(stack: Any, args: argparse.Namespace, scratch: Path) -> dict[str,
 
             ranges = JobRange.objects.filter(job_id=job.id).count()
             print(
-                f"  {output:4} fan-out {mode:3}: {seconds:7.2f} s  "
-                f"({args.pages / seconds:6.1f} pages/s, {ranges} ranges; the worker's processes "
+                f"  {output:4} fan-out {mode:6}: {seconds:7.2f} s  "
+                f"({args.pages / seconds:7.1f} pages/s, {ranges} ranges; the worker's processes "
                 f"used {cpu:.1f} CPU s = {cpu / others.wall:.2f} cores)  [{others.line()}]"
             )
+            if ranges:
+                print(timeline(job.id))
         worker.stop()  # type: ignore[attr-defined]
     for output, _options in cases:
-        ratio = timings[(output, "off")] / timings[(output, "on")]
-        identical = results[(output, "off")] == results[(output, "on")]
-        if output == "png":
-            line = _common.ratio_line("speed-up png (fan-out off / on)", ratio, 1.7)
-        else:
-            line = f"ratio {'speed-up text (fan-out off / on)':<52} {ratio:6.3f}   (no target)"
-        print(f"{line}   results byte-identical: {identical}")
-        out[output] = ratio
-        out[f"{output}_identical"] = identical
-    out["text_result"] = results[("text", "off")]
+        for mode in ("on", "forced"):
+            if (output, "off") not in timings or (output, mode) not in timings:
+                continue
+            ratio = timings[(output, "off")] / timings[(output, mode)]
+            identical = results[(output, "off")] == results[(output, mode)]
+            label = f"speed-up {output} (fan-out off / {mode})"
+            if output == "png":
+                line = _common.ratio_line(label, ratio, 1.7)
+            elif output == "text" and mode == "on":
+                line = f"ratio {label:<52} {ratio:6.3f}   (default threshold: not split)"
+            else:
+                line = f"ratio {label:<52} {ratio:6.3f}   (no target: split at 64 pages)"
+            print(f"{line}   results byte-identical: {identical}")
+            out[f"{output}_{mode}"] = ratio
+            out[f"{output}_{mode}_identical"] = identical
+    out["text_result"] = results.get(("text", "off"))
     return out
 
 
@@ -215,13 +320,13 @@ def _snapshot(job_id: Any) -> tuple:
 def part_faults(stack: Any, args: argparse.Namespace, scratch: Path, speed: dict) -> dict:
     from conversion_jobs.models import ExecutionAuditEvent, JobRange, PageCheckpoint
 
-    if "pdf" in speed:
+    if speed.get("text_result") is not None:
         pdf, salt, reference = speed["pdf"], speed["salt"], speed["text_result"]
     else:
         salt = uuid.uuid4().hex[:8]
         pdf = _pdf(scratch / "faults.pdf", args.pages, salt)
         reference = b"\f".join(_text_of(salt)(n).encode() for n in range(1, args.pages + 1))
-    workers = [_worker(stack, WORKER_CONCURRENCY="1", **FANOUT_ON) for _ in range(2)]
+    workers = [_worker(stack, WORKER_CONCURRENCY="1", **FANOUT_FORCED) for _ in range(2)]
     job = _accept(
         pdf,
         tenant="t-faults",
@@ -279,7 +384,7 @@ def part_faults(stack: Any, args: argparse.Namespace, scratch: Path, speed: dict
         checkpointed.update(
             PageCheckpoint.objects.filter(job_id=job.id).values_list("page_number", "updated_at")
         )
-        workers.append(_worker(stack, WORKER_CONCURRENCY="1", **FANOUT_ON))
+        workers.append(_worker(stack, WORKER_CONCURRENCY="1", **FANOUT_FORCED))
         print(f"  kill -9 at {fraction:.0%}: ranges hit so far {sorted(hit)}")
     at(0.7)
     frozen = workers.pop(0)
@@ -289,7 +394,7 @@ def part_faults(stack: Any, args: argparse.Namespace, scratch: Path, speed: dict
     checkpointed.update(
         PageCheckpoint.objects.filter(job_id=job.id).values_list("page_number", "updated_at")
     )
-    workers.append(_worker(stack, WORKER_CONCURRENCY="1", **FANOUT_ON))
+    workers.append(_worker(stack, WORKER_CONCURRENCY="1", **FANOUT_FORCED))
     print(f"  SIGSTOP at 70%: worker held ranges {sorted(frozen_ranges)}")
     done = _wait_end(job.id)
     metrics_dir = stack.storage / "metrics"
@@ -360,7 +465,7 @@ def part_size(stack: Any, args: argparse.Namespace, scratch: Path) -> dict:
         f"  generated {args.size_pages} pages ({pdf.stat().st_size / 1e6:.1f} MB) in "
         f"{time.monotonic() - started:.1f} s"
     )
-    worker = _worker(stack, WORKER_CONCURRENCY="2", **FANOUT_ON)
+    worker = _worker(stack, WORKER_CONCURRENCY="2", **FANOUT_FORCED)
     peaks: dict[int, int] = {}
     stop = threading.Event()
 
@@ -409,7 +514,7 @@ def part_cancel(stack: Any, args: argparse.Namespace, scratch: Path) -> dict:
     from conversion_jobs.models import JobRange
     from conversion_jobs.services.cancellation import conversion_job_cancel
 
-    workers = [_worker(stack, WORKER_CONCURRENCY="1", **FANOUT_ON) for _ in range(2)]
+    workers = [_worker(stack, WORKER_CONCURRENCY="1", **FANOUT_FORCED) for _ in range(2)]
     latencies = []
     with _Others() as others:
         for run in range(args.cancel_runs):
@@ -460,7 +565,22 @@ def main() -> None:
     parser.add_argument("--cancel-runs", type=int, default=10)
     parser.add_argument("--skip", default="")
     parser.add_argument("--keep", action="store_true")
+    parser.add_argument(
+        "--db", default=_common.bench_db_name("quire_cx_fanout"), help="the database to create"
+    )
+    parser.add_argument(
+        "--outputs", default="text,png", help="speed-up: text, png or both (comma-separated)"
+    )
+    parser.add_argument(
+        "--modes", default="off,on,forced", help="speed-up: fan-out off, on, forced (text)"
+    )
+    parser.add_argument(
+        "--worker-env",
+        default="",
+        help="speed-up: extra worker settings, NAME=value;... (QUIRE_FANOUT_RANGE_TAPER=true)",
+    )
     args = parser.parse_args()
+    args.worker_env = dict(item.split("=", 1) for item in filter(None, args.worker_env.split(";")))
     skip = set(filter(None, args.skip.split(",")))
     os.environ["QUIRE_ENABLE_TEST_FAULTS"] = "1"
     print(f"bench/fanout.py: {args.pages} pages, PNG at {args.dpi} dpi; load {load_average()}")
@@ -469,7 +589,7 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="quire-fanout-"))
     # test faults (slow pages) are honoured by the workers too: QUIRE_* is not inherited
     with quire_stack(
-        db_name="quire_cx_fanout", keep=args.keep, QUIRE_ENABLE_TEST_FAULTS="1", **FAST
+        db_name=args.db, keep=args.keep, QUIRE_ENABLE_TEST_FAULTS="1", **FAST
     ) as stack:
         stack.start("sweeper")
         stack.start("beat")

@@ -369,6 +369,11 @@ class JobRange(models.Model):
     #: the document the range's pages are taken from when it is not the job's source (the PDF
     #: an Office document was converted to once, by the planner): a ``pages/<job>/00000`` key
     document_key = models.CharField(max_length=160, null=True, blank=True)
+    #: when the fair relay last sent this range's message: a range sent and not yet claimed
+    #: holds a slot for ``QUIRE_FAIR_LOST_S`` (ADR 0021 "Page ranges")
+    dispatched_at = models.DateTimeField(null=True, blank=True)
+    #: when the range's current generation was claimed (its worker's start: timelines, ADR 0023)
+    claimed_at = models.DateTimeField(null=True, blank=True)
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
@@ -390,6 +395,12 @@ class JobRange(models.Model):
                 name="range_running_expires",
                 fields=["expires_at"],
                 condition=Q(state="running"),
+            ),
+            # the fair pick's busy count and waiting set read only live ranges
+            models.Index(
+                name="range_live",
+                fields=["job"],
+                condition=Q(state__in=["queued", "running"]),
             ),
         ]
 

@@ -110,6 +110,19 @@ def _conversion_slots(sender: str, instance: object, **_: object) -> None:
         fair.slot_beat_start(slots=int(getattr(instance, "concurrency", 1) or 1))
 
 
+@celeryd_after_setup.connect
+def _relay_wake(sender: str, instance: object, **_: object) -> None:
+    """The sweeper (it consumes the sweeps queue, and its broker user may publish) runs the
+    relay as soon as ``NOTIFY quire_dispatch`` says ranges were planned or a worker slot was
+    freed (conversion_jobs/services/relay_wake.py), not at the outbox sweep's next tick."""
+    queues = instance.app.amqp.queues  # type: ignore[attr-defined]
+    if settings.SWEEP_QUEUE not in queues.consume_from:
+        return
+    from conversion_jobs.services import relay_wake
+
+    relay_wake.start()
+
+
 #: This worker consumes conversions: each of its pool processes is a slot the fair relay may
 #: fill (conversion_jobs/services/fair.py). Set before the pool forks, so children inherit it.
 _CONVERSION_SLOTS = False

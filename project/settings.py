@@ -40,6 +40,25 @@ def env_bool(name: str, default: bool) -> bool:
     return os.environ.get(name, str(default)).strip().lower() in {"1", "true", "yes", "on"}
 
 
+def env_pages_by_output(name: str, defaults: dict[str, int]) -> dict[str, int]:
+    """``"64"`` (every output) or ``"text=20000, png=64"`` (those outputs; the others keep their
+    ``defaults``) -> {output: pages >= 0}."""
+    raw = os.environ.get(name, "").strip()
+    out = dict(defaults)
+    if not raw:
+        return out
+    if raw.isdigit():
+        return {key: int(raw) for key in out}
+    for item in filter(None, (part.strip() for part in raw.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key.strip() not in out or not value.strip().isdigit():
+            raise ImproperlyConfigured(
+                f"{name}: {item!r} is not <{'|'.join(out)}>=<pages >= 0> (or one number)"
+            )
+        out[key.strip()] = int(value)
+    return out
+
+
 def env_seconds_by_name(name: str) -> dict[str, float]:
     """``"apply_retention=60, remove_orphaned_artifacts=30"`` -> {name: seconds > 0}."""
     out: dict[str, float] = {}
@@ -347,10 +366,18 @@ QUIRE: dict[str, Any] = {
     # [FANOUT_RANGE_MIN_PAGES, FANOUT_RANGE_MAX_PAGES]. FANOUT_SLOTS: the conversion slots
     # (worker processes x concurrency) the ranges are sized for.
     "FANOUT": env_bool("QUIRE_FANOUT", True),
-    "FANOUT_MIN_PAGES": env_int("QUIRE_FANOUT_MIN_PAGES", 64),
+    # FANOUT_MIN_PAGES is per output ("ocr": text from an image), chosen from measured per-page
+    # costs against a range's fixed cost (docs/OPERABILITY.md "Fan-out thresholds"): text from
+    # a PDF costs ≈ 0.1 ms a page, so it never pays below the page limit.
+    "FANOUT_MIN_PAGES": env_pages_by_output(
+        "QUIRE_FANOUT_MIN_PAGES", {"text": 20_000, "ocr": 64, "png": 64, "pdf": 64}
+    ),
     "FANOUT_RANGE_MIN_PAGES": env_int("QUIRE_FANOUT_RANGE_MIN_PAGES", 32),
     "FANOUT_RANGE_MAX_PAGES": env_int("QUIRE_FANOUT_RANGE_MAX_PAGES", 256),
     "FANOUT_SLOTS": env_int("QUIRE_FANOUT_SLOTS", 2),
+    # Ranges shrink towards the end of the document (fanout.range_sizes), so that the last
+    # ones, which decide when every slot is done, are short.
+    "FANOUT_RANGE_TAPER": env_bool("QUIRE_FANOUT_RANGE_TAPER", False),
     # Text pages up to this size live in their checkpoint row (written with the batch, no file,
     # no fsync of their own); 0 turns it off.
     "INLINE_PAGE_MAX_BYTES": env_int("QUIRE_INLINE_PAGE_MAX_BYTES", 65536),

@@ -8,8 +8,7 @@ from celery import shared_task
 from celery.exceptions import Reject
 
 from conversion_jobs.observability import metrics, tracing
-from conversion_jobs.services.range_runner import conversion_range_execute
-from conversion_jobs.services.runner import conversion_job_execute
+from conversion_jobs.services.range_runner import conversion_execute, conversion_range_execute
 
 
 def _positive(value: object, name: str) -> int:
@@ -58,4 +57,4 @@ def run_conversion(
                 range_first=page_range[0],
                 range_generation=page_range[1],
             )
-        return conversion_job_execute(job_id=parsed_id, generation=parsed_generation)
+        return conversion_execute(job_id=parsed_id, generation=parsed_generation)

@@ -123,10 +123,10 @@ KNOWN_SERIES: dict[Counter | Histogram, list[dict[str, str]]] = {
         {"result": "rejected", "reason": "tenant_quota_exceeded"},
         {"result": "rejected", "reason": "capacity_exceeded"},
     ],
-    OUTBOX_PUBLISHED: [{"path": "fast"}, {"path": "sweep"}],
+    OUTBOX_PUBLISHED: [{"path": "fast"}, {"path": "sweep"}, {"path": "wake"}],
     OUTBOX_PUBLISH_FAILURES: [
         {"path": path, "code": code}
-        for path in ("fast", "sweep")
+        for path in ("fast", "sweep", "wake")
         for code in ("broker_timeout", "broker_unreachable", "publish_failed")
     ]
     + [{"path": "fast", "code": "queue_full"}],

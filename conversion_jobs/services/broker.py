@@ -74,14 +74,18 @@ def publish_conversion(
 _ORIGIN = f"gen{os.getpid()}@{socket.gethostname()}"
 
 
-def conversion_message(*, job_id: uuid.UUID, generation: int, traceparent: str) -> Any:
+def conversion_message(
+    *, job_id: uuid.UUID, generation: int, traceparent: str, page_range: RangeRef | None = None
+) -> Any:
     """The message :func:`publish_conversion` sends, built directly (Celery task protocol 2,
     what ``app.send_task`` produces for ``run_conversion``: the same headers, properties and
     body; ``tests/unit/test_dispatch_message.py`` holds the two together). For the background
     publisher, which publishes batches on its own confirm-mode channel: ``send_task``'s routing,
     signals and serializer lookups were two thirds of its CPU."""
     task_id = str(uuid.uuid4())
-    args = [str(job_id), generation]
+    args: list[Any] = [str(job_id), generation]
+    if page_range is not None:
+        args += [page_range.first, page_range.generation]
     headers: dict[str, Any] = {
         "lang": "py",
         "task": TASK_NAME,

@@ -131,18 +131,27 @@ def outbox_rows_publish_unpublished(*, batch: int | None = None) -> SweepResult:
     mark it. A failure stops the batch (the broker is likely down) and is recorded on the row."""
     batch = batch or settings.QUIRE["SWEEP_BATCH"]
     if fair.enabled():
-        # Page ranges' rows go in id order, outside the fair pick: a range's job is running
-        # (its planner's), so it is no unit of the pick yet (ADR 0021 "Page ranges").
-        ranges = _rows_publish_in_order(batch=batch, ranges_only=True)
-        # The backstop of the fair relay: one pick, bounded by the free credits.
+        # The backstop of the fair relay: one pick, bounded by the free credits (page ranges
+        # are units of the pick like jobs, ADR 0021 "Page ranges").
         fair.outbox_rows_retire_superseded(batch=batch)
         fair.slots_remove_stale()
         # Units picked and never confirmed (their picker died before its publish) wait again,
         # so this very pick can send them (ADR 0021, "A unit picked and lost").
         fair.units_return_unconfirmed(batch=batch)
         sent = fair.relay(limit=batch, path="sweep")
-        return SweepResult(published=sent + ranges.published, failed=ranges.failed)
+        return SweepResult(published=sent)
     return _rows_publish_in_order(batch=batch, ranges_only=False)
+
+
+def outbox_rows_publish_woken(*, batch: int | None = None) -> int:
+    """The relay woken (``NOTIFY quire_dispatch``, ``relay_wake.py``): ranges were planned or a
+    slot was freed by a process that may not publish. With fair dispatch one pick; without it,
+    the page ranges' rows at once, in id order (the others have their fast path). The count
+    published."""
+    batch = batch or settings.QUIRE["SWEEP_BATCH"]
+    if fair.enabled():
+        return fair.relay(limit=batch, path="wake")
+    return _rows_publish_in_order(batch=batch, ranges_only=True).published
 
 
 def _rows_publish_in_order(*, batch: int, ranges_only: bool) -> SweepResult:
@@ -182,7 +191,9 @@ def _rows_publish_in_order(*, batch: int, ranges_only: bool) -> SweepResult:
                 ConversionOutbox.objects.filter(id=outbox_id).update(
                     publish_attempts=F("publish_attempts") + 1, last_error_code=code
                 )
-                metrics.OUTBOX_PUBLISH_FAILURES.labels(path="sweep", code=code).inc()
+                metrics.OUTBOX_PUBLISH_FAILURES.labels(
+                    path="wake" if ranges_only else "sweep", code=code
+                ).inc()
                 failed += 1
                 break
             done.append(outbox_id)
@@ -191,7 +202,7 @@ def _rows_publish_in_order(*, batch: int, ranges_only: bool) -> SweepResult:
                 published_at=Now(), publish_attempts=F("publish_attempts") + 1
             )
             published = len(done)
-            metrics.OUTBOX_PUBLISHED.labels(path="sweep").inc(published)
+            metrics.OUTBOX_PUBLISHED.labels(path="wake" if ranges_only else "sweep").inc(published)
     return SweepResult(published=published, failed=failed)
 
 

@@ -1,28 +1,34 @@
 """Fair dispatch (docs/ARCHITECTURE.md §2b, ADR 0021): Postgres decides what runs next.
 
 A *dispatch unit* is an unpublished ``conversion_outbox`` row whose job is still ``queued`` in
-the row's generation; its cost is ``COALESCE(outbox.cost, job.dispatch_cost)`` page units
-(:func:`dispatch_cost`). The relay sends a unit to RabbitMQ only when a worker slot is free:
+the row's generation, or - a page range of a fanned-out job (ADR 0023) - whose range is still
+``queued`` in the row's range generation while its job runs in the row's generation; its cost is
+``COALESCE(outbox.cost, job.dispatch_cost)`` page units (:func:`dispatch_cost`; a range's row
+carries its own: its pages x the output's factor). The relay sends a unit to RabbitMQ only
+when a worker slot is free:
 
 * **credits** = slots - busy. Slots are ``QUIRE_FAIR_CAPACITY`` when set, else the worker pool
   processes that announced themselves in ``worker_slot`` within ``QUIRE_FAIR_SLOT_TTL_S``
-  (:func:`slot_beat_start`). Busy = jobs ``running`` / ``cancelling`` + jobs sent and not yet
-  claimed (``dispatched_generation = generation``, ``dispatched_at`` within
-  ``QUIRE_FAIR_LOST_S``). Every figure is counted from rows at each pick, never kept as a
-  running counter: a credit returns by itself when a job ends, yields, is cancelled or loses
-  its lease (it leaves ``running``), and a message lost after its pick stops counting after
-  ``QUIRE_FAIR_LOST_S`` (the stale-dispatch sweep then writes a new unit for it).
+  (:func:`slot_beat_start`). Busy = jobs ``running`` / ``cancelling`` (but not a fanned-out
+  job whose ranges are queued or running: they hold its slots) + running ranges + jobs and
+  ranges sent and not claimed yet (``dispatched_at`` within ``QUIRE_FAIR_LOST_S``). Every
+  figure is counted from rows at each pick, never kept as a running counter: a credit returns
+  by itself when a job (or range) ends, yields, is cancelled or loses its lease (it leaves
+  ``running``), and a message lost after its pick stops counting after ``QUIRE_FAIR_LOST_S``
+  (the stale-dispatch sweep then writes a new unit for it).
 * **order**: start-time fair queueing over cost / weight. Each tenant has a virtual time
   (``tenant_share.vtime``, the finish tag of its last sent unit); a waiting unit's start tag is
   ``max(vtime, clock) + (cost of the tenant's units before it) / weight``; the units with the
   smallest start tags are sent, ``dispatch_clock.vclock`` follows the last start tag sent, so a
   tenant that was idle starts again at the clock and banks nothing.
-* **one picker at a time**: Postgres runs the whole pick as ``quire_fair_pick`` (migration 0015)
+* **one picker at a time**: Postgres runs the whole pick as ``quire_fair_pick`` (migration 0018)
   under a transaction-scoped advisory lock; SQLite's twin below runs under ``BEGIN IMMEDIATE``
   (the database's one write lock). Two relays never send one unit twice or exceed the credits.
 
 Every caller that may have freed or filled a slot runs a pick: the commit fast path (the web's
-background publisher, or inline), the worker after each attempt (its credit returned), the
+background publisher, or inline), the worker after each attempt (its credit returned: in
+production, where a worker may not publish, it :func:`wake` s the sweeper's relay instead), the
+relay woken by ``NOTIFY quire_dispatch`` (``relay_wake.py``: ranges planned, a slot freed), the
 outbox sweep every second (the backstop). On an idle system the unit a commit wrote is the one
 its own fast path picks: one statement before the publish instead of one after.
 """
@@ -43,7 +49,7 @@ from typing import Any, NamedTuple
 
 from django.conf import settings
 from django.db import close_old_connections, connection, transaction
-from django.db.models import Count, F, Q, Sum
+from django.db.models import Count, Exists, F, OuterRef, Q, Sum
 from django.db.models.functions import Coalesce, Now
 from django.utils import timezone
 
@@ -52,8 +58,10 @@ from conversion_jobs.models import (
     ConversionJob,
     ConversionOutbox,
     DispatchClock,
+    JobRange,
     PageCheckpoint,
     PageState,
+    RangeState,
     TenantShare,
     WorkerSlot,
 )
@@ -180,7 +188,8 @@ def dispatch_cost(
 
 
 class Unit(NamedTuple):
-    """A dispatch unit the relay chose to send now."""
+    """A dispatch unit the relay chose to send now: a job's message, or a page range's (its
+    first page and range generation, ADR 0023)."""
 
     outbox_id: int
     job_id: uuid.UUID
@@ -188,6 +197,14 @@ class Unit(NamedTuple):
     traceparent: str
     tenant: str
     cost: int
+    range_first: int | None = None
+    range_generation: int | None = None
+
+    @property
+    def page_range(self) -> broker.RangeRef | None:
+        if self.range_first is None or self.range_generation is None:
+            return None
+        return broker.RangeRef(self.range_first, self.range_generation)
 
 
 #: The pick as the commit fast path sends it: bound by the server and prepared once per
@@ -195,8 +212,8 @@ class Unit(NamedTuple):
 #: again. The columns are named, not ``*``: a later version of the function that returns more
 #: columns leaves this statement's result type, and its prepared plan, valid.
 _PICK_SQL = (
-    "SELECT out_id, out_job, out_generation, out_traceparent, out_tenant, out_cost"
-    " FROM quire_fair_pick(%(limit)s::integer, %(capacity)s::integer,"
+    "SELECT out_id, out_job, out_generation, out_traceparent, out_tenant, out_cost,"
+    " out_range_first, out_range_generation FROM quire_fair_pick(%(limit)s::integer, %(capacity)s::integer,"
     " %(lost)s::float8, %(ttl)s::float8)"
 )
 
@@ -217,7 +234,7 @@ def pick(*, limit: int) -> list[Unit]:
                 },
             )
             rows = cursor.fetchall()
-        units = [Unit(r[0], r[1], r[2], r[3] or "", r[4], r[5]) for r in rows]
+        units = [Unit(r[0], r[1], r[2], r[3] or "", r[4], r[5], r[6], r[7]) for r in rows]
     else:
         units = _pick_sqlite(limit=limit)
     if units:
@@ -235,11 +252,17 @@ def capacity() -> int:
 
 
 def busy_by_tenant() -> dict[str, int]:
-    """Slots in use per tenant: running or cancelling jobs, plus jobs sent and not claimed yet
-    (within ``QUIRE_FAIR_LOST_S``). Read from rows."""
+    """Slots in use per tenant: running or cancelling jobs (not a fanned-out job whose ranges
+    are queued or running: they hold its slots), running ranges, plus jobs and ranges sent and
+    not claimed yet (within ``QUIRE_FAIR_LOST_S``). Read from rows."""
     lost = timezone.now() - timedelta(seconds=settings.QUIRE["FAIR_LOST_S"])
     busy: dict[str, int] = defaultdict(int)
-    leased = ConversionJob.objects.filter(state__in=LEASED_STATES)
+    live_ranges = JobRange.objects.filter(
+        job_id=OuterRef("id"),
+        job_generation=OuterRef("generation"),
+        state__in=[RangeState.QUEUED, RangeState.RUNNING],
+    )
+    leased = ConversionJob.objects.filter(state__in=LEASED_STATES).exclude(Exists(live_ranges))
     sent = ConversionJob.objects.filter(
         state=State.QUEUED,
         dispatched_at__gt=lost,
@@ -250,13 +273,31 @@ def busy_by_tenant() -> dict[str, int]:
             query.values_list("tenant").annotate(n=Count("id")).values_list("tenant", "n")
         ):
             busy[tenant] += n
+    ranges = JobRange.objects.filter(
+        job__state__in=LEASED_STATES, job__generation=F("job_generation")
+    ).filter(Q(state=RangeState.RUNNING) | Q(state=RangeState.QUEUED, dispatched_at__gt=lost))
+    for tenant, n in (
+        ranges.values_list("job__tenant").annotate(n=Count("id")).values_list("job__tenant", "n")
+    ):
+        busy[tenant] += n
     return dict(busy)
 
 
 def _waiting() -> Any:
-    """Dispatch units: unpublished outbox rows whose job is queued in their generation."""
+    """Dispatch units: unpublished outbox rows whose job is queued in their generation, and
+    those of a range queued in their range generation while its job runs in theirs."""
+    queued_range = JobRange.objects.filter(
+        job_id=OuterRef("job_id"),
+        first_page=OuterRef("range_first"),
+        generation=OuterRef("range_generation"),
+        job_generation=OuterRef("generation"),
+        state=RangeState.QUEUED,
+    )
     return ConversionOutbox.objects.filter(
-        published_at__isnull=True, job__state=State.QUEUED, job__generation=F("generation")
+        published_at__isnull=True, job__generation=F("generation")
+    ).filter(
+        Q(range_first__isnull=True, job__state=State.QUEUED)
+        | Q(Exists(queued_range), range_first__isnull=False, job__state=State.RUNNING)
     )
 
 
@@ -280,6 +321,8 @@ def _pick_sqlite(*, limit: int) -> list[Unit]:
                 "job__tenant",
                 "cost",
                 "job__dispatch_cost",
+                "range_first",
+                "range_generation",
             )
         )
         shares = {s.tenant: s for s in TenantShare.objects.filter(tenant__in={r[4] for r in rows})}
@@ -310,9 +353,14 @@ def _pick_sqlite(*, limit: int) -> list[Unit]:
             id__in=[c[1] for c in chosen], published_at__isnull=True
         ).update(published_at=now, publish_attempts=F("publish_attempts") + 1)
         for _start, _id, _finish, row, _cost in chosen:
-            ConversionJob.objects.filter(id=row[1]).update(
-                dispatched_at=now, dispatched_generation=row[2]
-            )
+            if row[7] is None:
+                ConversionJob.objects.filter(id=row[1]).update(
+                    dispatched_at=now, dispatched_generation=row[2]
+                )
+            else:
+                JobRange.objects.filter(
+                    job_id=row[1], first_page=row[7], generation=row[8], state=RangeState.QUEUED
+                ).update(dispatched_at=now)
         finish: dict[str, float] = {}
         for _start, _id, fin, row, _cost in chosen:
             finish[row[4]] = max(finish.get(row[4], 0.0), fin)
@@ -321,7 +369,7 @@ def _pick_sqlite(*, limit: int) -> list[Unit]:
             TenantShare.objects.filter(tenant=tenant, vtime__lt=fin).update(vtime=fin)
         DispatchClock.objects.filter(id=1, vclock__lt=chosen[-1][0]).update(vclock=chosen[-1][0])
         return [
-            Unit(row[0], row[1], row[2], row[3] or "", row[4], cost)
+            Unit(row[0], row[1], row[2], row[3] or "", row[4], cost, row[7], row[8])
             for _s, _i, _f, row, cost in chosen
         ]
 
@@ -336,12 +384,38 @@ def unsend(units: list[Unit], *, code: str) -> None:
             published_at=None, last_error_code=code
         )
         for u in units:
-            ConversionJob.objects.filter(id=u.job_id, dispatched_generation=u.generation).update(
-                dispatched_at=None
-            )
+            if u.range_first is None:
+                ConversionJob.objects.filter(
+                    id=u.job_id, dispatched_generation=u.generation
+                ).update(dispatched_at=None)
+            elif u.range_generation is not None:
+                JobRange.objects.filter(
+                    job_id=u.job_id, first_page=u.range_first, generation=u.range_generation
+                ).update(dispatched_at=None)
 
 
 # --- the relay ------------------------------------------------------------------------------------
+
+#: ``NOTIFY`` channel of the relay's wake-up (``relay_wake.py`` listens in the sweeper process,
+#: whose broker user may publish).
+CHANNEL = "quire_dispatch"
+
+
+def wake() -> None:
+    """Ask the process that publishes to pick now: dispatch units were written by a process that
+    may not publish (a worker: ranges planned or requeued), or a slot was freed (an attempt or a
+    range ended). Inside a transaction Postgres delivers the NOTIFY at its commit, and folds
+    several into one; without one, at once. Never fails its caller (the outbox sweep's tick is
+    the backstop). SQLite: nothing (the standalone worker relays itself)."""
+    if connection.vendor != "postgresql":
+        return
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_notify(%s, '')", [CHANNEL])
+    except Exception as exc:
+        if connection.in_atomic_block:
+            raise  # the caller's transaction is broken anyway: its own handling decides
+        log.warning("relay wake-up failed; the sweep picks", extra={"error": type(exc).__name__})
 
 
 def relay(*, limit: int, path: str) -> int:
@@ -353,7 +427,10 @@ def relay(*, limit: int, path: str) -> int:
     for index, unit in enumerate(units):
         try:
             broker.publish_conversion(
-                job_id=unit.job_id, generation=unit.generation, traceparent=unit.traceparent
+                job_id=unit.job_id,
+                generation=unit.generation,
+                traceparent=unit.traceparent,
+                page_range=unit.page_range,
             )
         except Exception as exc:
             code = broker.error_code(exc)
@@ -504,14 +581,13 @@ def others_waiting(*, tenant: str) -> bool:
 
 
 def outbox_rows_retire_superseded(*, batch: int) -> int:
-    """Unpublished rows whose job left that generation (cancelled, requeued, finished) are no
-    dispatch unit any more: marked so the backlog and its gauges do not keep them."""
+    """Unpublished rows whose job left that generation (cancelled, requeued, finished), or whose
+    range left that range generation (claimed through another message, requeued, cancelled),
+    are no dispatch unit any more: marked so the backlog and its gauges do not keep them."""
     cutoff = timezone.now() - timedelta(seconds=settings.QUIRE["FAIR_LOST_S"])
     ids = list(
-        ConversionOutbox.objects.filter(
-            published_at__isnull=True, created_at__lt=cutoff, range_first__isnull=True
-        )
-        .exclude(Q(job__state=State.QUEUED) & Q(job__generation=F("generation")))
+        ConversionOutbox.objects.filter(published_at__isnull=True, created_at__lt=cutoff)
+        .exclude(id__in=_waiting().values("id"))
         .values_list("id", flat=True)[:batch]
     )
     if not ids:

@@ -18,6 +18,7 @@ Lock order: a transaction that locks a job row and range rows takes the job row 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import logging
 import math
@@ -31,7 +32,7 @@ from pathlib import Path
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Exists, F, OuterRef
+from django.db.models import Exists, F, OuterRef, Q
 from django.db.models.functions import Now
 from django.utils import timezone
 
@@ -48,7 +49,7 @@ from conversion_jobs.models import (
     WorkerLease,
 )
 from conversion_jobs.observability import metrics
-from conversion_jobs.services import execution, transitions
+from conversion_jobs.services import execution, fair, transitions
 from conversion_jobs.services.audit import audit_event_append
 from conversion_jobs.services.checkpoints import (
     job_row_lock,
@@ -81,10 +82,39 @@ SOURCE_CACHE = ".sources"
 # --- planning ------------------------------------------------------------------------------
 
 
+def fanout_kind(*, job: ConversionJob) -> str:
+    """The key of ``FANOUT_MIN_PAGES`` a job's pages are counted against: its output, ``ocr`` for
+    text from an image (docs/OPERABILITY.md "Fan-out thresholds")."""
+    if job.output == "text" and job.source_media_type.startswith("image/"):
+        return "ocr"
+    return str(job.output)
+
+
+def fanout_min_pages(*, job: ConversionJob) -> int:
+    """Pages to convert above which ``job`` fans out: ``FANOUT_MIN_PAGES`` for its output (a
+    mapping by :func:`fanout_kind`, or one number for every output)."""
+    threshold = settings.QUIRE["FANOUT_MIN_PAGES"]
+    if isinstance(threshold, dict):
+        pages = threshold.get(fanout_kind(job=job), threshold.get("png"))
+        return int(pages if pages is not None else 64)
+    return int(threshold)
+
+
 def fanout_wanted(*, job: ConversionJob, todo: list[int]) -> bool:
     """Whether an attempt with ``todo`` pages still to convert splits them into ranges."""
-    quire = settings.QUIRE
-    return bool(quire["FANOUT"]) and len(todo) > int(quire["FANOUT_MIN_PAGES"])
+    return bool(settings.QUIRE["FANOUT"]) and len(todo) > fanout_min_pages(job=job)
+
+
+def fanout_likely(job: ConversionJob) -> bool:
+    """Whether the acceptance's page estimate (``dispatch_cost`` / the output's factor) says the
+    job will fan out: its planner then asks its converter for no first pages (they would be
+    converted again by the first range). A wrong guess costs nothing but that overlap."""
+    if not settings.QUIRE["FANOUT"]:
+        return False
+    factor = fair.page_factor(
+        media_type=job.source_media_type, output=job.output, options=job.options
+    )
+    return job.dispatch_cost // max(1, factor) > fanout_min_pages(job=job)
 
 
 def range_size(page_count: int) -> int:
@@ -99,14 +129,40 @@ def range_size(page_count: int) -> int:
     )
 
 
+def range_sizes(page_count: int) -> list[int]:
+    """The sizes of the ranges of ``page_count`` selected pages, in page order. Without taper:
+    ``range_size`` each (the last one shorter). With ``FANOUT_RANGE_TAPER``: a range never
+    holds more than a quarter of the pages left per slot (``ceil(left / (2 x slots))``, guided
+    self-scheduling), so the ranges shrink towards the end, down to ``FANOUT_RANGE_MIN_PAGES``,
+    and the last ones, which decide when every slot is done, are short (docs/ARCHITECTURE.md
+    "Page ranges"). A remainder shorter than the minimum joins the last range."""
+    quire = settings.QUIRE
+    size = range_size(page_count)
+    if not quire.get("FANOUT_RANGE_TAPER"):
+        return [min(size, page_count - start) for start in range(0, page_count, size)]
+    low = int(quire["FANOUT_RANGE_MIN_PAGES"])
+    slots = max(1, int(quire["FANOUT_SLOTS"]))
+    sizes: list[int] = []
+    left = page_count
+    while left > 0:
+        step = max(low, min(size, math.ceil(left / (2 * slots))))
+        if left - step < low:
+            step = left
+        sizes.append(step)
+        left -= step
+    return sizes
+
+
 def ranges_for(*, pages: list[int], todo: list[int]) -> list[tuple[int, int]]:
     """The ranges ``(first, last)`` of ``pages`` (the selected pages, contiguous) that hold a
-    page of ``todo``; a resumed job's ranges keep the same boundaries."""
-    size = range_size(len(pages))
+    page of ``todo``; a resumed job's ranges keep the same boundaries (they depend on the
+    selected pages only)."""
     wanted = set(todo)
     spans = []
-    for start in range(0, len(pages), size):
+    start = 0
+    for size in range_sizes(len(pages)):
         chunk = pages[start : start + size]
+        start += size
         if wanted.intersection(chunk):
             spans.append((chunk[0], chunk[-1]))
     return spans
@@ -121,10 +177,16 @@ def conversion_job_fan_out(
     prepared: Prepared,
     heartbeat: Heartbeat,
     unrecorded: dict[str, int],
+    source: bytes | None = None,
+    kept: list[RangeClaim] | None = None,
+    worker: str = "",
 ) -> str:
     """The planner: the page count recorded, an Office document's PDF stored once (every range
     splits it), then the ranges planned (``ranges_plan``). Returns ``fanned_out``; LeaseLost
-    when the job was recovered or cancelled meanwhile (the runner stops)."""
+    when the job was recovered or cancelled meanwhile (the runner stops). ``kept``: the planner
+    goes on with the first range itself, in the slot it holds (no message, no wait for the
+    relay): it is planned already claimed by the planner (``worker``: its identity), and its
+    claim is appended to ``kept`` (``source``: an inline source's bytes, for it)."""
     execution.page_count_record_deferred(lease, unrecorded)
     document_key = None
     if prepared.media_type == PDF and job.source_media_type != PDF:
@@ -138,11 +200,44 @@ def conversion_job_fan_out(
     if heartbeat.stop.is_set():
         raise converters.ConversionStopped()
     spans = ranges_for(pages=pages, todo=todo)
+    first_token = uuid.uuid4() if kept is not None else None
     if not db_retry(
-        ranges_plan, lease=lease, job=job, spans=spans, document_key=document_key, todo=len(todo)
+        ranges_plan,
+        lease=lease,
+        job=job,
+        spans=spans,
+        document_key=document_key,
+        todo=len(todo),
+        first_token=first_token,
+        first_worker=worker,
     ):
         raise LeaseLost()
+    if kept is not None and first_token is not None:
+        row = JobRange.objects.get(job_id=lease.job_id, first_page=spans[0][0])
+        kept.append(
+            RangeClaim(
+                range_lease=RangeLease(
+                    row.id, lease.job_id, row.first_page, row.last_page, row.generation, first_token
+                ),
+                lease=dataclasses.replace(lease, started_at=None),
+                job=job,
+                document_key=document_key,
+                source=source if document_key is None else None,
+            )
+        )
     return "fanned_out"
+
+
+def range_cost(*, job: ConversionJob, pages: int, document_key: str | None) -> int:
+    """A range's dispatch cost (ADR 0021): its pages x the output's factor, the pages taken from
+    the job's source or (an Office document) from its PDF."""
+    return fair.dispatch_cost(
+        media_type=PDF if document_key is not None else job.source_media_type,
+        size=job.source_size,
+        output=job.output,
+        options=job.options,
+        pages=pages,
+    )
 
 
 def ranges_plan(
@@ -152,31 +247,44 @@ def ranges_plan(
     spans: list[tuple[int, int]],
     document_key: str | None,
     todo: int,
+    first_token: uuid.UUID | None = None,
+    first_worker: str = "",
 ) -> bool:
     """Fenced on the job lease, one transaction: an earlier generation's ranges go, one range
     row (``queued``, generation 1) and one outbox row per span, the job lease stops expiring,
-    the audit event ``fanned_out``. False: the job is no longer running under ``lease``
-    (nothing written)."""
+    the audit event ``fanned_out``, the relay woken. ``first_token``: the first range is
+    planned ``running`` under this lease token (the planner converts it; no outbox row: if the
+    planner dies its lease expires and the range sweep requeues it). False: the job is no longer
+    running under ``lease`` (nothing written)."""
+    now = timezone.now()
     with transaction.atomic():
         if not job_row_lock(lease):
             metrics.FENCED_WRITES_REFUSED.labels(statement="job_pages").inc()
             return False
         JobRange.objects.filter(job_id=lease.job_id).delete()
-        JobRange.objects.bulk_create(
-            [
-                JobRange(
-                    job_id=lease.job_id,
-                    job_generation=lease.generation,
-                    first_page=first,
-                    last_page=last,
-                    document_key=document_key,
-                )
-                for first, last in spans
-            ]
-        )
+        rows = [
+            JobRange(
+                job_id=lease.job_id,
+                job_generation=lease.generation,
+                first_page=first,
+                last_page=last,
+                document_key=document_key,
+            )
+            for first, last in spans
+        ]
+        if first_token is not None:
+            kept = rows[0]
+            kept.state = RangeState.RUNNING
+            kept.lease_token = first_token
+            kept.expires_at = now + lease_ttl()
+            kept.attempts = 1
+            kept.claimed_at = now
+            kept.worker = first_worker[:128]
+        JobRange.objects.bulk_create(rows)
         # No fast path: a worker may not publish (least privilege, deploy/rabbitmq/README.md);
-        # the outbox sweep (or the fair relay) publishes range rows at its next tick, in id
-        # order, which is page order.
+        # the relay of the process that may (the sweeper) is woken by this transaction's
+        # NOTIFY and picks the range rows with every other unit (ADR 0021 "Page ranges"), in
+        # id order within the tenant, which is page order.
         ConversionOutbox.objects.bulk_create(
             [
                 ConversionOutbox(
@@ -185,10 +293,13 @@ def ranges_plan(
                     traceparent=job.traceparent,
                     range_first=first,
                     range_generation=1,
+                    cost=range_cost(job=job, pages=last - first + 1, document_key=document_key),
                 )
-                for first, _last in spans
+                for index, (first, last) in enumerate(spans)
+                if index or first_token is None
             ]
         )
+        fair.wake()
         WorkerLease.objects.filter(job_id=lease.job_id, token=lease.token).update(
             expires_at=FANNED_OUT_UNTIL
         )
@@ -249,6 +360,7 @@ def range_claim(
                 expires_at=now + lease_ttl(),
                 attempts=F("attempts") + 1,
                 worker=worker[:128],
+                claimed_at=Now(),
                 updated_at=Now(),
             )
         )
@@ -518,6 +630,7 @@ def _recover_range(*, range_id: int, job_id: uuid.UUID, now: datetime) -> str | 
         generation=generation + 1,
         lease_token=None,
         expires_at=None,
+        dispatched_at=None,
         worker="",
         updated_at=Now(),
     )
@@ -526,15 +639,23 @@ def _recover_range(*, range_id: int, job_id: uuid.UUID, now: datetime) -> str | 
 
 
 def _range_outbox(*, lease: Lease, first: int, generation: int) -> None:
-    traceparent = ConversionJob.objects.filter(id=lease.job_id).values_list(
-        "traceparent", flat=True
-    )[0]
+    job = ConversionJob.objects.only(
+        "traceparent", "source_media_type", "source_size", "output", "options"
+    ).get(id=lease.job_id)
+    span = (
+        JobRange.objects.filter(job_id=lease.job_id, first_page=first)
+        .values_list("last_page", "document_key")
+        .first()
+    )
+    last, document_key = span if span is not None else (first, None)
+    traceparent = job.traceparent
     row = ConversionOutbox.objects.create(
         job_id=lease.job_id,
         generation=lease.generation,
         traceparent=traceparent,
         range_first=first,
         range_generation=generation,
+        cost=range_cost(job=job, pages=last - first + 1, document_key=document_key),
     )
     outbox_publish_after_commit(
         outbox_id=row.id,
@@ -547,17 +668,38 @@ def _range_outbox(*, lease: Lease, first: int, generation: int) -> None:
 
 def _ranges_republish_if_dispatch_stale(*, batch: int) -> int:
     """Queued ranges of running jobs unclaimed past ``DISPATCH_TIMEOUT_S``: a new outbox row for
-    the same range generation (a duplicate message is harmless: the claim is a CAS)."""
-    cutoff = timezone.now() - timedelta(seconds=settings.QUIRE["DISPATCH_TIMEOUT_S"])
+    the same range generation (a duplicate message is harmless: the claim is a CAS). With fair
+    dispatch a range waiting its turn (an unpublished outbox row of it) is not stale: a range
+    sent and not claimed within ``QUIRE_FAIR_LOST_S`` (its message lost) is, and one with no
+    row waiting past the dispatch timeout."""
+    now = timezone.now()
+    cutoff = now - timedelta(seconds=settings.QUIRE["DISPATCH_TIMEOUT_S"])
+    stale_ranges = JobRange.objects.filter(
+        state=RangeState.QUEUED, updated_at__lt=cutoff, job__state=State.RUNNING
+    )
+    if fair.enabled():
+        lost = now - timedelta(seconds=settings.QUIRE["FAIR_LOST_S"])
+        waiting = ConversionOutbox.objects.filter(
+            job_id=OuterRef("job_id"),
+            range_first=OuterRef("first_page"),
+            range_generation=OuterRef("generation"),
+            published_at__isnull=True,
+        )
+        stale_ranges = JobRange.objects.filter(
+            state=RangeState.QUEUED, job__state=State.RUNNING
+        ).filter(
+            Q(dispatched_at__lt=lost)
+            | Q(updated_at__lt=cutoff, dispatched_at__isnull=True) & ~Q(Exists(waiting))
+        )
     count = 0
     with transaction.atomic():
         stale = list(
-            JobRange.objects.select_for_update(skip_locked=True, of=("self",))
-            .filter(state=RangeState.QUEUED, updated_at__lt=cutoff, job__state=State.RUNNING)
-            .values_list("id", "job_id", "job_generation", "first_page", "generation")[:batch]
+            stale_ranges.select_for_update(skip_locked=True, of=("self",)).values_list(
+                "id", "job_id", "job_generation", "first_page", "generation"
+            )[:batch]
         )
         for range_id, job_id, job_generation, first, generation in stale:
-            JobRange.objects.filter(id=range_id).update(updated_at=Now())
+            JobRange.objects.filter(id=range_id).update(updated_at=Now(), dispatched_at=None)
             _range_outbox(
                 lease=Lease(job_id, job_generation, uuid.UUID(int=0), None, 0, None),
                 first=first,

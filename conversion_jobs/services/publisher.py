@@ -66,6 +66,8 @@ class Pending(NamedTuple):
     job_id: uuid.UUID
     generation: int
     traceparent: str
+    #: a page range's message (a fair pick may choose one, ADR 0023)
+    page_range: broker.RangeRef | None = None
 
 
 class ConfirmTimeout(TimeoutError):
@@ -221,7 +223,10 @@ class BackgroundPublisher:
             raise
         if units:
             faults.hit("fair.after_pick")
-            batch = [Pending(u.outbox_id, u.job_id, u.generation, u.traceparent) for u in units]
+            batch = [
+                Pending(u.outbox_id, u.job_id, u.generation, u.traceparent, u.page_range)
+                for u in units
+            ]
             self.publish_batch(batch, picked=units)
 
     def publish_batch(self, batch: list[Pending], picked: list[fair.Unit] | None = None) -> None:
@@ -269,7 +274,10 @@ class BackgroundPublisher:
         if not settings.AMQP_BROKER:  # the standalone profile's transport has no confirms
             for p in batch:
                 broker.publish_conversion(
-                    job_id=p.job_id, generation=p.generation, traceparent=p.traceparent
+                    job_id=p.job_id,
+                    generation=p.generation,
+                    traceparent=p.traceparent,
+                    page_range=p.page_range,
                 )
             return [p.outbox_id for p in batch]
         channel = self._confirm_channel()
@@ -281,7 +289,10 @@ class BackgroundPublisher:
                 "outbox.publish", p.traceparent, **{"quire.generation": p.generation}
             ):
                 message = broker.conversion_message(
-                    job_id=p.job_id, generation=p.generation, traceparent=p.traceparent
+                    job_id=p.job_id,
+                    generation=p.generation,
+                    traceparent=p.traceparent,
+                    page_range=p.page_range,
                 )
                 channel.basic_publish(message, exchange=exchange, routing_key=routing_key)
             self._unconfirmed[self._next_tag] = index

@@ -70,23 +70,50 @@ class _Beats:
         heartbeat.start()
 
 
+def conversion_execute(*, job_id: uuid.UUID, generation: int) -> str:
+    """A job's message: its attempt (``runner.conversion_job_execute``); when the attempt fans
+    the job out, the first range goes on in this slot at once (claimed by the plan itself: no
+    message, no wait for the relay, ADR 0023)."""
+    return runner.conversion_job_execute(
+        job_id=job_id, generation=generation, then=_planned_range_execute
+    )
+
+
+def _planned_range_execute(claim: RangeClaim) -> str:
+    lease = claim.range_lease
+    return conversion_range_execute(
+        job_id=lease.job_id,
+        generation=claim.lease.generation,
+        range_first=lease.first_page,
+        range_generation=lease.generation,
+        claim=claim,
+    )
+
+
 def conversion_range_execute(
-    *, job_id: uuid.UUID, generation: int, range_first: int, range_generation: int
+    *,
+    job_id: uuid.UUID,
+    generation: int,
+    range_first: int,
+    range_generation: int,
+    claim: RangeClaim | None = None,
 ) -> str:
-    """Claim and run one page range of a fanned-out job. Returns ``duplicate``, ``range_done``
-    (its pages are checkpointed, other ranges remain), the job's end when this range was the
-    join (``succeeded``, ``partial``, ``failed``), ``retry_wait``, ``cancelled`` or ``lost``."""
+    """Claim and run one page range of a fanned-out job (``claim``: already claimed, by its
+    planner). Returns ``duplicate``, ``range_done`` (its pages are checkpointed, other ranges
+    remain), the job's end when this range was the join (``succeeded``, ``partial``,
+    ``failed``), ``retry_wait``, ``cancelled`` or ``lost``."""
     connections_refresh()
     converters.sandbox.configure(work_dir=settings.QUIRE["WORK_DIR"])
-    claim = db_retry_until(
-        runner.CLAIM_DEADLINE_S,
-        range_claim,
-        job_id=job_id,
-        generation=generation,
-        first=range_first,
-        range_generation=range_generation,
-        worker=runner.worker_identity(),
-    )
+    if claim is None:
+        claim = db_retry_until(
+            runner.CLAIM_DEADLINE_S,
+            range_claim,
+            job_id=job_id,
+            generation=generation,
+            first=range_first,
+            range_generation=range_generation,
+            worker=runner.worker_identity(),
+        )
     if claim is None:
         return "duplicate"
     beats = _Beats(
@@ -118,6 +145,7 @@ def conversion_range_execute(
         converters.release(spare=False)
         converters.begin_attempt(tenant=None)
         tidy_later(functools.partial(runner._tidy, workdir))
+        runner.slot_freed()
 
 
 def _run_range(*, claim: RangeClaim, beats: _Beats, workdir: Path) -> str:

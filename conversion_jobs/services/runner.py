@@ -90,9 +90,17 @@ def engine_settings_from_settings() -> EngineSettings:
     )
 
 
-def conversion_job_execute(*, job_id: uuid.UUID, generation: int) -> str:
+def conversion_job_execute(
+    *,
+    job_id: uuid.UUID,
+    generation: int,
+    then: Callable[[fanout.RangeClaim], str] | None = None,
+) -> str:
     """Claim and run one delivery. Returns what happened (for logs and tests): ``duplicate``,
-    ``succeeded``, ``partial``, ``failed``, ``retry_wait``, ``cancelled`` or ``lost``."""
+    ``succeeded``, ``partial``, ``failed``, ``retry_wait``, ``cancelled``, ``lost`` or
+    ``fanned_out``. ``then``: when the attempt fans the job out (ADR 0023), it keeps the first
+    range, claimed in the plan, and ``then(claim)`` runs it in this slot once the attempt has
+    ended (``range_runner``); without it every range waits for a message."""
     connections_refresh()
     converters.sandbox.configure(work_dir=settings.QUIRE["WORK_DIR"])
     claim = db_retry_until(
@@ -119,11 +127,16 @@ def conversion_job_execute(*, job_id: uuid.UUID, generation: int) -> str:
     # The converter layer sees the tenant only as an opaque pseudonym (reuse within a tenant).
     converters.begin_attempt(tenant=pseudonym("tenant", claim.job.tenant))
     outcome = "lost"
+    kept: list[fanout.RangeClaim] | None = [] if then is not None else None
     try:
         outcome = _run(
-            lease=lease, job=claim.job, source=claim.source, heartbeat=heartbeat, workdir=workdir
+            lease=lease,
+            job=claim.job,
+            source=claim.source,
+            heartbeat=heartbeat,
+            workdir=workdir,
+            kept=kept,
         )
-        return outcome
     finally:
         heartbeat.finish()
         if claim.job.password_sealed is not None and outcome in _TERMINAL_OUTCOMES:
@@ -134,11 +147,25 @@ def conversion_job_execute(*, job_id: uuid.UUID, generation: int) -> str:
         converters.release(spare=False)
         converters.begin_attempt(tenant=None)
         tidy_later(functools.partial(_tidy, workdir))
-        if fair.enabled() and settings.STANDALONE:
-            # This attempt's slot is free (the job left running): the fair order fills it now,
-            # not at the next outbox sweep. Only where the worker may publish: in production
-            # its broker user may not (deploy/rabbitmq; docs/ARCHITECTURE.md §2b).
-            fair.relay_quietly(path="fast")
+        # The attempt's slot is free, or (fanned out) the ranges just planned wait for the other
+        # slots: the relay picks now either way.
+        slot_freed()
+    if kept and then is not None:
+        return then(kept[0])
+    return outcome
+
+
+def slot_freed() -> None:
+    """This worker slot is free (an attempt or a range ended): the fair order fills it now, not
+    at the next outbox sweep. Where the worker may publish (standalone) it picks itself; in
+    production its broker user may not (deploy/rabbitmq), so it wakes the sweeper's relay
+    (``NOTIFY``, docs/ARCHITECTURE.md §2b)."""
+    if not fair.enabled():
+        return
+    if settings.STANDALONE:
+        fair.relay_quietly(path="fast")
+    else:
+        fair.wake()
 
 
 def _tidy(workdir: Path) -> None:
@@ -193,6 +220,7 @@ def _run(
     source: bytes | None,
     heartbeat: Heartbeat,
     workdir: Path,
+    kept: list[fanout.RangeClaim] | None = None,
 ) -> str:
     #: the page count prepare found, while it is still to be recorded (see _convert)
     unrecorded: dict[str, int] = {}
@@ -204,6 +232,7 @@ def _run(
             heartbeat=heartbeat,
             workdir=workdir,
             unrecorded=unrecorded,
+            kept=kept,
         )
     except (LeaseLost, ConversionStopped):
         return _stopped(lease=lease)
@@ -351,6 +380,7 @@ def _convert(
     heartbeat: Heartbeat,
     workdir: Path,
     unrecorded: dict[str, int],
+    kept: list[fanout.RangeClaim] | None = None,
 ) -> str:
     """``job``: the row as the claim read it back (options, source, output never change).
     ``source_bytes``: an inline source's bytes, as the claim read them with the row.
@@ -379,8 +409,11 @@ def _convert(
         stop=heartbeat.stop.is_set,
         # A first run converts its selected pages from the first on: the prepare asks for them
         # in its own request (a resumed attempt first reads which pages are done, so it does
-        # not).
-        first=_first_pages(job.options) if lease.first_run else (),
+        # not; nor does a job its acceptance estimate says will fan out: its planner converts
+        # no page).
+        first=_first_pages(job.options)
+        if lease.first_run and not fanout.fanout_likely(job)
+        else (),
     )
     metrics.CONVERSION_DURATION.labels(
         input=job.source_media_type, engine=engine_label(converter)
@@ -402,6 +435,9 @@ def _convert(
             prepared=prepared,
             heartbeat=heartbeat,
             unrecorded=unrecorded,
+            source=source_bytes,
+            kept=kept,
+            worker=worker_identity(),
         )
     if len(pages) != 1 and not prepared.first_requested:
         # The child starts on the first pages (exactly what the first page call would ask for)

@@ -6,9 +6,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from django.core.exceptions import ImproperlyConfigured
 
-from conversion_jobs.services.fanout import range_size, ranges_for
+from conversion_jobs.models import ConversionJob
+from conversion_jobs.services.fanout import fanout_min_pages, range_size, range_sizes, ranges_for
 from conversion_jobs.services.runner import limits_from_settings
+from project.settings import env_pages_by_output
 
 
 @pytest.fixture
@@ -49,3 +52,60 @@ def test_ranges_for__a_resumed_job_keeps_boundaries_and_skips_finished_ranges():
 
 def test_page_limit__is_a_setting_of_at_least_20000():
     assert limits_from_settings().max_pages >= 20_000
+
+
+@pytest.mark.usefixtures("sizing")
+def test_range_sizes__taper_towards_the_end(settings: Any):
+    settings.QUIRE = {**settings.QUIRE, "FANOUT_RANGE_TAPER": True}
+    sizes = range_sizes(2000)
+    assert sum(sizes) == 2000
+    assert sizes[:5] == [250] * 5  # a quarter of the pages left per slot, at most range_size
+    assert sizes[:-1] == sorted(sizes[:-1], reverse=True)  # shrinking (but the remainder)
+    assert all(size >= 32 for size in sizes)  # never below the minimum
+    assert sizes[-3:] == [32, 32, 35]  # a remainder below the minimum joins the last range
+    settings.QUIRE = {**settings.QUIRE, "FANOUT_RANGE_TAPER": False}
+    assert range_sizes(2000) == [250] * 8
+
+
+DEFAULTS = {"text": 20_000, "ocr": 64, "png": 64, "pdf": 64}
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ("", DEFAULTS),
+        ("64", {"text": 64, "ocr": 64, "png": 64, "pdf": 64}),
+        ("text=5000, png=100", {**DEFAULTS, "text": 5000, "png": 100}),
+    ],
+)
+def test_fanout_min_pages__env_is_one_number_or_pages_by_output(
+    monkeypatch: pytest.MonkeyPatch, raw: str, expected: dict[str, int]
+):
+    monkeypatch.setenv("QUIRE_FANOUT_MIN_PAGES", raw)
+    assert env_pages_by_output("QUIRE_FANOUT_MIN_PAGES", DEFAULTS) == expected
+
+
+@pytest.mark.parametrize("raw", ["text=", "word=5", "png=-1", "png=many"])
+def test_fanout_min_pages__a_bad_value_refuses_to_start(monkeypatch: pytest.MonkeyPatch, raw: str):
+    monkeypatch.setenv("QUIRE_FANOUT_MIN_PAGES", raw)
+    with pytest.raises(ImproperlyConfigured):
+        env_pages_by_output("QUIRE_FANOUT_MIN_PAGES", DEFAULTS)
+
+
+@pytest.mark.parametrize(
+    ("media_type", "output", "pages"),
+    [
+        ("application/pdf", "text", 1000),
+        ("image/tiff", "text", 10),  # OCR
+        ("application/pdf", "png", 20),
+        ("image/tiff", "pdf", 30),
+        ("application/vnd.oasis.opendocument.text", "text", 1000),
+    ],
+)
+def test_fanout_min_pages__by_output(settings: Any, media_type: str, output: str, pages: int):
+    by_output = {"text": 1000, "ocr": 10, "png": 20, "pdf": 30}
+    settings.QUIRE = {**settings.QUIRE, "FANOUT_MIN_PAGES": by_output}
+    job = ConversionJob(source_media_type=media_type, output=output)
+    assert fanout_min_pages(job=job) == pages
+    settings.QUIRE = {**settings.QUIRE, "FANOUT_MIN_PAGES": 7}  # one number: every output
+    assert fanout_min_pages(job=job) == 7
