@@ -39,16 +39,8 @@ def audit_event_append(
     """
     if not transaction.get_connection().in_atomic_block:
         raise RuntimeError("audit_event_append must run inside transaction.atomic()")
-    appended = store.event_append(
-        job_id=job_id,
-        event_type=event_type,
-        generation=generation,
-        attempt_id=attempt_id,
-        actor=actor,
-        details=details or {},
-        created_at=timezone.now(),
-    )
-    if appended != 1:
+    event = (job_id, event_type, generation, attempt_id, actor, details or {}, timezone.now())
+    if store.event_append(*event) != 1:
         raise ConversionJob.DoesNotExist(f"no job row to chain event {event_type!r} on")
 
 

@@ -42,7 +42,7 @@ from conversion_jobs.models import (
     PageCheckpoint,
 )
 from conversion_jobs.observability import metrics
-from conversion_jobs.services.audit import SYSTEM_ACTOR, audit_event_append, event_hash
+from conversion_jobs.services.audit import SYSTEM_ACTOR, audit_event_append
 from conversion_jobs.services.checkpoints import checkpoints_upsert
 from conversion_jobs.services.dispatch import outbox_publish_after_commit
 from conversion_jobs.services.leases import Lease, lease_ttl
@@ -56,7 +56,6 @@ from conversion_jobs.states import (
 )
 from conversion_jobs.store import checkpoints as pages
 from conversion_jobs.store import jobs as store
-from conversion_jobs.store.audit import GENESIS
 from conversion_jobs.store.leases import held, lease_delete
 from conversion_jobs.webhooks.outbox import EVENT_OF_STATE, messages_enqueue
 
@@ -290,17 +289,8 @@ def _redispatch(*, job_id: uuid.UUID, generation: int, traceparent: str, reason:
 # --- (none) -> queued: acceptance --------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class NewJob:
-    job: ConversionJob
-    actor: str
-    idempotency_key: str | None
-    fingerprint: str
-    details: dict[str, Any]
-    #: the source's bytes when it is stored inline (``inline_source``), else None
-    inline_content: bytes | None = None
-    #: ``converters.engine_version`` of the source's type: a quarantined document is refused
-    engine_version: str = ""
+#: What the acceptance inserts (``store.jobs.NewJob``).
+NewJob = store.NewJob
 
 
 def job_insert_queued(new: NewJob) -> bool:
@@ -315,43 +305,14 @@ def job_insert_queued(new: NewJob) -> bool:
     duplicate case, answered without an error) - and that any job whose document the tenant
     has quarantined (``services/quarantine.py``) writes nothing and returns False. True:
     inserted; registers the fast-path publish for after commit."""
-    job = new.job
-    outbox_id = store.insert_queued(
-        job,
-        first_event=_first_event(new),
-        actor=new.actor,
-        idempotency_key=new.idempotency_key,
-        fingerprint=new.fingerprint,
-        details=new.details,
-        inline_content=new.inline_content,
-        engine_version=new.engine_version,
-    )
+    outbox_id = store.insert_queued(new)
     if outbox_id is None:  # quarantined, or the inline statement met a job's content identity
         return False
+    job = new.job
     outbox_publish_after_commit(
         outbox_id=outbox_id, job_id=job.id, generation=1, traceparent=job.traceparent
     )
     return True
-
-
-def _first_event(new: NewJob) -> dict[str, Any]:
-    """The job's timestamps and audit head set, and its first audit event (``accepted``)."""
-    job = new.job
-    now = timezone.now()
-    job.created_at = job.updated_at = now
-    job.audit_seq = 1
-    first_event: dict[str, Any] = {
-        "job_id": job.id,
-        "seq": 1,
-        "event_type": "accepted",
-        "generation": 1,
-        "attempt_id": None,
-        "actor": new.actor,
-        "details": new.details,
-        "created_at": now,
-    }
-    job.audit_head = event_hash(prev_hash=GENESIS, **first_event)
-    return first_event
 
 
 # --- queued -> running: the claim --------------------------------------------------------------

@@ -23,29 +23,11 @@ GENESIS = "0" * 64
 SYSTEM_ACTOR = "system"
 
 
-def event_hash(
-    *,
-    prev_hash: str,
-    job_id: uuid.UUID,
-    seq: int,
-    event_type: str,
-    generation: int | None,
-    attempt_id: int | None,
-    actor: str,
-    details: dict[str, Any],
-    created_at: datetime,
-) -> str:
-    body = event_body(
-        job_id=job_id,
-        seq=seq,
-        event_type=event_type,
-        generation=generation,
-        attempt_id=attempt_id,
-        actor=actor,
-        details=details,
-        created_at=created_at,
-    )
-    return hashlib.sha256((prev_hash + body).encode()).hexdigest()
+def event_hash(*, prev_hash: str, **event: Any) -> str:
+    """An event's link in its chain: ``sha256(prev_hash || event_body(**event))`` in hex (the
+    verifier's computation; :func:`chain_sql` is the same in SQL). ``event``: ``event_body``'s
+    fields, ``seq`` included."""
+    return hashlib.sha256((prev_hash + event_body(**event)).encode()).hexdigest()
 
 
 #: One append on Postgres: lock the job row (its chain head), move the head, insert the event.
@@ -67,7 +49,6 @@ FROM head
 
 
 def event_append(
-    *,
     job_id: uuid.UUID,
     event_type: str,
     generation: int | None,
@@ -79,8 +60,17 @@ def event_append(
     """Append one event to ``job_id``'s chain (``APPEND``; SQLite, whose writers are serialised
     by ``BEGIN IMMEDIATE``: the same three steps from Python). The caller holds the
     transaction. Returns the row count: 1, or 0 when there is no such job."""
+    event: dict[str, Any] = {
+        "job_id": job_id,
+        "event_type": event_type,
+        "generation": generation,
+        "attempt_id": attempt_id,
+        "actor": actor,
+        "details": details,
+        "created_at": created_at,
+    }
     if db.postgres():
-        params: dict[str, Any] = {
+        params = {
             "job": job_id,
             "type": event_type,
             "generation": generation,
@@ -90,18 +80,7 @@ def event_append(
             "at": created_at,
         }
         chained = chain_sql(
-            prev="h.audit_head",
-            seq="h.audit_seq + 1",
-            body=event_body(
-                job_id=job_id,
-                event_type=event_type,
-                generation=generation,
-                attempt_id=attempt_id,
-                actor=actor,
-                details=details,
-                created_at=created_at,
-            ),
-            params=params,
+            prev="h.audit_head", seq="h.audit_seq + 1", body=event_body(**event), params=params
         )
         with connection.cursor() as cursor:
             cursor.execute(APPEND.format(hash=chained), params)
@@ -111,19 +90,9 @@ def event_append(
     if head is None:
         return 0
     seq, prev = head[0] + 1, head[1]
-    fields: dict[str, Any] = {
-        "job_id": job_id,
-        "seq": seq,
-        "event_type": event_type,
-        "generation": generation,
-        "attempt_id": attempt_id,
-        "actor": actor,
-        "details": details,
-        "created_at": created_at,
-    }
-    digest = event_hash(prev_hash=prev, **fields)
+    digest = event_hash(prev_hash=prev, seq=seq, **event)
     job.update(audit_seq=seq, audit_head=digest)
-    ExecutionAuditEvent.objects.create(**fields, prev_hash=prev, hash=digest)
+    ExecutionAuditEvent.objects.create(**event, seq=seq, prev_hash=prev, hash=digest)
     return 1
 
 

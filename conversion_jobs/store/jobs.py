@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import re
 import uuid
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -232,30 +233,36 @@ ACCEPT_INLINE = """, inline AS (
 )"""
 
 
-def insert_queued(
-    job: ConversionJob,
-    *,
-    first_event: dict[str, Any],
-    actor: str,
-    idempotency_key: str | None,
-    fingerprint: str,
-    details: dict[str, Any],
-    inline_content: bytes | None,
-    engine_version: str,
-) -> int | None:
+@dataclass(frozen=True)
+class NewJob:
+    """What the acceptance inserts: the job (unsaved) and what hangs off it."""
+
+    job: ConversionJob
+    actor: str
+    idempotency_key: str | None
+    fingerprint: str
+    details: dict[str, Any]
+    #: the source's bytes when it is stored inline (``inline_source``), else None
+    inline_content: bytes | None = None
+    #: ``converters.engine_version`` of the source's type: a quarantined document is refused
+    engine_version: str = ""
+
+
+def insert_queued(new: NewJob) -> int | None:
     """``ACCEPT`` (SQLite: its twin, in the caller's transaction): the job (its timestamps and
-    audit head already set), its outbox row, idempotency record, inline source and
-    ``first_event``. The new outbox row's id; None: the statement wrote nothing (a quarantined
+    audit head set here), its outbox row, idempotency record, inline source and first audit event
+    (``accepted``). The new outbox row's id; None: the statement wrote nothing (a quarantined
     document, or the inline form met the content identity of a committed job). A unique
     violation propagates."""
+    job, first_event = new.job, _first_event(new)
     if not db.postgres():
         job.save(force_insert=True)
-        if inline_content is not None:
-            InlineSource.objects.create(job=job, content=inline_content)
+        if new.inline_content is not None:
+            InlineSource.objects.create(job=job, content=new.inline_content)
         outbox_id = outbox_insert(job_id=job.id, generation=1, traceparent=job.traceparent)
-        if idempotency_key is not None:
+        if new.idempotency_key is not None:
             IdempotencyRecord.objects.create(
-                tenant=job.tenant, key=idempotency_key, fingerprint=fingerprint, job=job
+                tenant=job.tenant, key=new.idempotency_key, fingerprint=new.fingerprint, job=job
             )
         ExecutionAuditEvent.objects.create(
             **first_event, prev_hash=audit.GENESIS, hash=job.audit_head
@@ -264,19 +271,39 @@ def insert_queued(
     params = job_insert_params(job)
     params.update(
         now=first_event["created_at"],
-        actor=actor,
-        key=idempotency_key,
-        fingerprint=fingerprint,
-        details=canonical_json(details),
+        actor=new.actor,
+        key=new.idempotency_key,
+        fingerprint=new.fingerprint,
+        details=canonical_json(new.details),
         genesis=audit.GENESIS,
-        q_engine=engine_version,
+        q_engine=new.engine_version,
     )
-    if inline_content is not None:
-        params["inline"] = inline_content
+    if new.inline_content is not None:
+        params["inline"] = new.inline_content
     with prepared_cursor() as cursor:  # prepared: parsed and planned once per connection
-        cursor.execute(accept_sql(inline_content is not None), params)
+        cursor.execute(accept_sql(new.inline_content is not None), params)
         row = cursor.fetchone()
     return None if row is None else int(row[0])
+
+
+def _first_event(new: NewJob) -> dict[str, Any]:
+    """The job's timestamps and audit head set, and its first audit event (``accepted``)."""
+    job = new.job
+    now = timezone.now()
+    job.created_at = job.updated_at = now
+    job.audit_seq = 1
+    first_event: dict[str, Any] = {
+        "job_id": job.id,
+        "seq": 1,
+        "event_type": "accepted",
+        "generation": 1,
+        "attempt_id": None,
+        "actor": new.actor,
+        "details": new.details,
+        "created_at": now,
+    }
+    job.audit_head = audit.event_hash(prev_hash=audit.GENESIS, **first_event)
+    return first_event
 
 
 def job_insert_params(job: ConversionJob) -> dict[str, Any]:
@@ -410,15 +437,6 @@ def claim(
     expires: datetime,
 ) -> Claimed | None:
     """``CLAIM`` (SQLite: :func:`_claim_orm`). None: the guard matched nothing (written nothing)."""
-    if not db.postgres():
-        return _claim_orm(
-            job_id=job_id,
-            generation=generation,
-            worker=worker,
-            token=token,
-            now=now,
-            expires=expires,
-        )
     params: dict[str, Any] = {
         "job": job_id,
         "generation": generation,
@@ -427,6 +445,8 @@ def claim(
         "expires": expires,
         "worker": worker,
     }
+    if not db.postgres():
+        return _claim_orm(params)
     details = canonical_json({"attempt": audit.slot("attempt_number")})
     exprs = {"attempt": "att.id", "attempt_number": "l.attempts + 1"}
     sql = CLAIM.format(
@@ -512,23 +532,16 @@ def _job_from_row(names: tuple[str, ...], row: tuple[Any, ...]) -> tuple[Convers
     return job, int(row[attempt_at])
 
 
-def _claim_orm(
-    *,
-    job_id: uuid.UUID,
-    generation: int,
-    worker: str,
-    token: uuid.UUID,
-    now: datetime,
-    expires: datetime,
-) -> Claimed | None:
-    """``CLAIM``'s twin: the same rows in one transaction."""
+def _claim_orm(params: dict[str, Any]) -> Claimed | None:
+    """``CLAIM``'s twin (its ``params``): the same rows in one transaction."""
+    job_id, generation, now = params["job"], params["generation"], params["now"]
     with transaction.atomic():
         won = move(
             ConversionJob.objects.filter(id=job_id, generation=generation),
             State.QUEUED,
             State.RUNNING,
             attempts=F("attempts") + 1,
-            lease_token=token,
+            lease_token=params["token"],
         )
         if not won:
             return None
@@ -537,7 +550,7 @@ def _claim_orm(
             job_id=job_id,
             generation=generation,
             number=job.attempts,
-            worker=worker,
+            worker=params["worker"],
             heartbeat_at=now,
         )
         WorkerLease.objects.update_or_create(
@@ -545,18 +558,18 @@ def _claim_orm(
             defaults={
                 "generation": generation,
                 "attempt": attempt,
-                "token": token,
-                "expires_at": expires,
+                "token": params["token"],
+                "expires_at": params["expires"],
             },
         )
         audit.event_append(
-            job_id=job_id,
-            event_type="claimed",
-            generation=generation,
-            attempt_id=attempt.id,
-            actor=audit.SYSTEM_ACTOR,
-            details={"attempt": job.attempts},
-            created_at=now,
+            job_id,
+            "claimed",
+            generation,
+            attempt.id,
+            audit.SYSTEM_ACTOR,
+            {"attempt": job.attempts},
+            now,
         )
         source = InlineSource.objects.filter(job_id=job_id).values_list("content", flat=True)
         content = source.first()

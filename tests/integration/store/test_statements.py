@@ -97,15 +97,11 @@ def _stranger(lease: Lease) -> Lease:
     return Lease(lease.job_id, lease.generation, uuid.uuid4(), lease.attempt_id, 1, None)
 
 
+_FAILED = {"state": PageState.FAILED, "attempts": 3, "error_code": "page_timeout", "generation": 1}
+
+
 def _failed_page(job_id: uuid.UUID, number: int) -> PageCheckpoint:
-    return PageCheckpoint(
-        job_id=job_id,
-        page_number=number,
-        state=PageState.FAILED,
-        attempts=3,
-        error_code="page_timeout",
-        generation=1,
-    )
+    return PageCheckpoint(job_id=job_id, page_number=number, **_FAILED)
 
 
 # --- the one list of terminal effects ---------------------------------------------------------
@@ -211,15 +207,12 @@ def test_attempt_close__once_with_its_page_count(path, make_job):
     assert attempt.finished_at is not None
 
 
+#: a cancellation request of a running job, pending
+_PENDING = {"actor": "a", "generation_seen": 1, "state_seen": "running", "outcome": "cancelling"}
+
+
 def _cancel_request(job: ConversionJob) -> CancellationRequest:
-    return CancellationRequest.objects.create(
-        job_id=job.id,
-        tenant=job.tenant,
-        actor="a",
-        generation_seen=1,
-        state_seen="running",
-        outcome="cancelling",
-    )
+    return CancellationRequest.objects.create(job_id=job.id, tenant=job.tenant, **_PENDING)
 
 
 def test_cancellations__lost_or_cancelled_once(make_job):
@@ -244,24 +237,9 @@ def _new_job(make_job: Callable[..., ConversionJob], **fields: Any) -> Conversio
 
 
 def _insert(job: ConversionJob, *, key: str | None = None, inline: bytes | None = None) -> Any:
-    new = transitions.NewJob(
-        job=job,
-        actor="tester",
-        idempotency_key=key,
-        fingerprint="f" * 64,
-        details={"size": 1},
-        inline_content=inline,
-        engine_version="pdfium 1",
-    )
+    details = {"size": 1}
     return jobs.insert_queued(
-        job,
-        first_event=transitions._first_event(new),
-        actor=new.actor,
-        idempotency_key=key,
-        fingerprint=new.fingerprint,
-        details=new.details,
-        inline_content=inline,
-        engine_version=new.engine_version,
+        jobs.NewJob(job, "tester", key, "f" * 64, details, inline, engine_version="pdfium 1")
     )
 
 
