@@ -138,7 +138,7 @@ def test_claim__the_winner_gets_the_lease_the_loser_nothing(path, make_job):
     assert again is None
     assert ConversionAttempt.objects.filter(job_id=job.id).count() == 1
     assert ConversionJob.objects.get(id=job.id).lease_token == lease.token
-    assert audit_chain_verify(job_id=job.id) == (2, [])
+    assert audit_chain_verify(job_id=job.id) == (1, [])
 
 
 def test_claim__returns_an_inline_source_with_the_row(path, make_job):
@@ -166,7 +166,8 @@ def test_move__guarded_winner_one_loser_zero(make_job):
 def test_move_returning_generation__the_generation_it_moved_or_none(make_job):
     job = make_job(state=State.FAILED)
     guard = jobs.of_tenant(job.id, None)
-    assert jobs.move_returning_generation(guard, State.FAILED, State.QUEUED, generation=2) == 2
+    back = {"generation": 2, "finished_at": None, "error_code": None}
+    assert jobs.move_returning_generation(guard, State.FAILED, State.QUEUED, **back) == 2
     assert jobs.move_returning_generation(guard, State.FAILED, State.QUEUED) is None
 
 
@@ -284,7 +285,7 @@ def test_insert_alone__only_where_the_insert_is_one_statement(path):
 
 
 def test_precheck__the_key_the_duplicate_and_the_quarantine(make_job):
-    job = make_job(state=State.QUEUED, policy_version="p1", output="text")
+    job = make_job(state=State.QUEUED, policy_version=7, output="text")
     IdempotencyRecord.objects.create(tenant=job.tenant, key="k", fingerprint="fp", job=job)
     params = {
         "tenant": job.tenant,
@@ -292,7 +293,7 @@ def test_precheck__the_key_the_duplicate_and_the_quarantine(make_job):
         "sha": job.source_sha256,
         "output": "text",
         "digest": job.options_digest,
-        "policy": "p1",
+        "policy": 7,
         "engine": "e1",
     }
     fingerprint, key_job, duplicate, quarantined = jobs.precheck(params)
@@ -425,7 +426,8 @@ def test_state_under__the_state_or_none(make_job):
 def test_attempt_heartbeat__an_open_attempt_only(make_job):
     lease = _claimed(make_job)
     assert leases.attempt_heartbeat(lease.attempt_id, now=timezone.now()) == 1
-    ConversionAttempt.objects.filter(id=lease.attempt_id).update(finished_at=timezone.now())
+    closed = {"finished_at": timezone.now(), "outcome": "cancelled"}
+    ConversionAttempt.objects.filter(id=lease.attempt_id).update(**closed)
     assert leases.attempt_heartbeat(lease.attempt_id, now=timezone.now()) == 0
 
 
