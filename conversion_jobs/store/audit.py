@@ -70,7 +70,7 @@ def event_append(
         "created_at": created_at,
     }
     if db.postgres():
-        params = {
+        params: dict[str, Any] = {
             "job": job_id,
             "type": event_type,
             "generation": generation,

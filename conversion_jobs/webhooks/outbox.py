@@ -25,6 +25,7 @@ EVENT_OF_STATE: dict[State, EventType] = {
     State.CANCELLED: EventType.CANCELLED,
 }
 
+
 def event_payload(job: ConversionJob, event_type: str) -> dict[str, Any]:
     """The thin body: the event type, when the job ended, the job as the API renders it (its
     metadata included, never document content)."""
