@@ -96,6 +96,7 @@ def main() -> None:
             sha=job.source_sha256,
             output="text",
             digest="d" * 64,
+            engine="",
         )
         transitions.job_insert_queued(new)
 
