@@ -119,11 +119,11 @@ def batch_record(
     """A fenced checkpoint batch: the job row's page counters moved under the fence (running),
     the pages upserted, and ``also`` (the failed pages' audit events) in the same transaction.
     Postgres with every page done: ``DONE_PAGES``, one statement (no failed page: ``also`` is
-    not called); otherwise the ORM twin, in the caller's transaction when it has one. Row count:
+    not called); otherwise the ORM twin, in a transaction (a savepoint in the caller's). Row count:
     1, or 0 when the fence matched nothing (nothing written)."""
     if one_statement(checkpoints):
         return done_pages_record(fence, checkpoints)
-    with transaction.atomic(savepoint=False):
+    with transaction.atomic():
         if not held(fence, State.RUNNING).update(updated_at=Now(), **counters(checkpoints)):
             return 0
         upsert(checkpoints)
