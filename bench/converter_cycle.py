@@ -54,7 +54,7 @@ def main() -> int:
     args = parser.parse_args()
 
     from conversion_jobs import converters
-    from conversion_jobs.converters import Limits, sandbox, sessions, zygote
+    from conversion_jobs.converters import Limits, PageRequest, sandbox, sessions, zygote
     from conversion_jobs.converters.isolation import empty_directory
     from tests.testdocs import pdf_bytes
 
@@ -90,14 +90,16 @@ def main() -> int:
             first=first,
         )
         page = converter.convert_page(
-            prepared=prepared,
+            PageRequest(
+                prepared=prepared,
+                output="text",
+                options={},
+                dest_dir=workdir,
+                limits=limits,
+                should_stop=lambda: False,
+                inline_max_bytes=65536,
+            ),
             page=1,
-            output="text",
-            options={},
-            dest_dir=workdir,
-            limits=limits,
-            should_stop=lambda: False,
-            inline_max_bytes=65536,
         )
         if page.content != b"one page of text":
             raise AssertionError(page)

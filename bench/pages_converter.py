@@ -126,7 +126,7 @@ def worker_converter(
     *, source: Path, output: str, first: int, last: int, out: Path, warm: bool
 ) -> None:
     from conversion_jobs import converters
-    from conversion_jobs.converters import Limits, converter_for
+    from conversion_jobs.converters import Limits, PageRequest, converter_for
     from tests import testdocs
 
     limits = Limits()
@@ -137,17 +137,17 @@ def worker_converter(
         prepared = converter.prepare(
             source=document, media_type=PDF, workdir=workdir, limits=limits, should_stop=stop.is_set
         )
+        request = PageRequest(
+            prepared=prepared,
+            output=output,
+            options={"dpi": DPI},
+            dest_dir=workdir,
+            limits=limits,
+            should_stop=stop.is_set,
+        )
         try:
             for number in pages:
-                artifact = converter.convert_page(
-                    prepared=prepared,
-                    page=number,
-                    output=output,
-                    options={"dpi": DPI},
-                    dest_dir=workdir,
-                    limits=limits,
-                    should_stop=stop.is_set,
-                )
+                artifact = converter.convert_page(request, page=number)
                 assert artifact.path.is_file()
         finally:
             converters.release(prepared)

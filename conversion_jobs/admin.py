@@ -5,6 +5,7 @@ the tenants' fair-share settings."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from django.contrib import admin, messages
@@ -40,6 +41,17 @@ class ReadOnlyAdmin(admin.ModelAdmin):
         return False
 
 
+class ReadOnlyWithActionsAdmin(ReadOnlyAdmin):
+    """Read-only but for its ``actions``: they need "change" on the changelist; the form
+    itself stays read-only."""
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return obj is None and bool(request.user.is_staff)
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
+        return [f.name for f in self.model._meta.fields]
+
+
 def _operator(request: HttpRequest) -> str:
     return actor_pseudonym(tenant="operators", subject=str(request.user.pk))
 
@@ -67,18 +79,11 @@ def retry_jobs(modeladmin: Any, request: HttpRequest, queryset: QuerySet[Convers
 
 
 @admin.register(ConversionJob)
-class ConversionJobAdmin(ReadOnlyAdmin):
+class ConversionJobAdmin(ReadOnlyWithActionsAdmin):
     list_display = ("id", "state", "generation", "output", "attempts", "created_at", "finished_at")
     list_filter = ("state", "output")
     search_fields = ("id",)
     actions = [cancel_jobs, retry_jobs]
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        # Actions need "change" on the changelist; the form itself stays read-only.
-        return obj is None and bool(request.user.is_staff)
-
-    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
-        return [f.name for f in ConversionJob._meta.fields]
 
 
 @admin.register(ConversionAttempt)
@@ -131,7 +136,7 @@ def lift_quarantines(
 
 
 @admin.register(DocumentQuarantine)
-class DocumentQuarantineAdmin(ReadOnlyAdmin):
+class DocumentQuarantineAdmin(ReadOnlyWithActionsAdmin):
     """Poison documents (docs/OPERABILITY.md "Quarantine"): read-only but for the lift."""
 
     list_display = (
@@ -146,12 +151,6 @@ class DocumentQuarantineAdmin(ReadOnlyAdmin):
     list_filter = (("quarantined_at", admin.EmptyFieldListFilter),)
     search_fields = ("=job_id",)
     actions = [lift_quarantines]
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return obj is None and bool(request.user.is_staff)
-
-    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
-        return [f.name for f in DocumentQuarantine._meta.fields]
 
 
 @admin.register(TenantErasure)
@@ -169,6 +168,20 @@ class TenantErasureAdmin(ReadOnlyAdmin):
 
 
 _fairness = threading.local()
+
+
+def _fairness_column(
+    description: str, value: Callable[[fair.TenantFairness], Any], none: Any
+) -> Callable[[Any, TenantShare], Any]:
+    """A column of the fair-share list: ``value`` of the tenant's row of the stats read for
+    this page (``none`` for a tenant with none)."""
+
+    @admin.display(description=description)
+    def column(modeladmin: Any, obj: TenantShare) -> Any:
+        row = getattr(_fairness, "stats", {}).get(obj.tenant)
+        return value(row) if row else none
+
+    return column
 
 
 @admin.register(TenantShare)
@@ -212,31 +225,8 @@ class TenantShareAdmin(admin.ModelAdmin):
         finally:
             _fairness.stats = {}
 
-    @staticmethod
-    def _stat(obj: TenantShare) -> fair.TenantFairness | None:
-        return getattr(_fairness, "stats", {}).get(obj.tenant)
-
-    @admin.display(description="backlog (units)")
-    def backlog(self, obj: TenantShare) -> int:
-        row = self._stat(obj)
-        return row.backlog_units if row else 0
-
-    @admin.display(description="backlog (page units)")
-    def backlog_cost(self, obj: TenantShare) -> int:
-        row = self._stat(obj)
-        return row.backlog_cost if row else 0
-
-    @admin.display(description="running + sent")
-    def running(self, obj: TenantShare) -> int:
-        row = self._stat(obj)
-        return row.running if row else 0
-
-    @admin.display(description="pages (window)")
-    def pages_in_window(self, obj: TenantShare) -> int:
-        row = self._stat(obj)
-        return row.pages_window if row else 0
-
-    @admin.display(description="share of pages")
-    def page_share(self, obj: TenantShare) -> str:
-        row = self._stat(obj)
-        return f"{row.page_share:.1%}" if row else "0.0%"
+    backlog = _fairness_column("backlog (units)", lambda row: row.backlog_units, 0)
+    backlog_cost = _fairness_column("backlog (page units)", lambda row: row.backlog_cost, 0)
+    running = _fairness_column("running + sent", lambda row: row.running, 0)
+    pages_in_window = _fairness_column("pages (window)", lambda row: row.pages_window, 0)
+    page_share = _fairness_column("share of pages", lambda row: f"{row.page_share:.1%}", "0.0%")

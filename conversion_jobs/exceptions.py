@@ -5,6 +5,8 @@ The API maps them to RFC 9457 problems in one place (``conversion_jobs.api.probl
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class QuireError(Exception):
     """Something went wrong."""
@@ -13,189 +15,139 @@ class QuireError(Exception):
     status = 500
     retryable = False
 
+    def __init_subclass__(
+        cls,
+        *,
+        code: str | None = None,
+        status: int | None = None,
+        retryable: bool | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """A subclass names its ``code``, ``status`` and ``retryable`` in its header; without
+        them it has its base's."""
+        super().__init_subclass__(**kwargs)
+        if code is not None:
+            cls.code = code
+        if status is not None:
+            cls.status = status
+        if retryable is not None:
+            cls.retryable = retryable
+
     def __init__(self, detail: str | None = None, **extra: object) -> None:
         self.detail = detail or (self.__doc__ or "").strip()
         self.extra = extra
         super().__init__(self.detail)
 
 
-class InvalidRequest(QuireError):
+class InvalidRequest(QuireError, code="invalid_request", status=400):
     """The request is malformed."""
 
-    code = "invalid_request"
-    status = 400
 
-
-class InvalidOptions(InvalidRequest):
+class InvalidOptions(InvalidRequest, code="invalid_options"):
     """The options are not valid for this output."""
 
-    code = "invalid_options"
 
-
-class InvalidMetadata(InvalidRequest):
+class InvalidMetadata(InvalidRequest, code="invalid_metadata"):
     """metadata must be a JSON object of at most 2048 bytes."""
 
-    code = "invalid_metadata"
 
-
-class InvalidWebhook(InvalidRequest):
+class InvalidWebhook(InvalidRequest, code="invalid_webhook"):
     """The webhook endpoint is not valid."""
 
-    code = "invalid_webhook"
 
-
-class InvalidWebhookUrl(InvalidWebhook):
+class InvalidWebhookUrl(InvalidWebhook, code="invalid_webhook_url"):
     """The webhook URL is not acceptable (https or http, a host name or a global address, an
     allowed port, no credentials)."""
 
-    code = "invalid_webhook_url"
 
-
-class InvalidWebhookEvents(InvalidWebhook):
+class InvalidWebhookEvents(InvalidWebhook, code="invalid_webhook_events"):
     """events must be a non-empty list of job.succeeded, job.partial, job.failed, job.cancelled."""
 
-    code = "invalid_webhook_events"
 
-
-class InvalidCursor(InvalidRequest):
+class InvalidCursor(InvalidRequest, code="invalid_cursor"):
     """The pagination cursor is not valid."""
 
-    code = "invalid_cursor"
 
-
-class MalformedBody(InvalidRequest):
+class MalformedBody(InvalidRequest, code="malformed_body"):
     """The request body cannot be parsed (broken multipart or JSON)."""
 
-    code = "malformed_body"
 
-
-class TooManyFields(InvalidRequest):
+class TooManyFields(InvalidRequest, code="too_many_fields"):
     """The form has more fields than the server accepts."""
 
-    code = "too_many_fields"
 
-
-class TooManyFiles(InvalidRequest):
+class TooManyFiles(InvalidRequest, code="too_many_files"):
     """The form has more file parts than the server accepts."""
 
-    code = "too_many_files"
 
-
-class UnexpectedFilePart(InvalidRequest):
+class UnexpectedFilePart(InvalidRequest, code="unexpected_file_part"):
     """Send exactly one file part, named ``file``."""
 
-    code = "unexpected_file_part"
 
-
-class RequestDataTooLarge(InvalidRequest):
+class RequestDataTooLarge(InvalidRequest, code="request_data_too_large"):
     """The form fields (everything but the file) are larger than the server accepts."""
 
-    code = "request_data_too_large"
 
-
-class InvalidHost(InvalidRequest):
+class InvalidHost(InvalidRequest, code="invalid_host"):
     """The Host header names a host this service does not serve."""
 
-    code = "invalid_host"
 
-
-class Forbidden(QuireError):
+class Forbidden(QuireError, code="forbidden", status=403):
     """You may not do this."""
 
-    code = "forbidden"
-    status = 403
 
-
-class CsrfFailed(Forbidden):
+class CsrfFailed(Forbidden, code="csrf_failed", status=403):
     """The CSRF check failed (admin forms only; the API uses bearer tokens)."""
 
-    code = "csrf_failed"
-    status = 403
 
-
-class NotAuthenticated(QuireError):
+class NotAuthenticated(QuireError, code="not_authenticated", status=401):
     """A valid bearer token is required."""
 
-    code = "not_authenticated"
-    status = 401
 
-
-class InvalidToken(NotAuthenticated):
+class InvalidToken(NotAuthenticated, code="invalid_token"):
     """The bearer token is invalid, expired, or carries a claim that does not fit."""
 
-    code = "invalid_token"
 
-
-class PermissionDenied(QuireError):
+class PermissionDenied(QuireError, code="insufficient_scope", status=403):
     """The token does not carry the scope this operation needs."""
 
-    code = "insufficient_scope"
-    status = 403
 
-
-class NotFound(QuireError):
+class NotFound(QuireError, code="not_found", status=404):
     """No such job."""
 
-    code = "not_found"
-    status = 404
 
-
-class NotReady(QuireError):
+class NotReady(QuireError, code="not_ready", status=409):
     """The job has not finished; there is nothing to serve yet."""
 
-    code = "not_ready"
-    status = 409
 
-
-class TooLate(QuireError):
+class TooLate(QuireError, code="too_late", status=409):
     """The job already finished; the result stands."""
 
-    code = "too_late"
-    status = 409
 
-
-class NotRetryable(QuireError):
+class NotRetryable(QuireError, code="not_retryable", status=409):
     """Only a failed or cancelled job can be retried."""
 
-    code = "not_retryable"
-    status = 409
 
-
-class PayloadTooLarge(QuireError):
+class PayloadTooLarge(QuireError, code="payload_too_large", status=413):
     """The upload exceeds the size limit."""
 
-    code = "payload_too_large"
-    status = 413
 
-
-class UnsupportedMediaType(QuireError):
+class UnsupportedMediaType(QuireError, code="unsupported_media_type", status=415):
     """The uploaded bytes are not a supported document type."""
 
-    code = "unsupported_media_type"
-    status = 415
 
-
-class UnsupportedOutput(QuireError):
+class UnsupportedOutput(QuireError, code="unsupported_output", status=422):
     """This output cannot be produced from this kind of document on this installation."""
 
-    code = "unsupported_output"
-    status = 422
 
-
-class IdempotencyKeyReused(QuireError):
+class IdempotencyKeyReused(QuireError, code="idempotency_key_reused", status=422):
     """This Idempotency-Key was used with a different request."""
 
-    code = "idempotency_key_reused"
-    status = 422
 
-
-class DocumentQuarantined(QuireError):
+class DocumentQuarantined(QuireError, code="document_quarantined", status=422):
     """This document crashed the converter on repeated attempts and is quarantined for this
     tenant: it is not converted again until the engine changes or an operator lifts the
     quarantine (nothing was written)."""
-
-    code = "document_quarantined"
-    status = 422
 
 
 class RetryLater(QuireError):
@@ -210,39 +162,24 @@ class Rejected(RetryLater):
     """Admission control turned the job away; nothing was written. Retry after a while."""
 
 
-class DatabaseUnavailable(RetryLater):
+class DatabaseUnavailable(RetryLater, code="database_unavailable", status=503):
     """The database is unavailable; nothing was written. Retry after a while."""
 
-    code = "database_unavailable"
-    status = 503
 
-
-class TenantQuotaExceeded(Rejected):
+class TenantQuotaExceeded(Rejected, code="tenant_quota_exceeded", status=429):
     """The tenant has too many live jobs."""
 
-    code = "tenant_quota_exceeded"
-    status = 429
 
-
-class CapacityExceeded(Rejected):
+class CapacityExceeded(Rejected, code="capacity_exceeded", status=503):
     """The service is at capacity."""
 
-    code = "capacity_exceeded"
-    status = 503
 
-
-class IdentityProviderUnavailable(Rejected):
+class IdentityProviderUnavailable(Rejected, code="identity_provider_unavailable", status=503):
     """The identity provider's keys cannot be fetched and none are cached: retry later."""
 
-    code = "identity_provider_unavailable"
-    status = 503
 
-
-class StorageUnavailable(RetryLater):
+class StorageUnavailable(RetryLater, code="storage_unavailable", status=503):
     """The artifact store is unavailable (nothing was accepted or served): retry later."""
-
-    code = "storage_unavailable"
-    status = 503
 
     def __init__(self, detail: str | None = None, *, retry_after: int = 5) -> None:
         super().__init__(detail, retry_after=retry_after)

@@ -2,42 +2,29 @@ from django.urls import path
 
 from conversion_jobs.api import erasures, views, webhooks
 
-urlpatterns = [
-    path("jobs", views.JobCollectionView.as_view(), name="jobs"),
-    path("jobs/<uuid:job_id>", views.waitable(views.JobDetailView), name="job"),
-    path("jobs/<uuid:job_id>/cancel", views.JobCancelView.as_view(), name="job-cancel"),
-    path("jobs/<uuid:job_id>/retry", views.JobRetryView.as_view(), name="job-retry"),
-    path("jobs/<uuid:job_id>/result", views.JobResultView.as_view(), name="job-result"),
-    path("jobs/<uuid:job_id>/pages", views.JobPagesView.as_view(), name="job-pages"),
-    path("jobs/<uuid:job_id>/pages/<int:page>", views.JobPageView.as_view(), name="job-page"),
-    path("jobs/<uuid:job_id>/events", views.waitable(views.JobEventsView), name="job-events"),
-    path("capabilities", views.CapabilitiesView.as_view(), name="capabilities"),
-    path("erasures", erasures.ErasureCollectionView.as_view(), name="erasures"),
-    path("webhooks", webhooks.WebhookCollectionView.as_view(), name="webhooks"),
-    path("webhooks/<uuid:endpoint_id>", webhooks.WebhookDetailView.as_view(), name="webhook"),
-    path(
-        "webhooks/<uuid:endpoint_id>/rotate-secret",
-        webhooks.WebhookRotateView.as_view(),
-        name="webhook-rotate",
-    ),
-    path(
-        "webhooks/<uuid:endpoint_id>/recover",
-        webhooks.WebhookRecoverView.as_view(),
-        name="webhook-recover",
-    ),
-    path(
-        "webhooks/<uuid:endpoint_id>/messages",
-        webhooks.WebhookMessagesView.as_view(),
-        name="webhook-messages",
-    ),
-    path(
-        "webhooks/<uuid:endpoint_id>/messages/<str:message_id>/attempts",
-        webhooks.WebhookAttemptsView.as_view(),
-        name="webhook-attempts",
-    ),
-    path(
-        "webhooks/<uuid:endpoint_id>/messages/<str:message_id>/replay",
-        webhooks.WebhookReplayView.as_view(),
-        name="webhook-replay",
-    ),
-]
+_JOB = "jobs/<uuid:job_id>"
+_WEBHOOK = "webhooks/<uuid:endpoint_id>"
+_MESSAGE = f"{_WEBHOOK}/messages/<str:message_id>"
+
+#: (route, view, name) of every API endpoint.
+_ROUTES = (
+    ("jobs", views.JobCollectionView.as_view(), "jobs"),
+    (_JOB, views.waitable(views.JobDetailView), "job"),
+    (f"{_JOB}/cancel", views.JobCancelView.as_view(), "job-cancel"),
+    (f"{_JOB}/retry", views.JobRetryView.as_view(), "job-retry"),
+    (f"{_JOB}/result", views.JobResultView.as_view(), "job-result"),
+    (f"{_JOB}/pages", views.JobPagesView.as_view(), "job-pages"),
+    (f"{_JOB}/pages/<int:page>", views.JobPageView.as_view(), "job-page"),
+    (f"{_JOB}/events", views.waitable(views.JobEventsView), "job-events"),
+    ("capabilities", views.CapabilitiesView.as_view(), "capabilities"),
+    ("erasures", erasures.ErasureCollectionView.as_view(), "erasures"),
+    ("webhooks", webhooks.WebhookCollectionView.as_view(), "webhooks"),
+    (_WEBHOOK, webhooks.WebhookDetailView.as_view(), "webhook"),
+    (f"{_WEBHOOK}/rotate-secret", webhooks.WebhookRotateView.as_view(), "webhook-rotate"),
+    (f"{_WEBHOOK}/recover", webhooks.WebhookRecoverView.as_view(), "webhook-recover"),
+    (f"{_WEBHOOK}/messages", webhooks.WebhookMessagesView.as_view(), "webhook-messages"),
+    (f"{_MESSAGE}/attempts", webhooks.WebhookAttemptsView.as_view(), "webhook-attempts"),
+    (f"{_MESSAGE}/replay", webhooks.WebhookReplayView.as_view(), "webhook-replay"),
+)
+
+urlpatterns = [path(route, view, name=name) for route, view, name in _ROUTES]

@@ -99,6 +99,16 @@ class QuireView(APIView):
     def job(self, job_id: uuid.UUID) -> ConversionJob:
         return selectors.conversion_job_get(job_id=job_id, tenant=self.principal.tenant)
 
+    def query_limit(self, default: int) -> int:
+        """The list's ``limit`` query parameter: an integer from 1 to 100, ``default`` if none."""
+        try:
+            limit = int(self.request.query_params.get("limit", default))
+        except ValueError as exc:
+            raise InvalidRequest("limit must be an integer") from exc
+        if not 1 <= limit <= 100:
+            raise InvalidRequest("limit must be from 1 to 100")
+        return limit
+
 
 def _job_response(job: ConversionJob, *, status: int, **headers: str) -> Response:
     response = Response(job_representation(job), status=status)
@@ -265,17 +275,11 @@ class JobCollectionView(QuireView):
         state = request.query_params.get("state") or None
         if state is not None and state not in State.values:
             raise InvalidRequest(f"state must be one of {', '.join(State.values)}")
-        try:
-            limit = int(request.query_params.get("limit", 20))
-        except ValueError as exc:
-            raise InvalidRequest("limit must be an integer") from exc
-        if not 1 <= limit <= 100:
-            raise InvalidRequest("limit must be from 1 to 100")
         jobs, next_cursor = selectors.conversion_job_list(
             tenant=self.principal.tenant,
             state=state,
             cursor=request.query_params.get("cursor"),
-            limit=limit,
+            limit=self.query_limit(20),
         )
         return Response({"jobs": [job_representation(j) for j in jobs], "next_cursor": next_cursor})
 
@@ -534,22 +538,34 @@ class DownloadNegotiation(DefaultContentNegotiation):
         return renderer, renderer.media_type
 
 
-class JobResultView(QuireView):
+def _download_schema(
+    description: str, types: Iterable[str], *, errors: Iterable[int], summary: str, op: str
+) -> Callable[[Any], Any]:
+    """A download's OpenAPI operation: ``description`` and ``types`` of its bytes, its problems
+    (``errors`` beside the authentication's and 404)."""
+    return extend_schema(
+        parameters=DOWNLOAD_HEADERS,
+        responses={**download(description, *types), **problems(*AUTHENTICATED, 404, *errors)},
+        summary=summary,
+        operation_id=op,
+    )
+
+
+class _DownloadView(QuireView):
+    """A download of a job's bytes (its result, a page): any media type is accepted."""
+
     required_scopes = {"GET": "jobs:read"}
     content_negotiation_class = DownloadNegotiation
 
-    @extend_schema(
-        parameters=DOWNLOAD_HEADERS,
-        responses={
-            **download(
-                "The result's bytes, with its media type: text/plain; charset=utf-8 (output"
-                " text), application/pdf (pdf), application/zip (png: the page PNGs)",
-                *RESULT_TYPES,
-            ),
-            **problems(*AUTHENTICATED, 404, 409, 500),
-        },
+
+class JobResultView(_DownloadView):
+    @_download_schema(
+        "The result's bytes, with its media type: text/plain; charset=utf-8 (output text),"
+        " application/pdf (pdf), application/zip (png: the page PNGs)",
+        RESULT_TYPES,
+        errors=(409, 500),
         summary="Download the result",
-        operation_id="jobs_result",
+        op="jobs_result",
     )
     def get(self, request: Request, job_id: uuid.UUID) -> HttpResponseBase:
         job = self.job(job_id)
@@ -605,11 +621,8 @@ def _zip_result_response(job: ConversionJob, *, request: Request) -> HttpRespons
     return response
 
 
-class NoResult(QuireError):
+class NoResult(QuireError, code="no_result", status=409):
     """The job finished without a result (failed, cancelled, or expired by retention)."""
-
-    code = "no_result"
-    status = 409
 
 
 class JobPagesView(QuireView):
@@ -626,22 +639,14 @@ class JobPagesView(QuireView):
         return Response({"pages": [page_representation(job.id, p) for p in pages]})
 
 
-class JobPageView(QuireView):
-    required_scopes = {"GET": "jobs:read"}
-    content_negotiation_class = DownloadNegotiation
-
-    @extend_schema(
-        parameters=DOWNLOAD_HEADERS,
-        responses={
-            **download(
-                "The page's bytes, with its media type: text/plain; charset=utf-8 (output"
-                " text), application/pdf (pdf), image/png (png)",
-                *PAGE_TYPES,
-            ),
-            **problems(*AUTHENTICATED, 404, 409),
-        },
+class JobPageView(_DownloadView):
+    @_download_schema(
+        "The page's bytes, with its media type: text/plain; charset=utf-8 (output text),"
+        " application/pdf (pdf), image/png (png)",
+        PAGE_TYPES,
+        errors=(409,),
         summary="Download one page artifact",
-        operation_id="jobs_page",
+        op="jobs_page",
     )
     def get(self, request: Request, job_id: uuid.UUID, page: int) -> HttpResponseBase:
         job = self.job(job_id)

@@ -16,7 +16,7 @@ from rest_framework.response import Response
 
 from conversion_jobs.api.serializers import problems
 from conversion_jobs.api.views import AUTHENTICATED, QuireView
-from conversion_jobs.exceptions import InvalidRequest, InvalidWebhook, NotFound
+from conversion_jobs.exceptions import InvalidWebhook, NotFound
 from conversion_jobs.representation import iso
 from conversion_jobs.webhooks import endpoints
 from conversion_jobs.webhooks.models import (
@@ -262,14 +262,8 @@ class WebhookMessagesView(QuireView):
         operation_id="webhooks_messages",
     )
     def get(self, request: Request, endpoint_id: uuid.UUID) -> Response:
-        try:
-            limit = int(request.query_params.get("limit", 50))
-        except ValueError as exc:
-            raise InvalidRequest("limit must be an integer") from exc
-        if not 1 <= limit <= 100:
-            raise InvalidRequest("limit must be from 1 to 100")
         found = endpoints.webhook_messages_list(
-            tenant=self.principal.tenant, endpoint_id=endpoint_id, limit=limit
+            tenant=self.principal.tenant, endpoint_id=endpoint_id, limit=self.query_limit(50)
         )
         return Response({"messages": [message_representation(m) for m in found]})
 

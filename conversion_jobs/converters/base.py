@@ -98,20 +98,22 @@ class FirstPages:
 
 @dataclass(frozen=True)
 class PageRequest:
-    """What a converter's ``convert_page`` / ``request_pages`` asks of the document's child
-    session, built once from their keywords and handed down whole: the child's page ``op``, the
-    output, where the pages go and under which limits, and the page requests' extras
-    (``password``, ``inline_max_bytes``: a text page up to this size comes back as content)."""
+    """What a caller asks of a converter's ``convert_page`` / ``request_pages``, built once and
+    handed down whole to the document's child session: the output, where the pages go and
+    under which limits, and ``inline_max_bytes`` (a text page up to this size may come back as
+    content, 0: always a file). ``op`` and ``password`` are the converter's (its child's page
+    operation, the document's password): it fills them in (``registry._ChildPages``); a caller
+    leaves them."""
 
-    op: str
     prepared: Prepared
     output: str
     options: dict
     dest_dir: Path
     limits: Limits
     should_stop: Callable[[], bool]
-    password: str | None = None
     inline_max_bytes: int = 0
+    op: str = ""
+    password: str | None = None
 
 
 @dataclass(frozen=True)
@@ -149,35 +151,13 @@ class Converter(Protocol):
         ...
 
     def convert_page(
-        self,
-        *,
-        prepared: Prepared,
-        page: int,
-        output: str,
-        options: dict,
-        dest_dir: Path,
-        limits: Limits,
-        should_stop: Callable[[], bool],
-        lookahead: Sequence[int] = (),
-        inline_max_bytes: int = 0,
+        self, request: PageRequest, *, page: int, lookahead: Sequence[int] = ()
     ) -> PageArtifact:
-        """Convert one page into ``dest_dir``. ``lookahead``: the pages the caller will ask for
-        next, in order (a converter may start on them early). ``inline_max_bytes``: a text page
-        up to this size may come back as ``content`` instead of a file (0: always a file)."""
+        """Convert one page into ``request.dest_dir``. ``lookahead``: the pages the caller will
+        ask for next, in order (a converter may start on them early)."""
         ...
 
-    def request_pages(
-        self,
-        *,
-        prepared: Prepared,
-        pages: Sequence[int],
-        output: str,
-        options: dict,
-        dest_dir: Path,
-        limits: Limits,
-        should_stop: Callable[[], bool],
-        inline_max_bytes: int = 0,
-    ) -> None:
+    def request_pages(self, request: PageRequest, *, pages: Sequence[int]) -> None:
         """Start converting ``pages`` (the caller's plan, in order) without waiting: the next
         ``convert_page`` calls, for these pages in this order, collect them. The caller may do
         other work meanwhile (record the page count). A failure here is met again by the first

@@ -21,71 +21,48 @@ class ConversionError(QuireError):
         self.public = public
 
 
-class EncryptedInput(ConversionError):
+class EncryptedInput(ConversionError, code="encrypted_input"):
     """The document is encrypted and needs a password."""
 
-    code = "encrypted_input"
 
-
-class InvalidPassword(ConversionError):
+class InvalidPassword(ConversionError, code="invalid_password"):
     """The document is encrypted and the password given does not open it."""
 
-    code = "invalid_password"
 
-
-class PasswordRequired(ConversionError):
+class PasswordRequired(ConversionError, code="password_required"):
     """The job's password can no longer be read (the service key changed); submit it again."""
 
-    code = "password_required"
 
-
-class SourceMissing(ConversionError):
+class SourceMissing(ConversionError, code="source_missing"):
     """The job's inline source is gone (its row was deleted); submit the document again."""
 
-    code = "source_missing"
 
-
-class InvalidInput(ConversionError):
+class InvalidInput(ConversionError, code="invalid_input"):
     """The input is damaged or not what it claims to be."""
 
-    code = "invalid_input"
 
-
-class InputTooLarge(ConversionError):
+class InputTooLarge(ConversionError, code="input_too_large"):
     """The input exceeds a page, pixel, size or inflated-size limit."""
 
-    code = "input_too_large"
 
-
-class ConversionLostContent(ConversionError):
+class ConversionLostContent(ConversionError, code="conversion_lost_content"):
     """The document has text, but the engine's PDF of it has none on any page."""
 
-    code = "conversion_lost_content"
 
-
-class ConversionTimeout(ConversionError):
+class ConversionTimeout(ConversionError, code="conversion_timeout"):
     """The converter did not finish within its time limit."""
 
-    code = "conversion_timeout"
 
-
-class UnsupportedConversion(ConversionError):
+class UnsupportedConversion(ConversionError, code="unsupported_conversion"):
     """This input type cannot be converted to the requested output here."""
 
-    code = "unsupported_conversion"
 
-
-class ConverterCrashed(ConversionError):
+class ConverterCrashed(ConversionError, code="converter_crashed", retryable=True):
     """The converter process crashed (signal, out of memory or unexpected exit)."""
 
-    code = "converter_crashed"
-    retryable = True
 
-
-class ConversionStopped(ConversionError):
+class ConversionStopped(ConversionError, code="conversion_stopped"):
     """The conversion was stopped on request (cancellation, lost lease); not an input fault."""
-
-    code = "conversion_stopped"
 
 
 #: code -> class, used to rebuild an error reported by the isolated child.

@@ -6,6 +6,7 @@ import functools
 import shutil
 import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from . import engines
@@ -228,12 +229,43 @@ def _page_dest(dest_dir: Path, page: int, output: str) -> Path:
 
 
 class _ChildPages:
-    """``convert_page`` and ``request_pages`` of a converter whose pages its document's child
-    session converts with ``page_op``; a converter says which outputs it can make now
+    """``prepare``, ``convert_page`` and ``request_pages`` of a converter whose document's child
+    session prepares it with ``prepare_op`` (the document's password along when
+    ``with_password``; the first pages in the same request when ``reads_first``) and converts
+    its pages with ``page_op``; a converter says which outputs it can make now
     (``_check_output``) and what else its page requests carry (``_page_args_for``)."""
 
+    prepare_op: str = ""
     page_op: str
     outputs: frozenset[str]
+    with_password = False
+    reads_first = False
+
+    def prepare(
+        self, *, source, media_type, workdir, limits, should_stop, options=None, first=None
+    ) -> Prepared:
+        _check_magic(source, media_type)
+        if first is not None and not (
+            self.reads_first and first.output in self.outputs and first.pages
+        ):
+            first = None
+        result = _prepare_in_session(
+            op=self.prepare_op,
+            source=source,
+            workdir=workdir,
+            limits=limits,
+            should_stop=should_stop,
+            password=(options or {}).get("password") if self.with_password else None,
+            first=first,
+            page_op=self.page_op,
+            options=options,
+        )
+        return Prepared(
+            document=Path(source),
+            media_type=media_type,
+            page_count=result["page_count"],
+            first_requested=first is not None,
+        )
 
     def _check_output(self, media_type: str, output: str) -> None:
         if output not in self.outputs:
@@ -243,29 +275,26 @@ class _ChildPages:
         """The page requests' ``password`` and ``inline_max_bytes`` (none by default)."""
         return {}
 
-    def _request(
-        self, *, prepared, output, options, dest_dir, limits, should_stop, inline_max_bytes=0
-    ) -> PageRequest:
-        """The keywords of ``convert_page`` / ``request_pages`` (the ``Converter`` protocol,
-        base.py) as one request for the document's child session."""
-        self._check_output(prepared.media_type, output)
-        return PageRequest(
+    def _request(self, request: PageRequest) -> PageRequest:
+        """The caller's request as this converter's child session takes it: its page ``op``
+        and its page requests' extras (``_page_args_for``)."""
+        self._check_output(request.prepared.media_type, request.output)
+        extras = self._page_args_for(request.output, request.options, request.inline_max_bytes)
+        return replace(
+            request,
             op=self.page_op,
-            prepared=prepared,
-            output=output,
-            options=options,
-            dest_dir=dest_dir,
-            limits=limits,
-            should_stop=should_stop,
-            **self._page_args_for(output, options, inline_max_bytes),
+            password=extras.get("password"),
+            inline_max_bytes=extras.get("inline_max_bytes", 0),
         )
 
-    def convert_page(self, *, page, lookahead=(), **request) -> PageArtifact:
-        return _page_call(self._request(**request), page=page, lookahead=lookahead)
+    def convert_page(
+        self, request: PageRequest, *, page: int, lookahead: Sequence[int] = ()
+    ) -> PageArtifact:
+        return _page_call(self._request(request), page=page, lookahead=lookahead)
 
-    def request_pages(self, *, pages, **request) -> None:
+    def request_pages(self, request: PageRequest, *, pages: Sequence[int]) -> None:
         try:
-            built = self._request(**request)
+            built = self._request(request)
         except UnsupportedConversion:
             return  # the first convert_page raises it
         _request_first(built, pages=pages)
@@ -277,7 +306,10 @@ class PdfConverter(_ChildPages):
     name = "pdfium"
     media_types = frozenset({PDF})
     outputs = frozenset({"text", "png"})
+    prepare_op = "pdf_prepare"
     page_op = "pdf_page"
+    with_password = True
+    reads_first = True
 
     def available(self) -> bool:
         return True
@@ -288,30 +320,6 @@ class PdfConverter(_ChildPages):
             "inline_max_bytes": inline_max_bytes if output == "text" else 0,
         }
 
-    def prepare(
-        self, *, source, media_type, workdir, limits, should_stop, options=None, first=None
-    ) -> Prepared:
-        _check_magic(source, media_type)
-        if first is not None and (first.output not in self.outputs or not first.pages):
-            first = None
-        result = _prepare_in_session(
-            op="pdf_prepare",
-            source=source,
-            workdir=workdir,
-            limits=limits,
-            should_stop=should_stop,
-            password=(options or {}).get("password"),
-            first=first,
-            page_op="pdf_page",
-            options=options,
-        )
-        return Prepared(
-            document=Path(source),
-            media_type=PDF,
-            page_count=result["page_count"],
-            first_requested=first is not None,
-        )
-
 
 class ImageConverter(_ChildPages):
     """PNG / JPEG / TIFF, one page per frame -> png, pdf (img2pdf), text (tesseract)."""
@@ -319,6 +327,7 @@ class ImageConverter(_ChildPages):
     name = "image"
     media_types = IMAGE_TYPES
     outputs = frozenset({"text", "png", "pdf"})
+    prepare_op = "image_prepare"
     page_op = "image_page"
 
     def available(self) -> bool:
@@ -328,21 +337,6 @@ class ImageConverter(_ChildPages):
         super()._check_output(media_type, output)
         if output == "text" and not tesseract_available():
             raise UnsupportedConversion("OCR (tesseract) is not installed")
-
-    def prepare(
-        self, *, source, media_type, workdir, limits, should_stop, options=None, first=None
-    ) -> Prepared:
-        _check_magic(source, media_type)
-        result = _prepare_in_session(
-            op="image_prepare",
-            source=source,
-            workdir=workdir,
-            limits=limits,
-            should_stop=should_stop,
-        )
-        return Prepared(
-            document=Path(source), media_type=media_type, page_count=result["page_count"]
-        )
 
 
 def engine_label(converter: Converter) -> str:

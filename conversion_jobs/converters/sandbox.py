@@ -83,11 +83,8 @@ _PASSWD = "sandbox:x:{uid}:{gid}:sandbox:/nonexistent:/usr/sbin/nologin\n"  # no
 _GROUP = "sandbox:x:{gid}:\n"
 
 
-class SandboxUnavailable(ConversionError):
+class SandboxUnavailable(ConversionError, code="sandbox_unavailable", retryable=True):
     """The converter sandbox cannot be set up on this worker; the job is retried later."""
-
-    code = "sandbox_unavailable"
-    retryable = True
 
 
 def enabled() -> bool:

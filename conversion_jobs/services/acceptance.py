@@ -5,9 +5,10 @@ from __future__ import annotations
 import functools
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
@@ -39,6 +40,8 @@ from conversion_jobs.services.quarantine import document_quarantined
 from conversion_jobs.states import LIVE_STATES, State
 from conversion_jobs.store import jobs as jobs_store
 from conversion_jobs.store.db import violated_constraint
+
+P = ParamSpec("P")
 
 
 @dataclass(frozen=True)
@@ -144,6 +147,22 @@ def _precheck(
     return _Seen(fingerprint, as_uuid(key_job), as_uuid(duplicate), bool(quarantined))
 
 
+def _quarantine_refusals_counted(accept: Callable[P, Acceptance]) -> Callable[P, Acceptance]:
+    """``accept``, counting the refusals of a quarantined document
+    (``QUARANTINE_REFUSALS``)."""
+
+    @functools.wraps(accept)
+    def counted(*args: P.args, **kwargs: P.kwargs) -> Acceptance:
+        try:
+            return accept(*args, **kwargs)
+        except DocumentQuarantined:
+            metrics.QUARANTINE_REFUSALS.inc()
+            raise
+
+    return counted
+
+
+@_quarantine_refusals_counted
 def conversion_job_accept(
     *,
     tenant: str,
@@ -171,33 +190,6 @@ def conversion_job_accept(
     A document the tenant has quarantined (services/quarantine.py) is refused with
     DocumentQuarantined (422), nothing written, after a key's replay and before a duplicate:
     the pre-check read asks, and the insert statement itself is guarded (no row back)."""
-    try:
-        return _accept(
-            tenant=tenant,
-            actor=actor,
-            upload=upload,
-            output=output,
-            raw_options=raw_options,
-            idempotency_key=idempotency_key,
-            traceparent=traceparent,
-            raw_metadata=raw_metadata,
-        )
-    except DocumentQuarantined:
-        metrics.QUARANTINE_REFUSALS.inc()
-        raise
-
-
-def _accept(
-    *,
-    tenant: str,
-    actor: str,
-    upload: StagedUpload,
-    output: str,
-    raw_options: Any,
-    idempotency_key: str | None,
-    traceparent: str,
-    raw_metadata: Any,
-) -> Acceptance:
     inline = upload.content is not None
     db = transaction.get_connection()
     # No pre-check read for an inline source where its statement settles duplicates.
@@ -218,26 +210,11 @@ def _accept(
             engine=checked.engine_version,
         )
         existing = None if fold else precheck()
+        if existing is None:
+            existing = _admitted(tenant=tenant, fold=fold, precheck=precheck)
         if existing is not None:
             return existing
-        try:
-            admission_admit(tenant=tenant)
-        except (TenantQuotaExceeded, CapacityExceeded):
-            # A replay or a duplicate is answered even at the tenant's limit (it adds no job):
-            # the folded path reads what the pre-check would have, on refusal only.
-            if not fold:
-                raise
-            existing = precheck()
-            if existing is None:
-                raise
-            return existing
-        if upload.content is not None or upload.path is None:
-            source_key, uploaded = storage.inline_source_key(upload.sha256), True
-        else:
-            try:
-                source_key, uploaded = storage.put_source(upload.path, upload.sha256)
-            except storage.StorageError as exc:
-                raise StorageUnavailable() from exc
+        source_key, uploaded = _source_stored(upload)
     finally:
         if upload.path is not None:
             upload.path.unlink(missing_ok=True)
@@ -254,23 +231,9 @@ def _accept(
     )
     job = new.job
     try:
-        if uploaded and jobs_store.insert_alone() and not db.in_atomic_block:
-            # An object we just uploaded (or an inline source, which is in the statement)
-            # needs no check (deleters leave objects younger than the grace alone), so the
-            # acceptance is the insert alone: one statement, which Postgres commits whole or
-            # not at all in autocommit, without a BEGIN and a COMMIT round trip around it (ADR
-            # 0017, session 6). The 202 still follows its commit.
-            inserted = transitions.job_insert_queued(new)
-        else:
-            with transaction.atomic():
-                # We reused an object a deleter (retention, the orphan sweep) may have judged
-                # unused since: under the source's lock it is still there, or we stop.
-                if not uploaded:
-                    source_lock(sha256=upload.sha256, exclusive=False)
-                    if not _source_present(source_key):
-                        raise StorageUnavailable("the stored source vanished; retry")
-                inserted = transitions.job_insert_queued(new)
-                faults.hit("accept.after_job_insert")
+        inserted = _inserted(
+            new, db=db, sha256=upload.sha256, source_key=source_key, uploaded=uploaded
+        )
     except IntegrityError as exc:
         # Everything this submit wrote is rolled back; answer from whoever won.
         constraint = violated_constraint(exc)
@@ -297,6 +260,59 @@ def _accept(
         engine=checked.engine_version,
         cause=conflict,
     )
+
+
+def _admitted(
+    *, tenant: str, fold: bool, precheck: Callable[[], Acceptance | None]
+) -> Acceptance | None:
+    """Admission control lets the new job in (None), or refuses it (raised). A replay or a
+    duplicate is answered even at the tenant's limit (it adds no job): the folded path reads
+    what the pre-check would have, on refusal only, and answers with it."""
+    try:
+        admission_admit(tenant=tenant)
+    except (TenantQuotaExceeded, CapacityExceeded):
+        if not fold:
+            raise
+        existing = precheck()
+        if existing is None:
+            raise
+        return existing
+    return None
+
+
+def _source_stored(upload: StagedUpload) -> tuple[str, bool]:
+    """The source's key, and whether this request uploaded it (an inline source counts: it is
+    in the insert statement) rather than reusing an object already stored."""
+    if upload.content is not None or upload.path is None:
+        return storage.inline_source_key(upload.sha256), True
+    try:
+        return storage.put_source(upload.path, upload.sha256)
+    except storage.StorageError as exc:
+        raise StorageUnavailable() from exc
+
+
+def _inserted(
+    new: transitions.NewJob, *, db: Any, sha256: str, source_key: str, uploaded: bool
+) -> bool:
+    """The job's insert (``transitions.job_insert_queued``): whether it wrote the job (False:
+    the inline statement met the content identity, nothing written)."""
+    if uploaded and jobs_store.insert_alone() and not db.in_atomic_block:
+        # An object we just uploaded (or an inline source, which is in the statement) needs no
+        # check (deleters leave objects younger than the grace alone), so the acceptance is the
+        # insert alone: one statement, which Postgres commits whole or not at all in
+        # autocommit, without a BEGIN and a COMMIT round trip around it (ADR 0017, session 6).
+        # The 202 still follows its commit.
+        return transitions.job_insert_queued(new)
+    with transaction.atomic():
+        # We reused an object a deleter (retention, the orphan sweep) may have judged unused
+        # since: under the source's lock it is still there, or we stop.
+        if not uploaded:
+            source_lock(sha256=sha256, exclusive=False)
+            if not _source_present(source_key):
+                raise StorageUnavailable("the stored source vanished; retry")
+        inserted = transitions.job_insert_queued(new)
+        faults.hit("accept.after_job_insert")
+    return inserted
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,10 @@ from django.conf import settings
 
 from conversion_jobs import converters, storage
 from conversion_jobs.converters import registry
-from conversion_jobs.converters.base import PDF, FirstPages, Prepared
+from conversion_jobs.converters.base import PDF, Prepared
 from conversion_jobs.converters.engines import configure
-from conversion_jobs.models import (
-    ConversionJob,
-    PageState,
-)
-from conversion_jobs.passwords import sealed_passwords_wipe, unseal
+from conversion_jobs.models import ConversionJob
+from conversion_jobs.passwords import sealed_passwords_wipe
 from conversion_jobs.pseudonym import pseudonym
 from conversion_jobs.services import execution, runner
 from conversion_jobs.services.checkpoints import (
@@ -149,14 +146,7 @@ def _run_range(*, claim: RangeClaim, beats: _Beats, workdir: Path) -> str:
 
 def _convert_range(*, claim: RangeClaim, beats: _Beats, workdir: Path) -> str:
     lease, range_lease, job = claim.lease, claim.range_lease, claim.job
-    heartbeat = beats.current
-    options = runner._options_for_attempt(job.options, lease)
-    if job.password_sealed is not None and claim.document_key is None:
-        password = unseal(job.password_sealed)
-        if password is None:
-            raise converters.PasswordRequired()
-        options = {**options, "password": password}
-    limits = runner.limits_from_settings()
+    options = runner._attempt_options(job, lease, password=claim.document_key is None)
     configure(runner.engine_settings_from_settings())
     converter: converters.Converter
     if claim.document_key is not None:
@@ -175,58 +165,37 @@ def _convert_range(*, claim: RangeClaim, beats: _Beats, workdir: Path) -> str:
         first=range_lease.first_page,
         last=range_lease.last_page,
     )
-    todo = [
-        p
-        for p in pages
-        if checkpoints.get(p) is None
-        or checkpoints[p].state not in (PageState.DONE, PageState.FAILED)
-    ]
-    inline_max = settings.QUIRE["INLINE_PAGE_MAX_BYTES"] if job.output == "text" else 0
-    stop = heartbeat.stop.is_set
-    ahead = tuple(todo[: 2 * converters.READ_AHEAD_PAGES])
+    todo = runner._unfinished(pages, checkpoints)
+    ahead = todo[: 2 * converters.READ_AHEAD_PAGES]
     # A range opens only its own pages: pdfium loads a page when it is asked for.
-    prepared = converter.prepare(
+    request = runner._prepared(
+        converter,
+        job=job,
         source=source,
         media_type=media_type,
-        workdir=workdir,
-        limits=limits,
-        should_stop=stop,
         options=options,
-        first=FirstPages(pages=ahead, output=job.output, inline_max_bytes=inline_max),
+        workdir=workdir,
+        stop=beats.current.stop.is_set,
+        first=ahead,
     )
-    if todo and not prepared.first_requested:
-        converter.request_pages(
-            prepared=prepared,
-            pages=list(ahead),
-            output=job.output,
-            options=options,
-            dest_dir=workdir,
-            limits=limits,
-            should_stop=stop,
-            inline_max_bytes=inline_max,
-        )
-    with CheckpointBatch(lease, checkpoints, range_lease=range_lease) as batch:
-        return runner._convert_pages(
+    if todo and not request.prepared.first_requested:
+        converter.request_pages(request, pages=ahead)
+    return runner._convert_pages(
+        runner.PageRun(
             lease=lease,
-            heartbeat=heartbeat,
-            workdir=workdir,
             job=job,
-            options=options,
-            limits=limits,
             converter=converter,
-            prepared=prepared,
+            request=request,
             pages=pages,
             todo=todo,
-            inline_max=inline_max,
             checkpoints=checkpoints,
-            page_budget=settings.QUIRE["PAGE_MAX_ATTEMPTS"],
-            batch=batch,
             unrecorded={},
             range_lease=range_lease,
             finish=functools.partial(
                 _range_done, claim=claim, beats=beats, workdir=workdir, source=source
             ),
         )
+    )
 
 
 def _range_done(*, claim: RangeClaim, beats: _Beats, workdir: Path, source: Path) -> str:
@@ -245,11 +214,7 @@ def _join(*, claim: RangeClaim, workdir: Path, source: Path) -> str:
     job = db_retry(ConversionJob.objects.get, id=lease.job_id)
     pages = runner._selected_pages(job.options, job.source_page_count or 0)
     checkpoints = db_retry(page_checkpoints_by_page, job_id=lease.job_id)
-    missing = [
-        p
-        for p in pages
-        if p not in checkpoints or checkpoints[p].state not in (PageState.DONE, PageState.FAILED)
-    ]
+    missing = runner._unfinished(pages, checkpoints)
     if missing:  # a defect: every range was done
         raise RuntimeError(f"{len(missing)} selected page(s) have no final checkpoint")
     document = source

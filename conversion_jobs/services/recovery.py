@@ -32,11 +32,8 @@ from conversion_jobs.store.db import violated_constraint
 log = logging.getLogger(__name__)
 
 
-class ConflictingJob(QuireError):
+class ConflictingJob(QuireError, code="conflicting_job", status=409):
     """An identical job is already live or succeeded; retry would duplicate it."""
-
-    code = "conflicting_job"
-    status = 409
 
 
 def conversion_jobs_requeue_if_retry_due(*, batch: int | None = None) -> int:

@@ -16,16 +16,17 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from django.conf import settings
 from django.db import transaction
 
 from conversion_jobs import converters, storage
 from conversion_jobs.converters import ConversionError, ConversionStopped, Limits
-from conversion_jobs.converters.base import PAGE_EXT, RESULT_EXT, ZIP
+from conversion_jobs.converters.base import PAGE_EXT, RESULT_EXT, ZIP, PageRequest
 from conversion_jobs.converters.engines import EngineSettings, configure
 from conversion_jobs.converters.errors import SourceMissing
 from conversion_jobs.converters.isolation import empty_directory
@@ -328,6 +329,20 @@ def _options_for_attempt(options: dict[str, Any], lease: Lease) -> dict[str, Any
     return options
 
 
+def _attempt_options(job: ConversionJob, lease: Lease, *, password: bool = True) -> dict[str, Any]:
+    """The options this attempt gives its converter (``_options_for_attempt``), with the job's
+    password unsealed into them (unless ``password`` is False: a page range of an Office
+    document reads the PDF it was converted to, which has none)."""
+    options = _options_for_attempt(job.options, lease)
+    if password and job.password_sealed is not None:
+        clear = unseal(job.password_sealed)
+        if clear is None:  # the service key changed since acceptance
+            raise converters.PasswordRequired()
+        # In this attempt's memory only; the converter passes it to its child over a pipe.
+        options = {**options, "password": clear}
+    return options
+
+
 def _convert(
     *,
     lease: Lease,
@@ -340,17 +355,9 @@ def _convert(
     """``job``: the row as the claim read it back (options, source, output never change).
     ``source_bytes``: an inline source's bytes, as the claim read them with the row.
     ``unrecorded`` gets the page count when its recording is deferred to the publish."""
-    options = _options_for_attempt(job.options, lease)
-    if job.password_sealed is not None:
-        password = unseal(job.password_sealed)
-        if password is None:  # the service key changed since acceptance
-            raise converters.PasswordRequired()
-        # In this attempt's memory only; the converter passes it to its child over a pipe.
-        options = {**options, "password": password}
-    limits = limits_from_settings()
+    options = _attempt_options(job, lease)
     configure(engine_settings_from_settings())
     converter = converters.converter_for(job.source_media_type, job.output)
-    stop = heartbeat.stop.is_set
     # The converter reads a copy in the attempt's work directory, never the store itself.
     source = workdir / "source"
     if storage.is_inline_source(job.source_key):
@@ -361,35 +368,29 @@ def _convert(
             fh.write(source_bytes)
     else:
         storage.download(job.source_key, source)
-    # A small text page comes back from the child as bytes and rides in its checkpoint row.
-    inline_max = settings.QUIRE["INLINE_PAGE_MAX_BYTES"] if job.output == "text" else 0
-    # A first run converts its selected pages from the first on: the prepare asks for them in
-    # its own request (a resumed attempt first reads which pages are done, so it does not).
-    first = _first_pages(job.options) if lease.first_run else ()
     started = time.monotonic()
-    prepared = converter.prepare(
+    request = _prepared(
+        converter,
+        job=job,
         source=source,
         media_type=job.source_media_type,
-        workdir=workdir,
-        limits=limits,
-        should_stop=stop,
         options=options,
-        first=converters.FirstPages(pages=first, output=job.output, inline_max_bytes=inline_max),
+        workdir=workdir,
+        stop=heartbeat.stop.is_set,
+        # A first run converts its selected pages from the first on: the prepare asks for them
+        # in its own request (a resumed attempt first reads which pages are done, so it does
+        # not).
+        first=_first_pages(job.options) if lease.first_run else (),
     )
     metrics.CONVERSION_DURATION.labels(
         input=job.source_media_type, engine=engine_label(converter)
     ).observe(time.monotonic() - started)
+    prepared = request.prepared
     if job.source_page_count != prepared.page_count:
         unrecorded["page_count"] = prepared.page_count
     pages = _selected_pages(job.options, prepared.page_count)  # terminal errors record it (_run)
     checkpoints = {} if lease.first_run else db_retry(page_checkpoints_by_page, job_id=lease.job_id)
-    # A resumed job never redoes a finished page.
-    todo = [
-        page
-        for page in pages
-        if checkpoints.get(page) is None
-        or checkpoints[page].state not in (PageState.DONE, PageState.FAILED)
-    ]
+    todo = _unfinished(pages, checkpoints)  # a resumed job never redoes a finished page
     if fanout.fanout_wanted(job=job, todo=todo):
         # Long enough to split: the pages go to page ranges that any worker claims, and this
         # attempt ends here (ADR 0023).
@@ -405,187 +406,217 @@ def _convert(
     if len(pages) != 1 and not prepared.first_requested:
         # The child starts on the first pages (exactly what the first page call would ask for)
         # while the count is recorded: that round trip no longer delays the pages.
-        converter.request_pages(
-            prepared=prepared,
-            pages=todo[: 2 * converters.READ_AHEAD_PAGES],
-            output=job.output,
-            options=options,
-            dest_dir=workdir,
-            limits=limits,
-            should_stop=stop,
-            inline_max_bytes=inline_max,
-        )
+        converter.request_pages(request, pages=todo[: 2 * converters.READ_AHEAD_PAGES])
     if len(pages) != 1:
         # Progress needs the count now. With one page to convert the publish records it (no
         # UPDATE of its own), or a terminal failure first.
         execution.page_count_record_deferred(lease, unrecorded)
-    page_budget = settings.QUIRE["PAGE_MAX_ATTEMPTS"]
-    with CheckpointBatch(lease, checkpoints) as batch:
-        return _convert_pages(
+    return _convert_pages(
+        PageRun(
             lease=lease,
-            heartbeat=heartbeat,
-            workdir=workdir,
             job=job,
-            options=options,
-            limits=limits,
             converter=converter,
-            prepared=prepared,
+            request=request,
             pages=pages,
             todo=todo,
-            inline_max=inline_max,
             checkpoints=checkpoints,
-            page_budget=page_budget,
-            batch=batch,
             unrecorded=unrecorded,
+        )
+    )
+
+
+def _prepared(
+    converter: converters.Converter,
+    *,
+    job: ConversionJob,
+    source: Path,
+    media_type: str,
+    options: dict[str, Any],
+    workdir: Path,
+    stop: Callable[[], bool],
+    first: Sequence[int],
+) -> PageRequest:
+    """The ``source`` document prepared (``first``: the pages to ask for with the prepare) and
+    the request of its pages: this job's output and options, the work dir, the limits, the
+    stop flag and, for a text job, the largest page that comes back from the child as bytes
+    (it then rides in its checkpoint row)."""
+    limits = limits_from_settings()
+    inline_max = settings.QUIRE["INLINE_PAGE_MAX_BYTES"] if job.output == "text" else 0
+    prepared = converter.prepare(
+        source=source,
+        media_type=media_type,
+        workdir=workdir,
+        limits=limits,
+        should_stop=stop,
+        options=options,
+        first=converters.FirstPages(
+            pages=tuple(first), output=job.output, inline_max_bytes=inline_max
+        ),
+    )
+    return PageRequest(
+        prepared=prepared,
+        output=job.output,
+        options=options,
+        dest_dir=workdir,
+        limits=limits,
+        should_stop=stop,
+        inline_max_bytes=inline_max,
+    )
+
+
+def _unfinished(pages: list[int], checkpoints: dict[int, Any]) -> list[int]:
+    """The pages of ``pages`` (in order) with no final (done or failed) checkpoint."""
+    return [
+        page
+        for page in pages
+        if checkpoints.get(page) is None
+        or checkpoints[page].state not in (PageState.DONE, PageState.FAILED)
+    ]
+
+
+@dataclass(frozen=True)
+class PageRun:
+    """What ``_convert_pages`` works on: an attempt's pages, or a page range's (ADR 0023).
+    ``request``: the converter's page request (its ``dest_dir`` is the work dir, its
+    ``inline_max_bytes`` the largest text page that rides in its checkpoint row, 0: none).
+    ``todo``: the pages of ``pages`` still to convert, in order. ``checkpoints``: the pages'
+    checkpoints as read (a page that fails is added). A page range passes its ``range_lease``
+    (every checkpoint is fenced on it too) and ``finish`` (called once its last batch is
+    written, instead of ``_finalize``)."""
+
+    lease: Lease
+    job: ConversionJob
+    converter: converters.Converter
+    request: PageRequest
+    pages: list[int]
+    todo: list[int]
+    checkpoints: dict[int, Any]
+    unrecorded: dict[str, int]
+    range_lease: RangeLease | None = None
+    finish: Callable[[], str] | None = None
+
+
+def _convert_pages(run: PageRun) -> str:
+    """Convert ``run.todo`` page by page (each page up to ``PAGE_MAX_ATTEMPTS`` tries) into
+    one checkpoint batch, yield the worker at a page boundary past the fair slice, then
+    finalize (or ``run.finish``)."""
+    with CheckpointBatch(run.lease, run.checkpoints, range_lease=run.range_lease) as batch:
+        local: dict[int, Path] = {}  # pages of this attempt: where their bytes are on this host
+        slice_ = _Slice()
+        page_budget = settings.QUIRE["PAGE_MAX_ATTEMPTS"]
+        for index, page in enumerate(run.todo):
+            if run.request.should_stop():  # the heartbeat's stop flag
+                raise ConversionStopped()
+            batch.flush_if_due()
+            # A page range (ADR 0023) never yields: it is already a bounded unit of work, and a
+            # yield would move the whole fanned-out job (ADR 0021).
+            if (
+                run.range_lease is None
+                and slice_.due()
+                and _yield_if_others_wait(
+                    lease=run.lease, job=run.job, batch=batch, left=len(run.todo) - index
+                )
+            ):
+                return "yielded"
+            lookahead = run.todo[index + 1 : index + 2 * converters.READ_AHEAD_PAGES]
+            artifact, tries = _page_converted(
+                run, batch, page, lookahead=lookahead, budget=page_budget
+            )
+            if artifact is not None:
+                _page_stored(run, batch, page, artifact=artifact, tries=tries, local=local)
+        if run.finish is not None:
+            batch.flush()
+            return run.finish()
+        return _finalize(
+            lease=run.lease,
+            job=run.job,
+            pages=run.pages,
+            checkpoints=run.checkpoints,
+            batch=batch,
+            prepared=run.request.prepared,
+            workdir=run.request.dest_dir,
+            local=local,
+            unrecorded=run.unrecorded,
         )
 
 
-def _convert_pages(
-    *,
-    lease: Lease,
-    heartbeat: Heartbeat,
-    workdir: Path,
-    job: ConversionJob,
-    options: dict[str, Any],
-    limits: Limits,
-    converter: Any,
-    prepared: Any,
-    pages: list[int],
-    todo: list[int],
-    inline_max: int,
-    checkpoints: dict[int, Any],
-    page_budget: int,
-    batch: CheckpointBatch,
-    unrecorded: dict[str, int],
-    range_lease: RangeLease | None = None,
-    finish: Callable[[], str] | None = None,
-) -> str:
-    """``todo``: the pages of ``pages`` still to convert, in order; ``inline_max``: the largest
-    text page that rides in its checkpoint row (0: none). A page range of a fanned-out job
-    (ADR 0023) passes its ``range_lease`` (every checkpoint is fenced on it too) and ``finish``
-    (called once its last batch is written, instead of ``_finalize``)."""
-    stop = heartbeat.stop.is_set
-    local: dict[int, Path] = {}  # pages of this attempt: where their bytes are on this host
-    slice_ = _Slice()
-    for index, page in enumerate(todo):
-        done = checkpoints.get(page)
-        if heartbeat.stop.is_set():
-            raise ConversionStopped()
-        batch.flush_if_due()
-        # A page range (ADR 0023) never yields: it is already a bounded unit of work, and a yield
-        # would move the whole fanned-out job (ADR 0021).
-        if (
-            range_lease is None
-            and slice_.due()
-            and _yield_if_others_wait(lease=lease, job=job, batch=batch, left=len(todo) - index)
-        ):
-            return "yielded"
-        tries = done.attempts if done is not None else 0
-        while True:
-            try:
-                with tracing.page_span(page):
-                    artifact = converter.convert_page(
-                        prepared=prepared,
-                        page=page,
-                        output=job.output,
-                        options=options,
-                        dest_dir=workdir,
-                        limits=limits,
-                        should_stop=stop,
-                        lookahead=todo[index + 1 : index + 2 * converters.READ_AHEAD_PAGES],
-                        inline_max_bytes=inline_max,
-                    )
-            except ConversionStopped:
+def _page_converted(
+    run: PageRun, batch: CheckpointBatch, page: int, *, lookahead: list[int], budget: int
+) -> tuple[Any, int]:
+    """``page`` converted, tried again after an error until ``budget`` tries (counting those
+    of earlier attempts); the artifact and the tries before it. ``(None, tries)``: the page
+    failed for good (checkpointed failed). A retryable error within the budget is
+    checkpointed pending and raised: the job tries again later."""
+    done = run.checkpoints.get(page)
+    tries = done.attempts if done is not None else 0
+    while True:
+        try:
+            with tracing.page_span(page):
+                artifact = run.converter.convert_page(run.request, page=page, lookahead=lookahead)
+            return artifact, tries
+        except ConversionStopped:
+            raise
+        except ConversionError as exc:
+            tries += 1
+            exhausted = tries >= budget or exc.code in ("conversion_timeout", "input_too_large")
+            batch.flush()
+            if exc.retryable and not exhausted:
+                _checkpoint(run, page, PageState.PENDING, attempts=tries, error_code=exc.code)
                 raise
-            except ConversionError as exc:
-                tries += 1
-                exhausted = tries >= page_budget or exc.code in (
-                    "conversion_timeout",
-                    "input_too_large",
-                )
-                batch.flush()
-                if exc.retryable and not exhausted:
-                    _checkpoint(
-                        lease,
-                        page=page,
-                        state=PageState.PENDING,
-                        attempts=tries,
-                        error_code=exc.code,
-                        range_lease=range_lease,
-                    )
-                    raise
-                if not exhausted:
-                    continue
-                if quarantine.is_crash(exc.code):
-                    # A crash that fails only its page still counts against the document.
-                    ended_as = db_retry(_crash_noted, lease=lease, job=job, code=exc.code)
-                    if ended_as is not None:
-                        raise _QuarantineFailed(ended_as) from exc
-                checkpoints[page] = _checkpoint(
-                    lease,
-                    page=page,
-                    state=PageState.FAILED,
-                    attempts=tries,
-                    error_code=exc.code,
-                    range_lease=range_lease,
-                )
-                break
-            key = storage.page_key(
-                job_id=lease.job_id,
-                page=page,
-                generation=lease.generation,
-                ext=PAGE_EXT[job.output],
-            )
-            if artifact.content is not None:
-                sha, size = hashlib.sha256(artifact.content).hexdigest(), len(artifact.content)
-            else:
-                sha, size = storage.sha256_file(_path(artifact))
-            if job.output == "text" and size <= inline_max:
-                # A small text page rides in its checkpoint row: durable when the batch commits.
-                content = (
-                    artifact.content
-                    if artifact.content is not None
-                    else _path(artifact).read_bytes()
-                )
-                checkpoint = page_checkpoint_done(
-                    lease=lease,
-                    page=page,
-                    attempts=tries + 1,
-                    artifact_key=INLINE_PREFIX + key,
-                    artifact_sha256=sha,
-                    artifact_size=size,
-                    media_type=artifact.media_type,
-                    content=content,
-                )
-                batch.add(checkpoint, None)
-            else:
-                put = storage.put_file(key, _path(artifact), wait=False, sha256=sha)
-                local[page] = put.local
-                checkpoint = page_checkpoint_done(
-                    lease=lease,
-                    page=page,
-                    attempts=tries + 1,
-                    artifact_key=key,
-                    artifact_sha256=sha,
-                    artifact_size=size,
-                    media_type=artifact.media_type,
-                )
-                batch.add(checkpoint, put)
-            break
-    if finish is not None:
-        batch.flush()
-        return finish()
-    return _finalize(
-        lease=lease,
-        job=job,
-        pages=pages,
-        checkpoints=checkpoints,
-        batch=batch,
-        prepared=prepared,
-        workdir=workdir,
-        local=local,
-        unrecorded=unrecorded,
+            if exhausted:
+                _page_failed(run, page, tries=tries, exc=exc)
+                return None, tries
+
+
+def _page_failed(run: PageRun, page: int, *, tries: int, exc: ConversionError) -> None:
+    """``page`` failed for good: a crash counts against the document (it may quarantine it and
+    end the job), then the page is checkpointed failed."""
+    if quarantine.is_crash(exc.code):
+        # A crash that fails only its page still counts against the document.
+        ended_as = db_retry(_crash_noted, lease=run.lease, job=run.job, code=exc.code)
+        if ended_as is not None:
+            raise _QuarantineFailed(ended_as) from exc
+    run.checkpoints[page] = _checkpoint(
+        run, page, PageState.FAILED, attempts=tries, error_code=exc.code
     )
+
+
+def _page_stored(
+    run: PageRun,
+    batch: CheckpointBatch,
+    page: int,
+    *,
+    artifact: Any,
+    tries: int,
+    local: dict[int, Path],
+) -> None:
+    """A converted page goes to the batch: a small text page in its checkpoint row, any other
+    stored as an object (``local`` notes where its bytes are on this host)."""
+    lease, job = run.lease, run.job
+    key = storage.page_key(
+        job_id=lease.job_id, page=page, generation=lease.generation, ext=PAGE_EXT[job.output]
+    )
+    if artifact.content is not None:
+        sha, size = hashlib.sha256(artifact.content).hexdigest(), len(artifact.content)
+    else:
+        sha, size = storage.sha256_file(_path(artifact))
+    done = functools.partial(
+        page_checkpoint_done,
+        lease=lease,
+        page=page,
+        attempts=tries + 1,
+        artifact_sha256=sha,
+        artifact_size=size,
+        media_type=artifact.media_type,
+    )
+    if job.output == "text" and size <= run.request.inline_max_bytes:
+        # A small text page rides in its checkpoint row: durable when the batch commits.
+        content = artifact.content if artifact.content is not None else _path(artifact).read_bytes()
+        batch.add(done(artifact_key=INLINE_PREFIX + key, content=content), None)
+    else:
+        put = storage.put_file(key, _path(artifact), wait=False, sha256=sha)
+        local[page] = put.local
+        batch.add(done(artifact_key=key), put)
 
 
 class _Slice:
@@ -655,8 +686,19 @@ def _fetch(key: str, workdir: Path) -> Path:
     return dest
 
 
-def _checkpoint(lease: Lease, **values: Any) -> Any:
-    return db_retry(page_checkpoint_record, lease=lease, **values)
+def _checkpoint(
+    run: PageRun, page: int, state: PageState, *, attempts: int, error_code: str
+) -> Any:
+    """A page not done (pending, failed), checkpointed at once (fenced on the run's range too)."""
+    return db_retry(
+        page_checkpoint_record,
+        lease=run.lease,
+        page=page,
+        state=state,
+        attempts=attempts,
+        error_code=error_code,
+        range_lease=run.range_lease,
+    )
 
 
 def _finalize(
@@ -679,53 +721,21 @@ def _finalize(
     done_pages = [p for p in pages if outcome[p].state == PageState.DONE]
     failed = [p for p in pages if outcome[p].state == PageState.FAILED]
     if failed and (not done_pages or not job.options.get("allow_partial", True)):
-        batch.flush()
-        execution.page_count_record_deferred(lease, unrecorded)
-        code = checkpoints[failed[0]].error_code or "page_failed"
-        won = db_retry(
-            execution.conversion_job_fail,
+        return _finalize_failed(
             lease=lease,
-            code=code,
-            detail=f"{len(failed)} page(s) failed",
+            batch=batch,
+            unrecorded=unrecorded,
+            code=checkpoints[failed[0]].error_code or "page_failed",
+            failed=len(failed),
         )
-        return "failed" if won else _stopped(lease=lease)
-    stored = True  # the result is an object of its own (else it is made of page artifacts)
-    if job.output == "png":
-        # The ZIP of the done pages: hashed here, streamed by the web, never stored (zipresult).
-        key = zip_result_key(job_id=lease.job_id, generation=lease.generation)
-        stored = False
-        with tracing.tracer.start_as_current_span("conversion.finalize"):
-            sha, size = zip_result_digest(done=[(p, outcome[p]) for p in done_pages], local=local)
-        media_type = ZIP
-    else:
-        done = [(p, _page_source(outcome[p], local, workdir)) for p in done_pages]
-        key = storage.result_key(
-            job_id=lease.job_id, generation=lease.generation, ext=RESULT_EXT[job.output]
-        )
-        inline_pages = [(page, source) for page, source in done if isinstance(source, bytes)]
-        with tracing.tracer.start_as_current_span("conversion.finalize"):
-            inline_size = sum(len(body) for _page, body in inline_pages) + len(done)
-            if (
-                job.output == "text"
-                and len(inline_pages) == len(done)
-                and inline_size <= settings.QUIRE["INLINE_RESULT_MAX_BYTES"]
-            ):
-                # Every page is in its checkpoint row: the result is those rows, joined when
-                # read (ADR 0017, "inline text results"). No file, no fsync; durable with the
-                # publish.
-                key = INLINE_PREFIX + key
-                stored = False
-                media_type, sha, size = converters.inline_text_result(pages=inline_pages)
-            else:
-                assembled = workdir / "result.out"
-                media_type = converters.assemble_result(
-                    output=job.output,
-                    pages=done,
-                    dest=assembled,
-                    prepared_document=prepared.document,
-                )
-                sha, size = storage.sha256_file(assembled)
-                storage.put_file(key, assembled, sha256=sha)
+    result = _assembled(
+        lease=lease,
+        job=job,
+        done=[(p, outcome[p]) for p in done_pages],
+        prepared=prepared,
+        workdir=workdir,
+        local=local,
+    )
     batch.durable()  # the last pages are checkpointed by the publishing transaction
     state = State.PARTIAL if failed else State.SUCCEEDED
     won = db_retry(
@@ -733,24 +743,102 @@ def _finalize(
         lease=lease,
         state=state,
         result=execution.Result(
-            key=key,
-            sha256=sha,
-            size=size,
-            media_type=media_type,
+            key=result.key,
+            sha256=result.sha256,
+            size=result.size,
+            media_type=result.media_type,
             pages_done=len(done_pages),
             pages_failed=len(failed),
             page_count=unrecorded.get("page_count"),
         ),
         checkpoints=list(pending.values()),
     )
-    if won:
-        batch.written()
-    else:
-        # A cancelled or recovered job never shows this attempt's result; a finalizer that ran
-        # twice finds its own result already published under the same key and keeps it.
-        metrics.FENCED_WRITES_REFUSED.labels(statement="job_publish").inc()
-        published = ConversionJob.objects.filter(id=lease.job_id, result_key=key).exists()
-        if stored and not published:
-            storage.delete(key)
-        return _stopped(lease=lease)
+    if not won:
+        return _publish_refused(lease=lease, result=result)
+    batch.written()
     return state.value
+
+
+def _finalize_failed(
+    *,
+    lease: Lease,
+    batch: CheckpointBatch,
+    unrecorded: dict[str, int],
+    code: str,
+    failed: int,
+) -> str:
+    """Every selected page failed (or one did and the job does not allow a partial result):
+    the job fails with the first failed page's ``code``."""
+    batch.flush()
+    execution.page_count_record_deferred(lease, unrecorded)
+    won = db_retry(
+        execution.conversion_job_fail, lease=lease, code=code, detail=f"{failed} page(s) failed"
+    )
+    return "failed" if won else _stopped(lease=lease)
+
+
+class _Assembled(NamedTuple):
+    """A result ready to publish; ``stored``: an object of its own in the artifact store
+    (else it is made of page artifacts or checkpoint rows, and nothing is to delete)."""
+
+    key: str
+    sha256: str
+    size: int
+    media_type: str
+    stored: bool
+
+
+def _assembled(
+    *,
+    lease: Lease,
+    job: ConversionJob,
+    done: list[tuple[int, Any]],
+    prepared: Any,
+    workdir: Path,
+    local: dict[int, Path],
+) -> _Assembled:
+    """The result of the ``done`` pages (page, checkpoint): a PNG job's ZIP (hashed here,
+    streamed by the web, never stored: zipresult), a text job's checkpoint rows when every page
+    is inline and they are small enough, else a file assembled and stored."""
+    if job.output == "png":
+        key = zip_result_key(job_id=lease.job_id, generation=lease.generation)
+        with tracing.tracer.start_as_current_span("conversion.finalize"):
+            sha, size = zip_result_digest(done=done, local=local)
+        return _Assembled(key, sha, size, ZIP, stored=False)
+    sources = [(p, _page_source(checkpoint, local, workdir)) for p, checkpoint in done]
+    key = storage.result_key(
+        job_id=lease.job_id, generation=lease.generation, ext=RESULT_EXT[job.output]
+    )
+    inline_pages = [(page, source) for page, source in sources if isinstance(source, bytes)]
+    with tracing.tracer.start_as_current_span("conversion.finalize"):
+        inline_size = sum(len(body) for _page, body in inline_pages) + len(sources)
+        if (
+            job.output == "text"
+            and len(inline_pages) == len(sources)
+            and inline_size <= settings.QUIRE["INLINE_RESULT_MAX_BYTES"]
+        ):
+            # Every page is in its checkpoint row: the result is those rows, joined when read
+            # (ADR 0017, "inline text results"). No file, no fsync; durable with the publish.
+            media_type, sha, size = converters.inline_text_result(pages=inline_pages)
+            return _Assembled(INLINE_PREFIX + key, sha, size, media_type, stored=False)
+        assembled = workdir / "result.out"
+        media_type = converters.assemble_result(
+            output=job.output,
+            pages=sources,
+            dest=assembled,
+            prepared_document=prepared.document,
+        )
+        sha, size = storage.sha256_file(assembled)
+        storage.put_file(key, assembled, sha256=sha)
+    return _Assembled(key, sha, size, media_type, stored=True)
+
+
+def _publish_refused(*, lease: Lease, result: _Assembled) -> str:
+    """The fenced publish lost: a cancelled or recovered job never shows this attempt's result;
+    a finalizer that ran twice finds its own result already published under the same key and
+    keeps it."""
+    metrics.FENCED_WRITES_REFUSED.labels(statement="job_publish").inc()
+    published = ConversionJob.objects.filter(id=lease.job_id, result_key=result.key).exists()
+    if result.stored and not published:
+        storage.delete(result.key)
+    return _stopped(lease=lease)

@@ -36,11 +36,8 @@ def is_zip_result(key: str | None) -> bool:
     return (key or "").startswith(ZIP_PREFIX)
 
 
-class ResultIncomplete(QuireError):
+class ResultIncomplete(QuireError, code="result_incomplete", status=500):
     """A page of this result is missing from the artifact store; the result cannot be served."""
-
-    code = "result_incomplete"
-    status = 500
 
 
 class _StoredPage:

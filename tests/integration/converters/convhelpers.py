@@ -6,7 +6,7 @@ import os
 import time
 from pathlib import Path
 
-from conversion_jobs.converters import Limits, converter_for, sniff_media_type
+from conversion_jobs.converters import Limits, PageRequest, converter_for, sniff_media_type
 
 FAST = Limits(page_timeout_s=20, prepare_timeout_s=60)
 
@@ -28,13 +28,15 @@ def convert_all(source: Path, workdir: Path, *, output: str, options=None, limit
     converter, prepared = prepare(source, workdir, output=output, limits=limits)
     artifacts = [
         converter.convert_page(
-            prepared=prepared,
+            PageRequest(
+                prepared=prepared,
+                output=output,
+                options=options or {"dpi": 150},
+                dest_dir=workdir / "pages",
+                limits=limits,
+                should_stop=never,
+            ),
             page=n,
-            output=output,
-            options=options or {"dpi": 150},
-            dest_dir=workdir / "pages",
-            limits=limits,
-            should_stop=never,
         )
         for n in range(1, prepared.page_count + 1)
     ]
@@ -103,15 +105,17 @@ def convert_page(
     converter, prepared = doc
     options = {"dpi": 72, **({"_test_fault": fault} if fault else {})}
     return converter.convert_page(
-        prepared=prepared,
+        PageRequest(
+            prepared=prepared,
+            output="text",
+            options=options,
+            dest_dir=dest_dir,
+            limits=limits,
+            should_stop=never,
+            inline_max_bytes=inline_max_bytes,
+        ),
         page=page,
-        output="text",
-        options=options,
-        dest_dir=dest_dir,
-        limits=limits,
-        should_stop=never,
         lookahead=lookahead,
-        inline_max_bytes=inline_max_bytes,
     )
 
 

@@ -18,6 +18,7 @@ from conversion_jobs.converters import (
     ConverterCrashed,
     InvalidInput,
     Limits,
+    PageRequest,
     process_group_members,
     run_isolated,
     sandbox,
@@ -41,13 +42,15 @@ def _page(pdf_job, tmp_path, page, *, fault=None, limits=None, should_stop=never
     if fault:
         options["_test_fault"] = fault
     return converter.convert_page(
-        prepared=prepared,
+        PageRequest(
+            prepared=prepared,
+            output="text",
+            options=options,
+            dest_dir=tmp_path / "out",
+            limits=limits or Limits(page_timeout_s=10),
+            should_stop=should_stop,
+        ),
         page=page,
-        output="text",
-        options=options,
-        dest_dir=tmp_path / "out",
-        limits=limits or Limits(page_timeout_s=10),
-        should_stop=should_stop,
     )
 
 
@@ -145,12 +148,12 @@ def test_worker_killed__child_group_dies_with_it(tmp_path, faults_enabled):
     source = testdocs.make_pdf(tmp_path / "doc.pdf", pages=2)
     script = f"""
 from pathlib import Path
-from conversion_jobs.converters import Limits, Prepared, converter_for
+from conversion_jobs.converters import Limits, PageRequest, Prepared, converter_for
 converter = converter_for("application/pdf", "text")
 prepared = Prepared(document=Path({str(source)!r}), media_type="application/pdf", page_count=2)
-converter.convert_page(prepared=prepared, page=1, output="text",
+converter.convert_page(PageRequest(prepared=prepared, output="text",
     options={{"_test_fault": {{"kind": "hang"}}}}, dest_dir=Path({str(tmp_path / "out")!r}),
-    limits=Limits(page_timeout_s=600), should_stop=lambda: False)
+    limits=Limits(page_timeout_s=600), should_stop=lambda: False), page=1)
 """
     worker = subprocess.Popen(
         [sys.executable, "-c", script],

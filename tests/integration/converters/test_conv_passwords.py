@@ -13,6 +13,7 @@ from convhelpers import FAST
 from conversion_jobs.converters import (
     EncryptedInput,
     InvalidPassword,
+    PageRequest,
     engines,
     sniff_media_type,
 )
@@ -84,13 +85,15 @@ def test_encrypted_pdf__password_opens__wrong_or_none_refused(tmp_path):
     assert prepared.page_count == 2
     # Pages open the document again in a fresh child if needed: the password goes along.
     artifact = converter.convert_page(
-        prepared=prepared,
+        PageRequest(
+            prepared=prepared,
+            output="text",
+            options=options,
+            dest_dir=tmp_path / "pages",
+            limits=FAST,
+            should_stop=never,
+        ),
         page=2,
-        output="text",
-        options=options,
-        dest_dir=tmp_path / "pages",
-        limits=FAST,
-        should_stop=never,
     )
     assert artifact.path.read_text(encoding="utf-8").strip()
 

@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 from convhelpers import FAST, never
 
-from conversion_jobs.converters import EncryptedInput, FirstPages, InvalidInput, sessions
+from conversion_jobs.converters import (
+    EncryptedInput,
+    FirstPages,
+    InvalidInput,
+    PageRequest,
+    sessions,
+)
 from conversion_jobs.converters.registry import PdfConverter
 from tests import testdocs
 
@@ -34,15 +40,17 @@ def _session(prepared) -> sessions.ChildSession:
 
 def _page(prepared, page: int, workdir: Path, *, lookahead=(), inline: int = 0):
     return PdfConverter().convert_page(
-        prepared=prepared,
+        PageRequest(
+            prepared=prepared,
+            output="text",
+            options={},
+            dest_dir=workdir / "pages",
+            limits=FAST,
+            should_stop=never,
+            inline_max_bytes=inline,
+        ),
         page=page,
-        output="text",
-        options={},
-        dest_dir=workdir / "pages",
-        limits=FAST,
-        should_stop=never,
         lookahead=lookahead,
-        inline_max_bytes=inline,
     )
 
 

@@ -13,6 +13,7 @@ from conversion_jobs.converters import (
     ConverterCrashed,
     InvalidInput,
     Limits,
+    PageRequest,
     process_group_members,
 )
 from conversion_jobs.converters.registry import READ_AHEAD_PAGES
@@ -210,13 +211,15 @@ def test_read_ahead__a_hanging_page_times_out_at_its_own_deadline(doc, tmp_path,
 def _request(doc, tmp_path, pages, **extra):
     converter, prepared = doc
     converter.request_pages(
-        prepared=prepared,
+        PageRequest(
+            prepared=prepared,
+            output="text",
+            options={},
+            dest_dir=tmp_path / "attempt",
+            limits=LIMITS,
+            should_stop=lambda: False,
+        ),
         pages=pages,
-        output="text",
-        options={},
-        dest_dir=tmp_path / "attempt",
-        limits=LIMITS,
-        should_stop=lambda: False,
         **extra,
     )
 
@@ -257,13 +260,15 @@ def test_request_pages__a_stop_is_raised(doc, tmp_path):
     converter, prepared = doc
     with pytest.raises(ConversionStopped):
         converter.request_pages(
-            prepared=prepared,
+            PageRequest(
+                prepared=prepared,
+                output="text",
+                options={},
+                dest_dir=tmp_path / "attempt",
+                limits=LIMITS,
+                should_stop=lambda: True,
+            ),
             pages=[1, 2],
-            output="text",
-            options={},
-            dest_dir=tmp_path / "attempt",
-            limits=LIMITS,
-            should_stop=lambda: True,
         )
 
 

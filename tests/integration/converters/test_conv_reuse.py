@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from convhelpers import FAST, never
 
-from conversion_jobs.converters import InvalidInput, sessions
+from conversion_jobs.converters import InvalidInput, PageRequest, sessions
 from conversion_jobs.converters.registry import PdfConverter
 from tests import testdocs
 
@@ -40,13 +40,15 @@ def _attempt(tmp_path: Path, name: str, *, tenant: str, options=None) -> dict:
     for page in (1, 2):
         try:
             converter.convert_page(
-                prepared=prepared,
+                PageRequest(
+                    prepared=prepared,
+                    output="text",
+                    options=options or {},
+                    dest_dir=workdir / "pages",
+                    limits=FAST,
+                    should_stop=never,
+                ),
                 page=page,
-                output="text",
-                options=options or {},
-                dest_dir=workdir / "pages",
-                limits=FAST,
-                should_stop=never,
             )
         except InvalidInput as exc:
             failure = exc

@@ -15,6 +15,7 @@ from conversion_jobs.converters import (
     ConverterCrashed,
     InvalidInput,
     Limits,
+    PageRequest,
     process_group_members,
     release,
     sessions,
@@ -40,13 +41,15 @@ def _convert(doc, tmp_path, page, *, output="text", fault=None, limits=LIMITS):
     if fault:
         options["_test_fault"] = fault
     return converter.convert_page(
-        prepared=prepared,
+        PageRequest(
+            prepared=prepared,
+            output=output,
+            options=options,
+            dest_dir=tmp_path / "attempt",
+            limits=limits,
+            should_stop=never,
+        ),
         page=page,
-        output=output,
-        options=options,
-        dest_dir=tmp_path / "attempt",
-        limits=limits,
-        should_stop=never,
     )
 
 
@@ -225,14 +228,16 @@ def test_one_page_attempt__two_requests_and_the_setup_rides_on_the_first(tmp_pat
     source = testdocs.make_pdf(tmp_path / "doc.pdf", pages=1, text_of=lambda n: "one page")
     converter, prepared = prepare(source, tmp_path / "attempt", output="text", limits=LIMITS)
     artifact = converter.convert_page(
-        prepared=prepared,
+        PageRequest(
+            prepared=prepared,
+            output="text",
+            options={},
+            dest_dir=tmp_path / "attempt",
+            limits=LIMITS,
+            should_stop=never,
+            inline_max_bytes=1024,
+        ),
         page=1,
-        output="text",
-        options={},
-        dest_dir=tmp_path / "attempt",
-        limits=LIMITS,
-        should_stop=never,
-        inline_max_bytes=1024,
     )
     assert artifact.content == b"one page"
     requests = [json.loads(line) for line in sent]
