@@ -47,11 +47,12 @@ def main() -> None:
 
     from conversion_jobs.ids import uuid7
     from conversion_jobs.models import ConversionJob
-    from conversion_jobs.services import acceptance, dispatch, prepared, transitions
+    from conversion_jobs.services import acceptance, dispatch, transitions
     from conversion_jobs.states import State
+    from conversion_jobs.store import jobs, prepared
 
     dispatch.outbox_publish_fast = lambda **k: None  # type: ignore[assignment]
-    keep, kept, direct = prepared._keep, prepared._kept_cursor, transitions.job_insert_params
+    keep, kept, direct = prepared._keep, prepared._kept_cursor, jobs.job_insert_params
 
     def by_fields(job: ConversionJob) -> dict[str, Any]:
         return {
@@ -62,7 +63,7 @@ def main() -> None:
     def variant(keep_cursor: bool, direct_params: bool) -> None:
         prepared._keep = keep if keep_cursor else (lambda db, raw: raw)  # type: ignore[assignment]
         prepared._kept_cursor = kept if keep_cursor else (lambda db: prepared._BUSY)  # type: ignore[assignment]
-        transitions.job_insert_params = direct if direct_params else by_fields  # type: ignore[assignment]
+        jobs.job_insert_params = direct if direct_params else by_fields  # type: ignore[assignment]
 
     def one() -> None:
         job = ConversionJob(
@@ -95,6 +96,7 @@ def main() -> None:
             sha=job.source_sha256,
             output="text",
             digest="d" * 64,
+            engine="",
         )
         transitions.job_insert_queued(new)
 

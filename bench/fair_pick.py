@@ -13,7 +13,7 @@ the process's own CPU ms in the same span):
 * ``pick``: ``fair.pick`` as the fast path calls it.
 * ``pick_client`` / ``pick_server``: the pick statement on Django's client-binding cursor
   (the values rendered into the text, parsed by Postgres each time) / on the server-binding,
-  prepared cursor (``services/prepared.py``).
+  prepared cursor (``store/prepared.py``).
 * ``pick_explain``: ``EXPLAIN (ANALYZE)`` of the pick: Postgres's own execution time of the
   function, reported as ``server``.
 * ``pick_empty``: a pick with nothing waiting (the round's unit taken first, untimed).
@@ -54,7 +54,7 @@ def main() -> int:
         from django.db import connection
 
         from conversion_jobs.services import broker, dispatch, fair
-        from conversion_jobs.services.prepared import prepared_cursor
+        from conversion_jobs.store.prepared import prepared_cursor
 
         q = settings.QUIRE
         client_params = [100, q["FAIR_CAPACITY"], q["FAIR_LOST_S"], q["FAIR_SLOT_TTL_S"]]

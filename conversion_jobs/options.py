@@ -7,6 +7,7 @@ import json
 import os
 from typing import Any
 
+from conversion_jobs.canonical import canonical_json
 from conversion_jobs.converters.base import DEFAULT_DPI, TEST_FAULTS_ENV
 from conversion_jobs.exceptions import InvalidOptions
 
@@ -107,10 +108,6 @@ def _parse_pages(value: Any) -> list[int]:
     ):
         raise InvalidOptions("pages must be a range first-last with 1 <= first <= last")
     return [bounds[0], bounds[1]]
-
-
-def canonical_json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
 def options_digest(options: dict[str, Any]) -> str:

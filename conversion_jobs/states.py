@@ -33,6 +33,14 @@ TERMINAL_STATES = frozenset({State.CANCELLED, State.SUCCEEDED, State.PARTIAL, St
 #: States whose job holds a worker lease (the fence for every worker write).
 LEASED_STATES = frozenset({State.RUNNING, State.CANCELLING})
 
+#: What every edge into a terminal state does, the one list (one terminal hook): the lease ended
+#: and its attempt closed (when the job held one), pending cancellation requests resolved, the
+#: audit event, the webhook messages, the terminal metric after commit. ``services/transitions.py``
+#: runs one Python hook per effect; the publish statement (``store/jobs.py``, ``PUBLISH``) is built
+#: from one CTE member per effect (the metric: its caller, after commit). Both fail at import when
+#: they lack one; ``tests/integration/store/test_statements.py`` holds them to it.
+TERMINAL_EFFECTS = ("lease_end", "cancellations", "audit", "webhooks", "metric")
+
 #: (from, to) -> who moves it.
 TRANSITIONS: dict[tuple[State, State], str] = {
     (State.QUEUED, State.RUNNING): "worker claim (CAS on generation)",

@@ -198,7 +198,7 @@ if os.environ.get("DATABASE_URL"):
             DATABASES["default"]["OPTIONS"]["options"] = (
                 f"{options} -c idle_in_transaction_session_timeout={idle_ms}".strip()
             )
-        # The hot statements' cursor (services/prepared.py) prepares each statement on its
+        # The hot statements' cursor (store/prepared.py) prepares each statement on its
         # first use on a connection; the ORM's client-binding cursors never prepare. Off
         # (QUIRE_DB_PREPARED_STATEMENTS=0) for a pooler that cannot keep prepared statements.
         DATABASES["default"]["OPTIONS"].setdefault(

@@ -16,6 +16,7 @@ from conversion_jobs.converters import sandbox
 from conversion_jobs.observability.gauges import DatabaseGauges, SandboxGauges
 from conversion_jobs.services.broker import celery_app
 from conversion_jobs.services.sweep_health import sweeps_overdue
+from conversion_jobs.store import notify
 
 _migrated = False
 
@@ -26,8 +27,7 @@ def live(request: HttpRequest) -> JsonResponse:
 
 def _database_ok() -> bool:
     try:
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT 1")
+        notify.ping()
         return True
     except Exception:
         connection.close()

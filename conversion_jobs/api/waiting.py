@@ -27,11 +27,11 @@ from typing import Any
 import psycopg
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from psycopg.conninfo import make_conninfo
 
 from conversion_jobs import selectors
 from conversion_jobs.representation import job_etag
 from conversion_jobs.states import TERMINAL_STATES
+from conversion_jobs.store import notify
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class JobChangeListener:
 
     @property
     def enabled(self) -> bool:
-        return self.serving and settings.DATABASES["default"]["ENGINE"].endswith("postgresql")
+        return self.serving and notify.notifies()
 
     def ensure_started(self) -> None:
         if not self.enabled:
@@ -148,14 +148,14 @@ class JobChangeListener:
             try:
                 conn = await psycopg.AsyncConnection.connect(_conninfo(), autocommit=True)
                 async with conn:
-                    await conn.execute(f"LISTEN {CHANNEL}")
+                    await conn.execute(notify.listen_sql(CHANNEL))  # type: ignore[arg-type]
                     self.listening = True
                     delay = RECONNECT_MIN_S
                     logger.info("job change listener connected")
                     # Anything that changed while nobody listened: every waiter re-reads.
                     self._wake()
-                    async for notify in conn.notifies():
-                        self._wake(notify.payload)
+                    async for message in conn.notifies():
+                        self._wake(message.payload)
             except asyncio.CancelledError:
                 self.listening = False
                 raise
@@ -170,22 +170,15 @@ class JobChangeListener:
 
 
 def _conninfo() -> str:
-    db = settings.DATABASES["default"]
-    params: dict[str, Any] = {
-        "dbname": db.get("NAME") or None,
-        "user": db.get("USER") or None,
-        "password": db.get("PASSWORD") or None,
-        "host": db.get("HOST") or None,
-        "port": str(db["PORT"]) if db.get("PORT") else None,
-        "connect_timeout": db.get("OPTIONS", {}).get("connect_timeout", 5),
-        "application_name": "quire-web-listener",
+    return notify.conninfo(
+        connect_timeout=settings.DATABASES["default"].get("OPTIONS", {}).get("connect_timeout", 5),
+        application_name="quire-web-listener",
         # A dead peer (host gone without a FIN) is noticed by TCP keep-alives.
-        "keepalives": 1,
-        "keepalives_idle": 10,
-        "keepalives_interval": 5,
-        "keepalives_count": 3,
-    }
-    return make_conninfo(**{k: v for k, v in params.items() if v is not None})
+        keepalives=1,
+        keepalives_idle=10,
+        keepalives_interval=5,
+        keepalives_count=3,
+    )
 
 
 listener = JobChangeListener()

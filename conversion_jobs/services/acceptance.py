@@ -15,7 +15,6 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from conversion_jobs import converters, faults, passwords, storage
-from conversion_jobs.db import violated_constraint
 from conversion_jobs.exceptions import (
     CapacityExceeded,
     DocumentQuarantined,
@@ -37,9 +36,10 @@ from conversion_jobs.services.admission import (
     admission_admit,
 )
 from conversion_jobs.services.artifacts import source_lock
-from conversion_jobs.services.prepared import prepared_cursor
 from conversion_jobs.services.quarantine import document_quarantined
 from conversion_jobs.states import LIVE_STATES, State
+from conversion_jobs.store import jobs as jobs_store
+from conversion_jobs.store.db import violated_constraint
 
 P = ParamSpec("P")
 
@@ -122,27 +122,6 @@ def _existing_answer(
     return _bind_key(tenant=tenant, key=key, fingerprint=fingerprint, job_id=job_id)
 
 
-#: The acceptance pre-checks in one read: the key's binding, the live or succeeded job with
-#: this content identity and whether the tenant quarantined the document under this engine
-#: version (index lookups, O(1) in the table's size). Races past it are settled by
-#: the unique constraints in the insert, never by this read. Admission counts come from the
-#: process's snapshot (``admission.admission_admit``), not from a count per request.
-_PRECHECK_SQL = """
-SELECT
-    (SELECT fingerprint FROM idempotency_record WHERE tenant = %(tenant)s AND key = %(key)s),
-    (SELECT job_id FROM idempotency_record WHERE tenant = %(tenant)s AND key = %(key)s),
-    (SELECT id FROM conversion_job
-     WHERE tenant = %(tenant)s AND source_sha256 = %(sha)s AND output = %(output)s
-       AND options_digest = %(digest)s AND policy_version = %(policy)s
-       AND state IN ('queued', 'running', 'retry_wait', 'cancelling', 'succeeded')
-       AND expired_at IS NULL
-     LIMIT 1),
-    EXISTS (SELECT 1 FROM document_quarantine
-            WHERE tenant = %(tenant)s AND source_sha256 = %(sha)s
-              AND engine_version = %(engine)s AND quarantined_at IS NOT NULL)
-"""
-
-
 @dataclass(frozen=True)
 class _Seen:
     key_fingerprint: str | None
@@ -163,9 +142,7 @@ def _precheck(
         "policy": settings.QUIRE["POLICY_VERSION"],
         "engine": engine,
     }
-    with prepared_cursor() as cursor:
-        cursor.execute(_PRECHECK_SQL, params)
-        fingerprint, key_job, duplicate, quarantined = cursor.fetchone()
+    fingerprint, key_job, duplicate, quarantined = jobs_store.precheck(params)
     as_uuid = lambda value: None if value is None else uuid.UUID(str(value))  # noqa: E731
     return _Seen(fingerprint, as_uuid(key_job), as_uuid(duplicate), bool(quarantined))
 
@@ -203,7 +180,7 @@ def conversion_job_accept(
     written) otherwise.
 
     A stored source: two round trips on the way to a 202, the pre-check read
-    (``_PRECHECK_SQL``), then the insert (plus the admission snapshot's grouped count, at most
+    (``store.jobs.PRECHECK``), then the insert (plus the admission snapshot's grouped count, at most
     every 0.25 s per process, and the exact count near a limit). An inline source on Postgres:
     the insert alone, which also writes the bytes; its conflicts are the pre-check (the key's
     binding is read first, then the content identity's job). Races are settled by the unique
@@ -215,8 +192,8 @@ def conversion_job_accept(
     the pre-check read asks, and the insert statement itself is guarded (no row back)."""
     inline = upload.content is not None
     db = transaction.get_connection()
-    # No pre-check read for an inline source on Postgres: its statement settles duplicates.
-    fold = inline and db.vendor == "postgresql"
+    # No pre-check read for an inline source where its statement settles duplicates.
+    fold = inline and jobs_store.insert_alone()
     try:
         checked = _checked(
             upload=upload, output=output, raw_options=raw_options, raw_metadata=raw_metadata
@@ -319,7 +296,7 @@ def _inserted(
 ) -> bool:
     """The job's insert (``transitions.job_insert_queued``): whether it wrote the job (False:
     the inline statement met the content identity, nothing written)."""
-    if uploaded and db.vendor == "postgresql" and not db.in_atomic_block:
+    if uploaded and jobs_store.insert_alone() and not db.in_atomic_block:
         # An object we just uploaded (or an inline source, which is in the statement) needs no
         # check (deleters leave objects younger than the grace alone), so the acceptance is the
         # insert alone: one statement, which Postgres commits whole or not at all in

@@ -20,26 +20,13 @@ import uuid
 from collections import defaultdict
 
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import transaction
 
 from conversion_jobs import storage
 from conversion_jobs.models import ConversionJob, JobRange, PageCheckpoint
+from conversion_jobs.store.sources import source_lock
 
 log = logging.getLogger(__name__)
-
-#: advisory lock class of source digests ("QRS")
-SOURCE_LOCK_CLASS = 0x515253
-
-
-def source_lock(*, sha256: str, exclusive: bool) -> None:
-    """Inside a transaction: take the source's lock until it ends. On SQLite every write
-    transaction already holds the database's single write lock (``BEGIN IMMEDIATE``)."""
-    if connection.vendor != "postgresql":
-        return
-    objid = int.from_bytes(bytes.fromhex(sha256[:8]), "big", signed=True)
-    function = "pg_advisory_xact_lock" if exclusive else "pg_advisory_xact_lock_shared"
-    with connection.cursor() as cursor:
-        cursor.execute(f"SELECT {function}(%s, %s)", [SOURCE_LOCK_CLASS, objid])
 
 
 def source_delete_if_unused(

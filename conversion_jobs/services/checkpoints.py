@@ -8,19 +8,17 @@ import time
 import uuid
 from typing import Any
 
-from django.db import connection, transaction
-from django.db.models import Count, F, Subquery
-from django.db.models.functions import Now
+from django.db import transaction
 
 from conversion_jobs import storage
 from conversion_jobs.converters.assemble import join_text_pages
-from conversion_jobs.models import JobRange, PageCheckpoint, PageState, RangeState
+from conversion_jobs.models import PageCheckpoint, PageState
 from conversion_jobs.observability import metrics
 from conversion_jobs.services.audit import audit_event_append
 from conversion_jobs.services.db_retry import db_retry
-from conversion_jobs.services.leases import Lease, LeaseLost, RangeLease, fenced
-from conversion_jobs.services.prepared import Byteas, Int4s, Int8s, Texts, prepared_cursor
-from conversion_jobs.states import State
+from conversion_jobs.services.leases import Lease, LeaseLost, RangeLease
+from conversion_jobs.store import checkpoints as store
+from conversion_jobs.store.leases import job_row_lock, range_row_lock
 
 #: ``artifact_key`` prefix of a page whose artifact is the row's ``content`` (no file): the
 #: store's one marker for bytes kept in Postgres.
@@ -111,25 +109,6 @@ def page_checkpoint_record(
     return checkpoint
 
 
-#: ``PageCheckpoint``'s concrete fields in their model order (``page_checkpoint_done`` builds
-#: rows positionally; a test holds this to the model).
-PAGE_CHECKPOINT_FIELDS = (
-    "id",
-    "job_id",
-    "page_number",
-    "state",
-    "attempts",
-    "artifact_key",
-    "artifact_sha256",
-    "artifact_size",
-    "media_type",
-    "error_code",
-    "generation",
-    "updated_at",
-    "content",
-)
-
-
 def page_checkpoint_done(
     *,
     lease: Lease,
@@ -144,7 +123,7 @@ def page_checkpoint_done(
     """An unsaved ``done`` checkpoint of this attempt for the runner's batch (one per page).
     Built from positional values, Django's fast path (``Model.from_db`` builds rows the same
     way): keyword construction costs ≈ 14 µs a page, this ≈ 4 µs."""
-    values = (  # in PAGE_CHECKPOINT_FIELDS order
+    values = (  # in store.checkpoints.CHECKPOINT_COLUMNS order
         None,  # id
         lease.job_id,
         page,
@@ -166,55 +145,19 @@ def page_checkpoint_done(
 def page_checkpoints_record(
     *, lease: Lease, checkpoints: list[PageCheckpoint], range_lease: RangeLease | None = None
 ) -> None:
-    """Fenced upsert of a batch of page checkpoints. A batch of done pages on Postgres is one
-    statement (:func:`done_pages_record`, one round trip); otherwise three round trips:
-    the guarded UPDATE on the job row (it takes the row lock first, so a recovery or a cancel
-    that commits before us makes it match zero rows: LeaseLost, nothing written), one upsert,
-    COMMIT. With ``range_lease`` (a page range of a fanned-out job): :func:`_range_record`."""
+    """Fenced upsert of a batch of page checkpoints (``store.checkpoints.batch_record``: a batch
+    of done pages on Postgres is one statement, one round trip; otherwise the guarded UPDATE on
+    the job row, which takes the row lock first, so a recovery or a cancel that commits before
+    us makes it match zero rows: LeaseLost, nothing written; the upsert; COMMIT). With
+    ``range_lease`` (a page range of a fanned-out job): :func:`_range_record`."""
     if range_lease is not None:
         _range_record(lease, range_lease, checkpoints)
         return
-    if connection.vendor == "postgresql" and all(c.state == PageState.DONE for c in checkpoints):
-        if not done_pages_record(lease=lease, checkpoints=checkpoints):
-            metrics.FENCED_WRITES_REFUSED.labels(statement="job_pages").inc()
-            raise LeaseLost()
-        for checkpoint in checkpoints:
-            metrics.PAGES.labels(outcome=checkpoint.state).inc()
-        return
-    with transaction.atomic():
-        if not fenced(lease).update(updated_at=Now(), **page_counters(checkpoints)):
-            metrics.FENCED_WRITES_REFUSED.labels(statement="job_pages").inc()
-            raise LeaseLost()
-        checkpoints_upsert(lease, checkpoints)
+    if not store.batch_record(lease, checkpoints, also=lambda: _failed_audit(lease, checkpoints)):
+        metrics.FENCED_WRITES_REFUSED.labels(statement="job_pages").inc()
+        raise LeaseLost()
     for checkpoint in checkpoints:
         metrics.PAGES.labels(outcome=checkpoint.state).inc()
-
-
-def job_row_lock(lease: Lease, *states: State) -> bool:
-    """Lock the job row under ``lease`` (``FOR NO KEY UPDATE``; SQLite: the transaction's write
-    lock). Every transaction that locks a job row and its ranges' rows takes the job row first
-    (ADR 0023: one lock order, no deadlock). False: the job is not held under ``lease``."""
-    return (
-        fenced(lease, *states).select_for_update(no_key=True).values_list("id", flat=True).first()
-        is not None
-    )
-
-
-def range_row_lock(range_lease: RangeLease) -> bool:
-    """Lock the range row under ``range_lease`` (after its job row). False: the range is not
-    held under it (recovered: a new generation; or no longer running)."""
-    return (
-        JobRange.objects.select_for_update(no_key=True)
-        .filter(
-            id=range_lease.range_id,
-            generation=range_lease.generation,
-            lease_token=range_lease.token,
-            state=RangeState.RUNNING,
-        )
-        .values_list("id", flat=True)
-        .first()
-        is not None
-    )
 
 
 def _range_record(lease: Lease, range_lease: RangeLease, checkpoints: list[PageCheckpoint]) -> None:
@@ -223,7 +166,8 @@ def _range_record(lease: Lease, range_lease: RangeLease, checkpoints: list[PageC
     running). A range recovered (or a job recovered, failed or cancelled) before this commits
     makes a lock match nothing: LeaseLost, nothing written, counted in
     ``quire_fenced_writes_refused_total{statement="range_pages"}``. A range writes only its own
-    pages."""
+    pages. Under the locks, the unsplit path's batch (one statement for done pages on Postgres:
+    an ORM bulk upsert of 250 pages cost ≈ 150 ms of worker CPU, that ≈ 5 ms)."""
     if any(
         not range_lease.first_page <= c.page_number <= range_lease.last_page for c in checkpoints
     ):
@@ -232,40 +176,21 @@ def _range_record(lease: Lease, range_lease: RangeLease, checkpoints: list[PageC
         if not (job_row_lock(lease) and range_row_lock(range_lease)):
             metrics.FENCED_WRITES_REFUSED.labels(statement="range_pages").inc()
             raise LeaseLost()
-        if connection.vendor == "postgresql" and all(
-            c.state == PageState.DONE for c in checkpoints
+        if not store.batch_record(
+            lease, checkpoints, also=lambda: _failed_audit(lease, checkpoints)
         ):
-            # The unsplit path's one statement (counters + unnest upsert), under the locks
-            # held: an ORM bulk upsert of 250 pages cost ≈ 150 ms of worker CPU, this ≈ 5 ms.
-            if not done_pages_record(lease=lease, checkpoints=checkpoints):
-                raise LeaseLost()  # cannot happen: the job row is locked under the lease
-        else:
-            fenced(lease).update(updated_at=Now(), **page_counters(checkpoints))
-            checkpoints_upsert(lease, checkpoints)
+            raise LeaseLost()  # cannot happen: the job row is locked under the lease
     for checkpoint in checkpoints:
         metrics.PAGES.labels(outcome=checkpoint.state).inc()
 
 
-def page_counters(checkpoints: list[PageCheckpoint]) -> dict[str, Any]:
-    """The job row's page counters moved by ``checkpoints`` (for its guarded UPDATE)."""
-    done = sum(1 for c in checkpoints if c.state == PageState.DONE)
-    failed = sum(1 for c in checkpoints if c.state == PageState.FAILED)
-    counters: dict[str, Any] = {}
-    if done:
-        counters["pages_done"] = F("pages_done") + done
-    if failed:
-        counters["pages_failed"] = F("pages_failed") + failed
-    return counters
-
-
 def checkpoints_upsert(lease: Lease, checkpoints: list[PageCheckpoint]) -> None:
     """The upsert and the audit events of failed pages; the caller holds the fenced row."""
-    PageCheckpoint.objects.bulk_create(
-        checkpoints,
-        update_conflicts=True,
-        unique_fields=["job", "page_number"],
-        update_fields=[*CHECKPOINT_FIELDS, "updated_at"],
-    )
+    store.upsert(checkpoints)
+    _failed_audit(lease, checkpoints)
+
+
+def _failed_audit(lease: Lease, checkpoints: list[PageCheckpoint]) -> None:
     for checkpoint in checkpoints:
         if checkpoint.state == PageState.FAILED:
             audit_event_append(
@@ -275,31 +200,6 @@ def checkpoints_upsert(lease: Lease, checkpoints: list[PageCheckpoint]) -> None:
                 attempt_id=lease.attempt_id,
                 details={"page": checkpoint.page_number, "code": checkpoint.error_code},
             )
-
-
-CHECKPOINT_FIELDS = [
-    "state",
-    "content",
-    "attempts",
-    "artifact_key",
-    "artifact_sha256",
-    "artifact_size",
-    "media_type",
-    "error_code",
-    "generation",
-]
-
-
-def pages_converted_by(*, job_id: Any, generation: Any) -> Subquery:
-    """Pages an attempt checkpointed as done (one attempt per generation, so the generation
-    stamped on the checkpoint names the attempt): computed when the attempt closes rather than
-    counted with an extra UPDATE per page."""
-    return Subquery(
-        PageCheckpoint.objects.filter(job_id=job_id, generation=generation, state=PageState.DONE)
-        .values("job_id")
-        .annotate(n=Count("id"))
-        .values("n")[:1]
-    )
 
 
 class CheckpointBatch:
@@ -377,71 +277,3 @@ class CheckpointBatch:
         for checkpoint in self.pending:
             self.checkpoints[checkpoint.page_number] = checkpoint
         self.pending = []
-
-
-#: The done pages of a batch (the ``p_*`` arrays), upserted from the row that ``moved``
-#: returned: part of ``_DONE_PAGES_SQL`` and of ``transitions._PUBLISH_SQL``. The arrays are
-#: bound by the server and sent in binary (``%(…)b``, ``prepared.prepared_cursor``): a page's
-#: text as it is.
-UPSERT_DONE_PAGES = """
-    INSERT INTO page_checkpoint
-        (job_id, page_number, state, attempts, artifact_key, artifact_sha256, artifact_size,
-         media_type, error_code, generation, updated_at, content)
-    SELECT m.id, p.page_number, 'done', p.attempts, p.artifact_key, p.artifact_sha256,
-           p.artifact_size, p.media_type, NULL, %(generation)s, now(), p.content
-    FROM moved m, unnest(%(p_number)b::int[], %(p_attempts)b::int[], %(p_key)b::text[],
-                         %(p_sha)b::text[], %(p_size)b::bigint[], %(p_media)b::text[],
-                         %(p_content)b::bytea[])
-         AS p(page_number, attempts, artifact_key, artifact_sha256, artifact_size, media_type,
-              content)
-    ON CONFLICT (job_id, page_number) DO UPDATE SET
-        state = EXCLUDED.state, attempts = EXCLUDED.attempts,
-        artifact_key = EXCLUDED.artifact_key, artifact_sha256 = EXCLUDED.artifact_sha256,
-        artifact_size = EXCLUDED.artifact_size, media_type = EXCLUDED.media_type,
-        error_code = NULL, generation = EXCLUDED.generation, updated_at = EXCLUDED.updated_at,
-        content = EXCLUDED.content
-"""
-
-
-def done_pages_params(checkpoints: list[PageCheckpoint]) -> dict[str, Any]:
-    """The ``p_*`` arrays ``UPSERT_DONE_PAGES`` reads, one element per page."""
-    return {
-        "p_number": Int4s([c.page_number for c in checkpoints]),
-        "p_attempts": Int4s([c.attempts for c in checkpoints]),
-        "p_key": Texts([c.artifact_key for c in checkpoints]),
-        "p_sha": Texts([c.artifact_sha256 for c in checkpoints]),
-        "p_size": Int8s([c.artifact_size for c in checkpoints]),
-        "p_media": Texts([c.media_type for c in checkpoints]),
-        "p_content": Byteas([c.content for c in checkpoints]),
-    }
-
-
-#: A batch of done pages on Postgres, one statement (its own transaction): the fenced UPDATE
-#: of the job row takes the row lock first (a recovery or a cancel that committed before us
-#: makes it match zero rows after the lock wait), and the upsert inserts only from its
-#: returned row, so a lost fence writes nothing. Counted like ``transitions._PUBLISH_SQL``'s pages.
-_DONE_PAGES_SQL = """
-WITH moved AS (
-    UPDATE conversion_job SET pages_done = pages_done + %(n_done)s, updated_at = now()
-    WHERE id = %(job)s AND generation = %(generation)s AND lease_token = %(token)s
-      AND state = 'running'
-    RETURNING id
-), pages AS ({upsert_done_pages})
-SELECT count(*) FROM moved
-""".replace("{upsert_done_pages}", UPSERT_DONE_PAGES)
-
-
-def done_pages_record(*, lease: Lease, checkpoints: list[PageCheckpoint]) -> bool:
-    """A checkpoint batch of done pages on Postgres (``_DONE_PAGES_SQL``), fenced; not an edge:
-    the job's state is only its guard. False: the fence matched nothing (nothing written)."""
-    params: dict[str, Any] = {
-        "job": lease.job_id,
-        "generation": lease.generation,
-        "token": lease.token,
-        "n_done": len(checkpoints),
-        **done_pages_params(checkpoints),
-    }
-    with prepared_cursor() as cursor:
-        cursor.execute(_DONE_PAGES_SQL, params)
-        (moved,) = cursor.fetchone()
-    return bool(moved)

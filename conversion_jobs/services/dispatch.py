@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import transaction
 from django.db.models import Exists, F, OuterRef, Q
 from django.db.models.functions import Now
 from django.utils import timezone
@@ -23,6 +23,7 @@ from conversion_jobs.observability import metrics
 from conversion_jobs.services import broker, fair, publisher
 from conversion_jobs.services.broker import RangeRef
 from conversion_jobs.states import State
+from conversion_jobs.store import outbox
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +72,6 @@ def outbox_publish_committed_in_background(
         background.submit(publisher.Pending(outbox_id, job_id, generation, traceparent))
 
 
-_MARK_PUBLISHED_SQL = (
-    "UPDATE conversion_outbox SET published_at = CURRENT_TIMESTAMP,"
-    " publish_attempts = publish_attempts + 1 WHERE id = %s AND published_at IS NULL"
-)
-
-
 def outbox_publish_fast(
     *,
     outbox_id: int,
@@ -103,16 +98,12 @@ def outbox_publish_fast(
         )
         metrics.OUTBOX_PUBLISH_FAILURES.labels(path="fast", code=code).inc()
         try:
-            ConversionOutbox.objects.filter(id=outbox_id, published_at__isnull=True).update(
-                publish_attempts=F("publish_attempts") + 1, last_error_code=code
-            )
+            outbox.failure_record([outbox_id], code)
         except Exception:  # the database is down too: the row is still there for the sweeper
             log.warning("could not record the publish failure", exc_info=False)
         return False
     try:
-        # On the web's hot path: one statement, no ORM compile.
-        with connection.cursor() as cursor:
-            cursor.execute(_MARK_PUBLISHED_SQL, [outbox_id])
+        outbox.mark_published([outbox_id])  # on the web's hot path: one statement
     except Exception:  # published but not marked: the sweeper publishes a harmless duplicate
         log.warning("published but could not mark the outbox row", exc_info=False)
     metrics.OUTBOX_PUBLISHED.labels(path="fast").inc()
@@ -188,9 +179,7 @@ def _rows_publish_in_order(*, batch: int, ranges_only: bool) -> SweepResult:
                 )
             except Exception as exc:
                 code = broker.error_code(exc)
-                ConversionOutbox.objects.filter(id=outbox_id).update(
-                    publish_attempts=F("publish_attempts") + 1, last_error_code=code
-                )
+                outbox.failure_record([outbox_id], code)
                 metrics.OUTBOX_PUBLISH_FAILURES.labels(
                     path="wake" if ranges_only else "sweep", code=code
                 ).inc()
@@ -198,9 +187,7 @@ def _rows_publish_in_order(*, batch: int, ranges_only: bool) -> SweepResult:
                 break
             done.append(outbox_id)
         if done:
-            ConversionOutbox.objects.filter(id__in=done).update(
-                published_at=Now(), publish_attempts=F("publish_attempts") + 1
-            )
+            outbox.mark_published(done)
             published = len(done)
             metrics.OUTBOX_PUBLISHED.labels(path="wake" if ranges_only else "sweep").inc(published)
     return SweepResult(published=published, failed=failed)

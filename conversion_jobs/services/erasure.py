@@ -30,7 +30,7 @@ import logging
 import time
 
 from django.conf import settings
-from django.db import IntegrityError, connection, transaction
+from django.db import IntegrityError, transaction
 from django.db.models import F
 from django.utils import timezone
 
@@ -48,20 +48,13 @@ from conversion_jobs.pseudonym import pseudonym
 from conversion_jobs.services.artifacts import source_delete_if_unused
 from conversion_jobs.services.cancellation import conversion_job_cancel
 from conversion_jobs.states import LIVE_STATES
+from conversion_jobs.store import audit as audit_store
 from conversion_jobs.webhooks.models import WebhookEndpoint
 
 log = logging.getLogger(__name__)
 
 #: Jobs per transaction of the rows step.
 BATCH = 200
-
-
-def _audit_purge_on() -> None:
-    """The one path the append-only trigger lets delete (docs/DATA_MODEL.md §8), in this
-    transaction only."""
-    if connection.vendor == "postgresql":
-        with connection.cursor() as cursor:
-            cursor.execute("SET LOCAL quire.audit_purge = 'on'")
 
 
 def _open_record(*, tenant_pseudonym: str, actor: str) -> TenantErasure:
@@ -202,7 +195,7 @@ def _delete_rows(*, record: TenantErasure, tenant: str, stop_at: float | None) -
                 for key, _sha in sorted(sources)
             ]
             ErasureObject.objects.bulk_create(todo)
-            _audit_purge_on()
+            audit_store.purge_on()
             events = ExecutionAuditEvent.objects.filter(job_id__in=ids).delete()[0]
             deleted, _by_model = ConversionJob.objects.filter(id__in=ids).delete()
             _advance(
@@ -220,7 +213,7 @@ def _delete_rows(*, record: TenantErasure, tenant: str, stop_at: float | None) -
             .filter(tenant=tenant)
             .values_list("id", flat=True)
         )
-        _audit_purge_on()
+        audit_store.purge_on()
         events = ExecutionAuditEvent.objects.filter(job_id__in=endpoints).delete()[0]
         hooks = WebhookEndpoint.objects.filter(id__in=endpoints).delete()[0]
         quarantined = DocumentQuarantine.objects.filter(tenant=tenant).delete()[0]

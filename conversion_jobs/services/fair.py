@@ -67,8 +67,8 @@ from conversion_jobs.models import (
 )
 from conversion_jobs.observability import gauges, metrics
 from conversion_jobs.services import broker
-from conversion_jobs.services.prepared import Int8s, prepared_cursor
 from conversion_jobs.states import LEASED_STATES, State
+from conversion_jobs.store.prepared import Int8s, prepared_cursor
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +213,8 @@ class Unit(NamedTuple):
 #: columns leaves this statement's result type, and its prepared plan, valid.
 _PICK_SQL = (
     "SELECT out_id, out_job, out_generation, out_traceparent, out_tenant, out_cost,"
-    " out_range_first, out_range_generation FROM quire_fair_pick(%(limit)s::integer, %(capacity)s::integer,"
+    " out_range_first, out_range_generation"
+    " FROM quire_fair_pick(%(limit)s::integer, %(capacity)s::integer,"
     " %(lost)s::float8, %(ttl)s::float8)"
 )
 

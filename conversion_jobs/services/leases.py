@@ -1,6 +1,7 @@
 """What a worker holds while it runs an attempt, and the fenced reads and writes made under it
 (docs/ARCHITECTURE.md §4). A fenced statement matches the job row on ``(id, generation, lease_token,
-state)``; zero rows means the lease is gone (expired and recovered, or the job was cancelled)."""
+state)``; zero rows means the lease is gone (expired and recovered, or the job was cancelled).
+The predicate and the statements are the store's (``store/leases.py``)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from conversion_jobs.models import ConversionAttempt, ConversionJob, WorkerLease
 from conversion_jobs.states import State
+from conversion_jobs.store import leases as store
 
 
 @dataclass(frozen=True)
@@ -59,12 +60,8 @@ def lease_ttl() -> timedelta:
 
 
 def fenced(lease: Lease, *states: State) -> Any:
-    return ConversionJob.objects.filter(
-        id=lease.job_id,
-        generation=lease.generation,
-        lease_token=lease.token,
-        state__in=list(states or (State.RUNNING,)),
-    )
+    """The job row under ``lease`` in one of ``states`` (default: running)."""
+    return store.held(lease, *(states or (State.RUNNING,)))
 
 
 class HeartbeatResult:
@@ -78,26 +75,15 @@ def lease_heartbeat(*, lease: Lease) -> str:
     but the job must stop and end cancelled) or LOST."""
     now = timezone.now()
     with transaction.atomic():
-        extended = WorkerLease.objects.filter(
-            job_id=lease.job_id, token=lease.token, generation=lease.generation, expires_at__gt=now
-        ).update(expires_at=now + lease_ttl())
-        if not extended:
+        if not store.lease_extend(lease, now=now, expires=now + lease_ttl()):
             return HeartbeatResult.LOST
-        state = (
-            ConversionJob.objects.filter(
-                id=lease.job_id, generation=lease.generation, lease_token=lease.token
-            )
-            .values_list("state", flat=True)
-            .first()
-        )
+        state = store.state_under(lease)
     # The attempt's heartbeat_at (informational) in its own statement: a transaction that held
     # the lease row and then wanted the attempt row deadlocked with a publish that held the job
     # and the attempt and wanted the lease (seen in CI). Holding one row lock at a time, the
     # heartbeat can be in no lock cycle.
     if lease.attempt_id is not None:  # always, for a worker's lease
-        ConversionAttempt.objects.filter(id=lease.attempt_id, finished_at__isnull=True).update(
-            heartbeat_at=now
-        )
+        store.attempt_heartbeat(lease.attempt_id, now=now)
     if state == State.RUNNING:
         return HeartbeatResult.OK
     if state == State.CANCELLING:
@@ -107,10 +93,4 @@ def lease_heartbeat(*, lease: Lease) -> str:
 
 def job_state_under_lease(*, lease: Lease) -> str | None:
     """The job's state if this lease still holds it, else None."""
-    return (
-        ConversionJob.objects.filter(
-            id=lease.job_id, generation=lease.generation, lease_token=lease.token
-        )
-        .values_list("state", flat=True)
-        .first()
-    )
+    return store.state_under(lease)

@@ -30,14 +30,11 @@ from typing import Any, NamedTuple
 from amqp import spec
 from django.conf import settings
 from django.db import connection
-from django.db.models import F
-from django.db.models.functions import Now
 
 from conversion_jobs import faults
-from conversion_jobs.models import ConversionOutbox
 from conversion_jobs.observability import metrics, tracing
 from conversion_jobs.services import broker, fair
-from conversion_jobs.services.prepared import prepared_cursor
+from conversion_jobs.store import outbox
 
 log = logging.getLogger(__name__)
 
@@ -45,20 +42,6 @@ log = logging.getLogger(__name__)
 #: A connection unused for this long is replaced before the next batch (heartbeats are not
 #: serviced between batches, so the broker may have dropped it).
 IDLE_RECONNECT_S = 5.0
-
-
-#: Server-bound and prepared once per connection (``prepared.prepared_cursor``): the array's
-#: cast keeps one statement whatever integer width psycopg picks for the batch's ids. Its commit
-#: does not wait for its WAL flush (``set_config(..., true)``: this statement's own transaction,
-#: run only when a row matches): a mark lost with a Postgres crash leaves the row for the
-#: outbox sweep, whose second message the claim's CAS ignores, exactly as a crash between the
-#: confirm and the mark always did (ADR 0017, session 8).
-_MARK_SQL = (
-    "UPDATE conversion_outbox SET published_at = CURRENT_TIMESTAMP,"
-    " publish_attempts = publish_attempts + 1"
-    " WHERE id = ANY(%(ids)s::bigint[]) AND published_at IS NULL"
-    " AND set_config('synchronous_commit', 'off', true) IS NOT NULL"
-)
 
 
 class Pending(NamedTuple):
@@ -354,22 +337,14 @@ class BackgroundPublisher:
 
     def _mark_published(self, ids: list[int]) -> None:
         try:
-            if connection.vendor == "postgresql":  # one statement, no ORM compile
-                with prepared_cursor() as cursor:
-                    cursor.execute(_MARK_SQL, {"ids": ids})
-            else:
-                ConversionOutbox.objects.filter(id__in=ids, published_at__isnull=True).update(
-                    published_at=Now(), publish_attempts=F("publish_attempts") + 1
-                )
+            outbox.mark_published(ids)  # one statement, no ORM compile
         except Exception:  # published but not marked: the sweeper publishes harmless duplicates
             log.warning("published but could not mark the outbox rows", exc_info=False)
             _reset_db()
 
     def _record_failure(self, ids: list[int], code: str) -> None:
         try:
-            ConversionOutbox.objects.filter(id__in=ids, published_at__isnull=True).update(
-                publish_attempts=F("publish_attempts") + 1, last_error_code=code
-            )
+            outbox.failure_record(ids, code)
         except Exception:  # the database is down too: the rows are still there for the sweeper
             log.warning("could not record the publish failure", exc_info=False)
             _reset_db()

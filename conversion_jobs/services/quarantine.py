@@ -30,11 +30,12 @@ import uuid
 from dataclasses import dataclass
 
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import transaction
 from django.utils import timezone
 
 from conversion_jobs.models import ConversionAttempt, DocumentCrash, DocumentQuarantine
 from conversion_jobs.observability import metrics
+from conversion_jobs.store import quarantine as store
 
 log = logging.getLogger(__name__)
 
@@ -71,29 +72,6 @@ class Verdict:
     known_hosts: int
 
 
-#: The key's row, created or touched: the upsert takes its lock (held until commit), so the
-#: recorders of one key run one after the other from here on.
-_KEY_UPSERT = """
-INSERT INTO document_quarantine
-    (tenant, source_sha256, engine_version, crashes, hosts, lifted_by, created_at, updated_at)
-VALUES (%s, %s, %s, 0, 0, '', %s, %s)
-ON CONFLICT (tenant, source_sha256, engine_version)
-DO UPDATE SET updated_at = excluded.updated_at
-RETURNING id, quarantined_at
-"""
-
-_CRASH_INSERT = """
-INSERT INTO document_crash (quarantine_id, job_id, attempt_id, host, code, at)
-VALUES (%s, %s, %s, %s, %s, %s)
-ON CONFLICT (attempt_id) DO NOTHING
-"""
-
-#: Read after the key's lock is held: each statement sees every crash committed before it.
-_CRASH_COUNT = """
-SELECT count(*), count(DISTINCT host) FROM document_crash WHERE quarantine_id = %s
-"""
-
-
 def known_hosts() -> int:
     """Distinct worker hosts among the last ``QUIRE_QUARANTINE_HOST_WINDOW`` attempts (a
     backward scan of the attempts' primary key: no index of its own, no table scan)."""
@@ -119,14 +97,16 @@ def document_crash_record(
     now = timezone.now()
     host = host_of(worker)[:128]
     with transaction.atomic():
-        with connection.cursor() as cursor:
-            cursor.execute(_KEY_UPSERT, [tenant, source_sha256, engine_version, now, now])
-            key_id, quarantined_at = cursor.fetchone()
-            job = DocumentCrash._meta.get_field("job_id").get_db_prep_value(job_id, connection)
-            cursor.execute(_CRASH_INSERT, [key_id, job, attempt_id, host, code, now])
-            counted = cursor.rowcount == 1
-            cursor.execute(_CRASH_COUNT, [key_id])
-            crashes, hosts = cursor.fetchone()
+        key_id, quarantined_at, counted, crashes, hosts = store.crash_record(
+            tenant=tenant,
+            source_sha256=source_sha256,
+            engine_version=engine_version,
+            job_id=job_id,
+            attempt_id=attempt_id,
+            host=host,
+            code=code,
+            now=now,
+        )
         hosts_known = known_hosts()
         enough = crashes >= settings.QUIRE["QUARANTINE_AFTER_CRASHES"]
         spread = hosts_known < 2 or hosts >= 2

@@ -21,13 +21,13 @@ from django.db import IntegrityError, transaction
 from django.db.models import Exists, OuterRef
 from django.utils import timezone
 
-from conversion_jobs.db import violated_constraint
 from conversion_jobs.exceptions import NotFound, NotRetryable, QuireError
 from conversion_jobs.models import AttemptOutcome, ConversionAttempt, ConversionJob, WorkerLease
 from conversion_jobs.observability import metrics
 from conversion_jobs.services import transitions
 from conversion_jobs.services.leases import Lease
 from conversion_jobs.states import LEASED_STATES, State
+from conversion_jobs.store.db import violated_constraint
 
 log = logging.getLogger(__name__)
 

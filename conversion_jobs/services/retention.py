@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import transaction
 from django.db.models import Max
 from django.db.models.functions import Now
 from django.utils import timezone
@@ -33,6 +33,7 @@ from conversion_jobs.observability import metrics
 from conversion_jobs.services.artifacts import source_delete_if_unused
 from conversion_jobs.services.audit import audit_event_append
 from conversion_jobs.states import TERMINAL_STATES
+from conversion_jobs.store import audit as audit_store
 from conversion_jobs.webhooks.models import MessageState, WebhookAttempt, WebhookMessage
 
 log = logging.getLogger(__name__)
@@ -143,9 +144,7 @@ def audit_chains_purge_if_past_retention(*, batch: int) -> int:
     if not job_ids:
         return 0
     with transaction.atomic():
-        if connection.vendor == "postgresql":
-            with connection.cursor() as cursor:
-                cursor.execute("SET LOCAL quire.audit_purge = 'on'")
+        audit_store.purge_on()
         deleted = ExecutionAuditEvent.objects.filter(job_id__in=job_ids).delete()[0]
     log.info("audit chains purged", extra={"chains": len(job_ids), "events": deleted})
     return int(deleted)

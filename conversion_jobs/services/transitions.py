@@ -3,85 +3,61 @@
 
 One function per edge of ``states.TRANSITIONS``, bound to its edge by ``@edge`` (a test checks
 that every edge has exactly one function and every function an edge). Each is one guarded
-UPDATE whose row count is the answer; ``_move`` bumps ``state_version`` (the ``asgi`` NOTIFY
-trigger fires on it). Callers that must choose an edge (cancel, lease recovery, the repair
-sweep, operator retry) lock the job row first (``job_lock_for_choice``) and call the one edge
-the state they hold allows, in the same transaction: trying edges one after another let a
-commit between two tries make every edge miss (docs/ARCHITECTURE.md, "Lock, then choose").
-The worker's retryable error tries two edges whose guards split on ``attempts``, a column
-nobody else changes while the worker holds the lease, so their order alone decides there.
+UPDATE whose row count is the answer; ``store.jobs.move`` bumps ``state_version`` (the
+``asgi`` NOTIFY trigger fires on it). Callers that must choose an edge (cancel, lease recovery,
+the repair sweep, operator retry) lock the job row first (``job_lock_for_choice``) and call
+the one edge the state they hold allows, in the same transaction: trying edges one after
+another let a commit between two tries make every edge miss (docs/ARCHITECTURE.md, "Lock,
+then choose"). The worker's retryable error tries two edges whose guards split on
+``attempts``, a column nobody else changes while the worker holds the lease, so their order
+alone decides there.
 
 Every edge that leaves a leased state ends the attempt and its lease (``_lease_ends``); every
 edge into a terminal state runs ``_terminal`` (lease end, pending cancellation requests
 resolved, the terminal metric, the audit event, the webhook messages). No caller repeats them.
 
-The hot edges (claim, publish) and the acceptance insert are one SQL statement each on Postgres
-(a CTE that moves the job and writes its attempt, lease, checkpoints, outbox and audit rows in
-one round trip, the hook included). SQLite (the standalone profile, one writer at a time under
-``BEGIN IMMEDIATE``) runs the same edges as the ORM statements below; both paths are tested.
+The statements are the store's (``store/jobs.py``, docs/ARCHITECTURE.md "The store"): the hot
+edges (claim, publish) and the acceptance insert are one SQL statement each on Postgres (a CTE
+that moves the job and writes its attempt, lease, checkpoints, outbox and audit rows in one
+round trip, the hook included: built from ``states.TERMINAL_EFFECTS``, as ``_terminal`` is);
+SQLite (the standalone profile) runs their ORM twins. This module chooses the edge and the hook.
 """
 
 from __future__ import annotations
 
-import functools
-import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any, TypeVar
 
-from django.conf import settings
-from django.db import connection, models, transaction
-from django.db.models import F, Q, QuerySet
-from django.db.models.functions import Coalesce, Now
+from django.db import connection, transaction
+from django.db.models import F, Q
+from django.db.models.functions import Now
 from django.utils import timezone
 
-from conversion_jobs import storage
 from conversion_jobs.models import (
     AttemptOutcome,
-    CancellationOutcome,
-    CancellationRequest,
-    ConversionAttempt,
     ConversionJob,
-    ConversionOutbox,
-    ExecutionAuditEvent,
-    IdempotencyRecord,
-    InlineSource,
     PageCheckpoint,
-    PageState,
-    WorkerLease,
 )
 from conversion_jobs.observability import metrics
-from conversion_jobs.options import canonical_json
-from conversion_jobs.services.audit import (
-    GENESIS,
-    SYSTEM_ACTOR,
-    audit_event_append,
-    chain_sql,
-    event_body,
-    event_hash,
-    slot,
-    spliced_sql,
-)
-from conversion_jobs.services.checkpoints import (
-    UPSERT_DONE_PAGES,
-    checkpoints_upsert,
-    done_pages_params,
-    page_counters,
-    pages_converted_by,
-)
+from conversion_jobs.services.audit import SYSTEM_ACTOR, audit_event_append
+from conversion_jobs.services.checkpoints import checkpoints_upsert
 from conversion_jobs.services.dispatch import outbox_publish_after_commit
 from conversion_jobs.services.leases import Lease, lease_ttl
-from conversion_jobs.services.prepared import prepared_cursor
 from conversion_jobs.states import (
     LEASED_STATES,
     NAMED_TRANSITIONS,
+    TERMINAL_EFFECTS,
     TERMINAL_STATES,
     TRANSITIONS,
     State,
 )
-from conversion_jobs.webhooks.outbox import EVENT_OF_STATE, PUBLISH_MESSAGES, messages_enqueue
+from conversion_jobs.store import checkpoints as pages
+from conversion_jobs.store import jobs as store
+from conversion_jobs.store.leases import held, lease_delete
+from conversion_jobs.webhooks.outbox import EVENT_OF_STATE, messages_enqueue
 
 Fn = TypeVar("Fn", bound=Callable[..., Any])
 
@@ -106,31 +82,6 @@ def edge(source: State, target: State, name: str | None = None) -> Callable[[Fn]
         return fn
 
     return bind
-
-
-def _postgres() -> bool:
-    return connection.vendor == "postgresql"
-
-
-def _move(guard: QuerySet[ConversionJob], source: State, target: State, **values: Any) -> int:
-    """The guarded UPDATE of one edge: ``guard`` narrows the row, ``source`` is the state it must
-    still be in. Returns the row count (1: this call moved it; 0: it lost)."""
-    if (source, target) not in TRANSITIONS:
-        raise LookupError(f"{source} -> {target} is not an edge of states.TRANSITIONS")
-    return int(
-        guard.filter(state=source).update(
-            state=target,
-            state_version=F("state_version") + 1,
-            updated_at=Now(),
-            **values,
-        )
-    )
-
-
-def _fenced(lease: Lease) -> QuerySet[ConversionJob]:
-    return ConversionJob.objects.filter(
-        id=lease.job_id, generation=lease.generation, lease_token=lease.token
-    )
 
 
 # --- callers that choose: lock, then choose ----------------------------------------------------
@@ -175,20 +126,7 @@ def job_lock_for_choice(*, job_id: uuid.UUID, tenant: str | None = None) -> Held
     commit. None: no such job (for ``tenant``; None means any tenant)."""
     if not connection.in_atomic_block:
         raise RuntimeError("job_lock_for_choice runs inside the caller's transaction.atomic()")
-    row = (
-        _tenant_job(job_id, tenant)
-        .select_for_update()
-        .values_list(
-            "state",
-            "generation",
-            "lease_token",
-            "attempts",
-            "max_attempts",
-            "expired_at",
-            "traceparent",
-        )
-        .first()
-    )
+    row = store.lock_for_choice(job_id, tenant)
     if row is None:
         return None
     state, generation, token, attempts, max_attempts, expired_at, traceparent = row
@@ -214,7 +152,7 @@ def chosen(won: object) -> None:
 def _lease_ends(lease: Lease, *, outcome: AttemptOutcome, error_code: str | None) -> None:
     """The lease row goes, the attempt closes (its page count computed, its duration observed
     after commit). Runs inside the transaction that moved the job."""
-    WorkerLease.objects.filter(job_id=lease.job_id, token=lease.token).delete()
+    lease_delete(lease)
     attempt_close(lease=lease, outcome=outcome, error_code=error_code)
 
 
@@ -222,13 +160,12 @@ def attempt_close(*, lease: Lease, outcome: AttemptOutcome, error_code: str | No
     """Close the attempt if it is still open (bookkeeping on the attempt row only)."""
     if lease.attempt_id is None:  # the repair sweep's lease of a job with no attempt row
         return False
-    closed = ConversionAttempt.objects.filter(id=lease.attempt_id, finished_at__isnull=True).update(
+    closed = store.attempt_close(
+        attempt_id=lease.attempt_id,
+        job_id=lease.job_id,
+        generation=lease.generation,
         outcome=outcome,
         error_code=error_code,
-        finished_at=Now(),
-        pages_converted=Coalesce(
-            pages_converted_by(job_id=lease.job_id, generation=lease.generation), 0
-        ),
     )
     if closed:
         _observe_attempt(lease, outcome)
@@ -245,6 +182,21 @@ def _observe_attempt(lease: Lease, outcome: str) -> None:
         )
 
 
+@dataclass(frozen=True)
+class _Ending:
+    """What the terminal hook's effects read: the edge that won and who made it."""
+
+    job_id: uuid.UUID
+    generation: int
+    state: State
+    lease: Lease | None
+    outcome: AttemptOutcome | None
+    error_code: str | None
+    event_type: str
+    details: dict[str, Any]
+    actor: str
+
+
 def _terminal(
     *,
     job_id: uuid.UUID,
@@ -257,37 +209,33 @@ def _terminal(
     details: dict[str, Any],
     actor: str = SYSTEM_ACTOR,
 ) -> None:
-    """The terminal hook: lease ended and attempt closed (if the job held one), pending
-    cancellation requests resolved (cancelled: with their latency; anything else: lost to
-    completion), the audit event, the webhook messages of the endpoints subscribed now
-    (``webhooks/outbox.py``), the terminal metric after commit. Runs inside the
-    transaction whose guarded UPDATE won. (``_PUBLISH_SQL`` is this hook in SQL.)"""
+    """The terminal hook: each effect of ``states.TERMINAL_EFFECTS`` in order (``_EFFECTS``; the
+    publish statement, ``store.jobs.PUBLISH``, is built from the same list). Runs inside the
+    transaction whose guarded UPDATE won."""
     if state not in TERMINAL_STATES:
         raise ValueError(f"{state} is not terminal")
-    if lease is not None and outcome is not None:
-        _lease_ends(lease, outcome=outcome, error_code=error_code)
-    _cancellations_resolve(job_id=job_id, cancelled=state == State.CANCELLED)
-    audit_event_append(
-        job_id=job_id,
-        event_type=event_type,
-        generation=generation,
-        attempt_id=lease.attempt_id if lease else None,
-        actor=actor,
-        details=details,
+    ending = _Ending(
+        job_id, generation, state, lease, outcome, error_code, event_type, details, actor
     )
-    messages_enqueue(job_id=job_id, state=state)
-    transaction.on_commit(lambda: metrics.TERMINAL.labels(state=state.value).inc())
+    for effect in TERMINAL_EFFECTS:
+        _EFFECTS[effect](ending)
 
 
-def _cancellations_resolve(*, job_id: uuid.UUID, cancelled: bool) -> None:
-    pending = CancellationRequest.objects.filter(job_id=job_id, resolved_at__isnull=True)
-    if not cancelled:
-        pending.update(outcome=CancellationOutcome.LOST_TO_COMPLETION, resolved_at=Now())
+def _lease_end_effect(e: _Ending) -> None:
+    """The lease ended and the attempt closed, if the job held one."""
+    if e.lease is not None and e.outcome is not None:
+        _lease_ends(e.lease, outcome=e.outcome, error_code=e.error_code)
+
+
+def _cancellations_effect(e: _Ending) -> None:
+    """Pending cancellation requests resolved: cancelled (with their latency after commit), or
+    lost to completion."""
+    if e.state != State.CANCELLED:
+        store.cancellations_lost(e.job_id)
         return
     now = timezone.now()
-    requested = pending.values_list("requested_at", flat=True)
-    latencies = [(now - at).total_seconds() for at in requested]
-    if pending.update(resolved_at=now, outcome=CancellationOutcome.CANCELLED):
+    latencies = [(now - at).total_seconds() for at in store.cancellations_cancelled(e.job_id, now)]
+    if latencies:
 
         def observe() -> None:
             for seconds in latencies:
@@ -296,13 +244,44 @@ def _cancellations_resolve(*, job_id: uuid.UUID, cancelled: bool) -> None:
         transaction.on_commit(observe)
 
 
+def _audit_effect(e: _Ending) -> None:
+    audit_event_append(
+        job_id=e.job_id,
+        event_type=e.event_type,
+        generation=e.generation,
+        attempt_id=e.lease.attempt_id if e.lease else None,
+        actor=e.actor,
+        details=e.details,
+    )
+
+
+def _webhooks_effect(e: _Ending) -> None:
+    """The webhook messages of the endpoints subscribed now (``webhooks/outbox.py``)."""
+    messages_enqueue(job_id=e.job_id, state=e.state)
+
+
+def _metric_effect(e: _Ending) -> None:
+    state = e.state.value
+    transaction.on_commit(lambda: metrics.TERMINAL.labels(state=state).inc())
+
+
+#: effect of ``states.TERMINAL_EFFECTS`` -> its hook (checked at import: one per effect)
+_EFFECTS: dict[str, Callable[[_Ending], None]] = {
+    "lease_end": _lease_end_effect,
+    "cancellations": _cancellations_effect,
+    "audit": _audit_effect,
+    "webhooks": _webhooks_effect,
+    "metric": _metric_effect,
+}
+if set(_EFFECTS) != set(TERMINAL_EFFECTS):
+    raise LookupError(f"_terminal's hooks {sorted(_EFFECTS)} are not {TERMINAL_EFFECTS}")
+
+
 def _redispatch(*, job_id: uuid.UUID, generation: int, traceparent: str, reason: str) -> None:
     """A new generation needs a message: its outbox row, and the fast path after commit."""
-    outbox = ConversionOutbox.objects.create(
-        job_id=job_id, generation=generation, traceparent=traceparent
-    )
+    outbox_id = store.outbox_insert(job_id=job_id, generation=generation, traceparent=traceparent)
     outbox_publish_after_commit(
-        outbox_id=outbox.id, job_id=job_id, generation=generation, traceparent=traceparent
+        outbox_id=outbox_id, job_id=job_id, generation=generation, traceparent=traceparent
     )
     transaction.on_commit(lambda: metrics.REDISPATCHES.labels(reason=reason).inc())
 
@@ -310,23 +289,14 @@ def _redispatch(*, job_id: uuid.UUID, generation: int, traceparent: str, reason:
 # --- (none) -> queued: acceptance --------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class NewJob:
-    job: ConversionJob
-    actor: str
-    idempotency_key: str | None
-    fingerprint: str
-    details: dict[str, Any]
-    #: the source's bytes when it is stored inline (``inline_source``), else None
-    inline_content: bytes | None = None
-    #: ``converters.engine_version`` of the source's type: a quarantined document is refused
-    engine_version: str = ""
+#: What the acceptance inserts (``store.jobs.NewJob``).
+NewJob = store.NewJob
 
 
 def job_insert_queued(new: NewJob) -> bool:
     """(none) -> QUEUED, generation 1: the job, its outbox row, its idempotency record (when a
     key was sent), its inline source (when it has one) and its first audit event. On Postgres
-    one statement (``_ACCEPT_SQL``), which the caller runs inside its transaction or, when it
+    one statement (``store.jobs.ACCEPT``), which the caller runs inside its transaction or, when it
     is the whole acceptance, alone in autocommit. A unique violation (a concurrent identical job
     or key) propagates: everything the statement (or the caller's transaction) wrote rolls back
     and the caller answers from the winner — except that an inline job on Postgres that meets
@@ -335,176 +305,14 @@ def job_insert_queued(new: NewJob) -> bool:
     duplicate case, answered without an error) - and that any job whose document the tenant
     has quarantined (``services/quarantine.py``) writes nothing and returns False. True:
     inserted; registers the fast-path publish for after commit."""
+    outbox_id = store.insert_queued(new)
+    if outbox_id is None:  # quarantined, or the inline statement met a job's content identity
+        return False
     job = new.job
-    first_event = _first_event(new)
-    if _postgres():
-        sql, params = _accept_statement(new, first_event)
-        with prepared_cursor() as cursor:  # prepared: parsed and planned once per connection
-            cursor.execute(sql, params)
-            row = cursor.fetchone()
-        if row is None:  # the inline statement met the content identity of another job
-            return False
-        outbox_id = row[0]
-    else:
-        job.save(force_insert=True)
-        if new.inline_content is not None:
-            InlineSource.objects.create(job=job, content=new.inline_content)
-        outbox_id = ConversionOutbox.objects.create(
-            job=job, generation=1, traceparent=job.traceparent
-        ).id
-        if new.idempotency_key is not None:
-            IdempotencyRecord.objects.create(
-                tenant=job.tenant, key=new.idempotency_key, fingerprint=new.fingerprint, job=job
-            )
-        ExecutionAuditEvent.objects.create(**first_event, prev_hash=GENESIS, hash=job.audit_head)
     outbox_publish_after_commit(
         outbox_id=outbox_id, job_id=job.id, generation=1, traceparent=job.traceparent
     )
     return True
-
-
-def _first_event(new: NewJob) -> dict[str, Any]:
-    """The job's timestamps and audit head set, and its first audit event (``accepted``)."""
-    job = new.job
-    now = timezone.now()
-    job.created_at = job.updated_at = now
-    job.audit_seq = 1
-    first_event: dict[str, Any] = {
-        "job_id": job.id,
-        "seq": 1,
-        "event_type": "accepted",
-        "generation": 1,
-        "attempt_id": None,
-        "actor": new.actor,
-        "details": new.details,
-        "created_at": now,
-    }
-    job.audit_head = event_hash(prev_hash=GENESIS, **first_event)
-    return first_event
-
-
-def _accept_statement(new: NewJob, first_event: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """``_ACCEPT_SQL`` (inline form or not) and its parameters: one text for both drivers."""
-    params = job_insert_params(new.job)
-    params.update(
-        now=first_event["created_at"],
-        actor=new.actor,
-        key=new.idempotency_key,
-        fingerprint=new.fingerprint,
-        details=canonical_json(new.details),
-        genesis=GENESIS,
-        q_engine=new.engine_version,
-    )
-    inline = new.inline_content is not None
-    if inline:
-        params["inline"] = new.inline_content
-    return _accept_sql(inline), params
-
-
-def job_insert_params(job: ConversionJob) -> dict[str, Any]:
-    """The job row's insert parameters (``j_<column>``), as ``Field.get_db_prep_save`` makes
-    them: a value its field would hand the driver unchanged (a ``str`` for a text column, a
-    ``bool``, a ``UUID``, an aware ``datetime``, ``None``) is taken as it is, an ``int`` is
-    wrapped in the column's psycopg integer type as Django does (``adapt_integerfield_value``);
-    any other value (the JSON options, a lazy string, an expression) goes through its field.
-    Forty ``get_db_prep_save`` calls were ≈ 4 % of an acceptance's web CPU (ADR 0017, session
-    6, branch ``accept2``); ``tests/unit/test_job_insert_params.py`` holds the two equal."""
-    params: dict[str, Any] = {}
-    for name, attname, plain, wrap, field in _insert_fields():
-        value = getattr(job, attname)
-        if plain is None:
-            params[name] = field.get_db_prep_save(value, connection)
-        elif value is None:
-            params[name] = None
-        elif wrap is not None and type(value) is int:
-            params[name] = wrap(value)
-        elif wrap is None and isinstance(value, plain) and getattr(value, "tzinfo", 0) is not None:
-            params[name] = value
-        else:
-            params[name] = field.get_db_prep_save(value, connection)
-    return params
-
-
-@functools.cache
-def _insert_fields() -> tuple[tuple[str, str, type | None, Any, Any], ...]:
-    """Per column: its parameter's name, the attribute, the Python type its field passes
-    through (None: every value goes through the field), the integer wrapper."""
-    plain: dict[type, type] = {
-        models.CharField: str,
-        models.TextField: str,
-        models.UUIDField: uuid.UUID,
-        models.BooleanField: bool,
-        models.DateTimeField: datetime,
-        models.IntegerField: int,
-        models.PositiveIntegerField: int,
-        models.BigIntegerField: int,
-    }
-    integer = getattr(connection.ops, "integerfield_type_map", {})
-    fields = []
-    for f in ConversionJob._meta.concrete_fields:
-        kind = plain.get(type(f))
-        wrap = integer.get(f.get_internal_type()) if kind is int else None
-        if kind is int and wrap is None:  # no wrapper known here: let the field decide
-            kind = None
-        fields.append((f"j_{f.column}", f.attname, kind, wrap, f))
-    return tuple(fields)
-
-
-@functools.cache
-def _accept_sql(inline: bool) -> str:
-    fields = ConversionJob._meta.concrete_fields
-    return _ACCEPT_SQL.format(
-        columns=", ".join(str(f.column) for f in fields),
-        # typed as their columns (without a length: too long is an error, not a truncation):
-        # a SELECT list does not take its parameters' types from the INSERT's columns
-        values=", ".join(
-            f"%(j_{f.column})s::{re.sub(r'[(].*[)]', '', str(f.db_type(connection)))}"
-            for f in fields
-        ),
-        conflict=" ON CONFLICT DO NOTHING" if inline else "",
-        inline=_ACCEPT_INLINE if inline else "",
-    )
-
-
-#: (none) -> queued in one round trip: the job row, then what hangs off it. A document this
-#: tenant has quarantined under the engine version (services/quarantine.py) inserts nothing and
-#: returns no row (one probe of ``quarantine_key``; the caller tells why). A unique violation
-#: (content identity, idempotency key) aborts the whole statement. The inline form (``{conflict}``
-#: and ``{inline}`` filled in) also writes the source's bytes, and a content-identity conflict
-#: of the job row writes nothing and returns no row: every other part selects from ``job``.
-#: (Postgres waits for an uncommitted conflicting row's transaction first, so "no row" means a
-#: committed job holds the identity.) The key's own conflict still aborts the statement.
-_ACCEPT_SQL = """
-WITH job AS (
-    INSERT INTO conversion_job ({columns})
-    SELECT {values}
-    WHERE NOT EXISTS (
-        SELECT 1 FROM document_quarantine
-        WHERE tenant = %(j_tenant)s AND source_sha256 = %(j_source_sha256)s
-          AND engine_version = %(q_engine)s AND quarantined_at IS NOT NULL
-    ){conflict}
-    RETURNING id, traceparent, audit_head
-){inline}, outbox AS (
-    INSERT INTO conversion_outbox (job_id, generation, traceparent, created_at, publish_attempts)
-    SELECT id, 1, traceparent, %(now)s, 0 FROM job RETURNING id
-), idempotency AS (
-    INSERT INTO idempotency_record (tenant, key, fingerprint, job_id, created_at)
-    SELECT %(j_tenant)s, %(key)s::text, %(fingerprint)s, id, %(now)s FROM job
-    WHERE %(key)s::text IS NOT NULL
-), audit AS (
-    INSERT INTO execution_audit_event
-        (job_id, seq, event_type, generation, attempt_id, actor, details, created_at,
-         prev_hash, hash)
-    SELECT id, 1, 'accepted', 1, NULL, %(actor)s, %(details)s::jsonb, %(now)s, %(genesis)s,
-           audit_head
-    FROM job
-)
-SELECT id FROM outbox
-"""
-
-_ACCEPT_INLINE = """, inline AS (
-    INSERT INTO inline_source (job_id, content) SELECT id, %(inline)s FROM job
-)"""
 
 
 # --- queued -> running: the claim --------------------------------------------------------------
@@ -528,14 +336,11 @@ def claim(*, job_id: uuid.UUID, generation: int, worker: str) -> Claim | None:
     now = timezone.now()
     expires = now + lease_ttl()
     worker = worker[:128]
-    claim = _claim_postgres if _postgres() else _claim_orm
-    won = claim(
+    won = store.claim(
         job_id=job_id, generation=generation, worker=worker, token=token, now=now, expires=expires
     )
     if won is None:
-        current = (
-            ConversionJob.objects.filter(id=job_id).values_list("generation", flat=True).first()
-        )
+        current = store.generation_of(job_id)
         reason = "stale" if current is not None and current > generation else "duplicate"
         metrics.DUPLICATE_DELIVERIES.labels(reason=reason).inc()
         return None
@@ -543,209 +348,6 @@ def claim(*, job_id: uuid.UUID, generation: int, worker: str) -> Claim | None:
     metrics.CLAIMS.inc()
     lease = Lease(job_id, generation, token, attempt_id, job.attempts, now)
     return Claim(lease, job, source)
-
-
-#: queued -> running in one round trip. ``locked`` takes the row lock with the guard (after a
-#: wait it sees the newest row, so a claim that lost the race matches nothing and writes nothing);
-#: the attempt id is drawn first so the audit hash can cover it. An inline source's bytes come
-#: back with the row (the join finds nothing for a stored one): no second read for them.
-_CLAIM_SQL = """
-WITH locked AS (
-    SELECT id, attempts, audit_seq, audit_head FROM conversion_job
-    WHERE id = %(job)s AND state = 'queued' AND generation = %(generation)s
-    FOR UPDATE
-), att AS (
-    SELECT nextval(pg_get_serial_sequence('conversion_attempt', 'id')) AS id FROM locked
-), moved AS (
-    UPDATE conversion_job j SET
-        state = 'running', attempts = l.attempts + 1, lease_token = %(token)s,
-        state_version = j.state_version + 1, updated_at = %(now)s,
-        audit_seq = l.audit_seq + 1, audit_head = {hash}
-    FROM locked l, att
-    WHERE j.id = l.id
-    RETURNING {columns}, att.id AS attempt_id, l.audit_head AS audit_prev
-), attempt AS (
-    INSERT INTO conversion_attempt
-        (id, job_id, generation, number, worker, started_at, heartbeat_at, pages_converted)
-    SELECT attempt_id, id, %(generation)s, attempts, %(worker)s, %(now)s, %(now)s, 0 FROM moved
-), lease AS (
-    INSERT INTO worker_lease (job_id, generation, attempt_id, token, expires_at)
-    SELECT id, %(generation)s, attempt_id, %(token)s, %(expires)s FROM moved
-    ON CONFLICT (job_id) DO UPDATE SET generation = EXCLUDED.generation,
-        attempt_id = EXCLUDED.attempt_id, token = EXCLUDED.token, expires_at = EXCLUDED.expires_at
-), audit AS (
-    INSERT INTO execution_audit_event
-        (job_id, seq, event_type, generation, attempt_id, actor, details, created_at,
-         prev_hash, hash)
-    SELECT id, audit_seq, 'claimed', %(generation)s, attempt_id, 'system', ({details})::jsonb,
-           %(now)s, audit_prev, audit_head
-    FROM moved
-)
-SELECT moved.*, s.content AS inline_source
-FROM moved LEFT JOIN inline_source s ON s.job_id = moved.id{commit}
-"""
-
-#: The claim's own commit does not wait for its WAL flush (``QUIRE_CLAIM_ASYNC_COMMIT``; ADR
-#: 0017 session 5). Durability comes with the attempt's next synchronous commit (heartbeat,
-#: checkpoint batch, publish, failure), which flushes the WAL up to and including the claim. A
-#: claim lost with a Postgres crash before that flush loses nothing: the job is ``queued`` in
-#: its claimed generation again, every fenced write of the attempt matches nothing, and the
-#: dispatch-timeout sweep sends it again. ``set_config(..., true)`` is local to the statement's
-#: own (autocommit) transaction and runs only when ``moved`` has a row.
-_CLAIM_ASYNC_COMMIT = " WHERE set_config('synchronous_commit', 'off', true) IS NOT NULL"
-
-
-def _claim_postgres(
-    *,
-    job_id: uuid.UUID,
-    generation: int,
-    worker: str,
-    token: uuid.UUID,
-    now: datetime,
-    expires: datetime,
-) -> tuple[ConversionJob, int, bytes | None] | None:
-    params: dict[str, Any] = {
-        "job": job_id,
-        "generation": generation,
-        "token": token,
-        "now": now,
-        "expires": expires,
-        "worker": worker,
-    }
-    details = canonical_json({"attempt": slot("attempt_number")})
-    exprs = {"attempt": "att.id", "attempt_number": "l.attempts + 1"}
-    sql = _CLAIM_SQL.format(
-        columns=_job_columns(),
-        commit=_CLAIM_ASYNC_COMMIT if settings.QUIRE["CLAIM_ASYNC_COMMIT"] else "",
-        hash=chain_sql(
-            prev="l.audit_head",
-            seq="l.audit_seq + 1",
-            body=event_body(
-                job_id=job_id,
-                event_type="claimed",
-                generation=generation,
-                attempt_id=slot("attempt"),
-                actor=SYSTEM_ACTOR,
-                details={"attempt": slot("attempt_number")},
-                created_at=now,
-            ),
-            params=params,
-            exprs=exprs,
-        ),
-        details=spliced_sql(details, exprs={"attempt_number": "attempts"}, params=params),
-    )
-    with prepared_cursor() as cursor:
-        cursor.execute(sql, params)
-        row = cursor.fetchone()
-    if row is None:
-        return None
-    job, attempt_id = _job_from_row(_claim_names(), row)
-    source = row[-1]
-    return job, attempt_id, None if source is None else bytes(source)
-
-
-@functools.cache
-def _job_columns() -> str:
-    """The job's columns the claim returns, named (not ``j.*``): a column added by a later
-    migration changes neither the statement's result nor a connection's prepared plan of it."""
-    return ", ".join(
-        f"j.{connection.ops.quote_name(f.column or '')}"
-        for f in ConversionJob._meta.concrete_fields
-    )
-
-
-@functools.cache
-def _claim_names() -> tuple[str, ...]:
-    """The names of the claim's result columns, in order (``_job_columns`` and two more): known
-    without asking the cursor for its description."""
-    return (
-        *(f.column or "" for f in ConversionJob._meta.concrete_fields),
-        "attempt_id",
-        "audit_prev",
-        "inline_source",
-    )
-
-
-#: per column list: (attnames, their positions, converters, position of attempt_id)
-_ROW_PLANS: dict[tuple[str, ...], tuple[list[str], list[int], dict[int, Any], int]] = {}
-
-
-def _job_from_row(names: tuple[str, ...], row: tuple[Any, ...]) -> tuple[ConversionJob, int]:
-    """The claimed job as ``ConversionJob.objects.raw`` would build it (the fields' database
-    converters applied), without its per-query column mapping: the plan is computed once."""
-    plan = _ROW_PLANS.get(names)
-    if plan is None:
-        position = {name: i for i, name in enumerate(names)}
-        fields = [f for f in ConversionJob._meta.concrete_fields if (f.column or "") in position]
-        compiler = ConversionJob.objects.all().query.get_compiler(using=connection.alias)
-        cols = [f.get_col(ConversionJob._meta.db_table) for f in fields]
-        plan = (
-            [f.attname for f in fields],
-            [position[f.column or ""] for f in fields],
-            compiler.get_converters(cols),
-            position["attempt_id"],
-        )
-        _ROW_PLANS[names] = plan
-    attnames, positions, converters, attempt_at = plan
-    values = [row[i] for i in positions]
-    for index, (functions, expression) in converters.items():  # as SQLCompiler.apply_converters
-        value = values[index]
-        for function in functions:
-            value = function(value, expression, connection)
-        values[index] = value
-    job = ConversionJob.from_db(connection.alias, attnames, values)
-    return job, int(row[attempt_at])
-
-
-def _claim_orm(
-    *,
-    job_id: uuid.UUID,
-    generation: int,
-    worker: str,
-    token: uuid.UUID,
-    now: datetime,
-    expires: datetime,
-) -> tuple[ConversionJob, int, bytes | None] | None:
-    with transaction.atomic():
-        won = _move(
-            ConversionJob.objects.filter(id=job_id, generation=generation),
-            State.QUEUED,
-            State.RUNNING,
-            attempts=F("attempts") + 1,
-            lease_token=token,
-        )
-        if not won:
-            return None
-        job = ConversionJob.objects.get(id=job_id)
-        attempt = ConversionAttempt.objects.create(
-            job_id=job_id,
-            generation=generation,
-            number=job.attempts,
-            worker=worker,
-            heartbeat_at=now,
-        )
-        WorkerLease.objects.update_or_create(
-            job_id=job_id,
-            defaults={
-                "generation": generation,
-                "attempt": attempt,
-                "token": token,
-                "expires_at": expires,
-            },
-        )
-        audit_event_append(
-            job_id=job_id,
-            event_type="claimed",
-            generation=generation,
-            attempt_id=attempt.id,
-            details={"attempt": job.attempts},
-        )
-        source = (
-            InlineSource.objects.filter(job_id=job_id).values_list("content", flat=True).first()
-            if storage.is_inline_source(job.source_key)
-            else None
-        )
-    return job, attempt.id, None if source is None else bytes(source)
 
 
 # --- running -> succeeded | partial: the publish -------------------------------------------------
@@ -797,8 +399,8 @@ def _publish(lease: Lease, state: State, result: Result, checkpoints: list[PageC
     }
     if result.page_count is not None:
         values["source_page_count"] = result.page_count
-    if _postgres() and all(c.state == PageState.DONE for c in checkpoints):
-        won = _publish_postgres(lease, state, values, details, checkpoints)
+    if pages.one_statement(checkpoints):
+        won = _publish_in_one(lease, state, values, details, checkpoints)
     else:
         with transaction.atomic():
             won = _leave_lease(
@@ -818,97 +420,24 @@ def _publish(lease: Lease, state: State, result: Result, checkpoints: list[PageC
     return won
 
 
-#: running -> succeeded | partial in one round trip, with the terminal hook in SQL: the job
-#: (fenced on generation, token and state, under its row lock), its last page checkpoints, the
-#: lease ended, the attempt closed, pending cancellation requests lost to completion, the audit
-#: event, the webhook messages of the subscribed endpoints (``webhooks/outbox.py``). Zero rows
-#: from ``moved``: the publish lost and every other part wrote nothing.
-_PUBLISH_SQL = """
-WITH locked AS (
-    SELECT id, audit_seq, audit_head FROM conversion_job
-    WHERE id = %(job)s AND generation = %(generation)s AND lease_token = %(token)s
-      AND state = 'running'
-    FOR UPDATE
-), moved AS (
-    UPDATE conversion_job j SET
-        state = %(state)s, result_key = %(result_key)s, result_sha256 = %(result_sha256)s,
-        result_size = %(result_size)s, result_media_type = %(result_media_type)s,
-        finished_at = now(), pages_done = j.pages_done + %(n_done)s, lease_token = NULL,
-        source_page_count = COALESCE(%(source_page_count)s, j.source_page_count),
-        state_version = j.state_version + 1, updated_at = now(),
-        audit_seq = l.audit_seq + 1, audit_head = {hash}
-    FROM locked l WHERE j.id = l.id
-    RETURNING j.id, j.tenant, j.audit_seq, j.audit_head, l.audit_head AS audit_prev
-), pages AS ({upsert_done_pages}), hooks AS ({publish_messages}), lease_end AS (
-    DELETE FROM worker_lease
-    WHERE job_id = %(job)s AND token = %(token)s AND EXISTS (SELECT 1 FROM moved)
-), attempt AS (
-    UPDATE conversion_attempt SET
-        outcome = 'succeeded', error_code = NULL, finished_at = now(),
-        pages_converted = cardinality(%(p_number)b::int[]) + (
-            SELECT count(*) FROM page_checkpoint c
-            WHERE c.job_id = %(job)s AND c.generation = %(generation)s AND c.state = 'done'
-              AND NOT (c.page_number = ANY(%(p_number)b::int[])))
-    WHERE id = %(attempt)s AND finished_at IS NULL AND EXISTS (SELECT 1 FROM moved)
-    RETURNING id
-), cancels AS (
-    UPDATE cancellation_request SET outcome = 'lost_to_completion', resolved_at = now()
-    WHERE job_id = %(job)s AND resolved_at IS NULL AND EXISTS (SELECT 1 FROM moved)
-), audit AS (
-    INSERT INTO execution_audit_event
-        (job_id, seq, event_type, generation, attempt_id, actor, details, created_at,
-         prev_hash, hash)
-    SELECT id, audit_seq, 'published', %(generation)s, %(attempt)s, 'system', %(details)s::jsonb,
-           %(at)s, audit_prev, audit_head
-    FROM moved
-)
-SELECT (SELECT count(*) FROM moved), (SELECT count(*) FROM attempt)
-""".replace("{upsert_done_pages}", UPSERT_DONE_PAGES).replace(
-    "{publish_messages}", PUBLISH_MESSAGES
-)
-
-
-def _publish_postgres(
+def _publish_in_one(
     lease: Lease,
     state: State,
     values: dict[str, Any],
     details: dict[str, Any],
     checkpoints: list[PageCheckpoint],
 ) -> bool:
-    at = timezone.now()
-    params: dict[str, Any] = {
-        "job": lease.job_id,
-        "generation": lease.generation,
-        "token": lease.token,
-        "attempt": lease.attempt_id,
-        "state": state.value,
-        "event": EVENT_OF_STATE[state].value,
-        "n_done": len(checkpoints),
-        "details": canonical_json(details),
-        "at": at,
-        **done_pages_params(checkpoints),
-        "source_page_count": None,
-        **values,
-    }
-    sql = _PUBLISH_SQL.format(
-        hash=chain_sql(
-            prev="l.audit_head",
-            seq="l.audit_seq + 1",
-            body=event_body(
-                job_id=lease.job_id,
-                event_type="published",
-                generation=lease.generation,
-                attempt_id=lease.attempt_id,
-                actor=SYSTEM_ACTOR,
-                details=details,
-                created_at=at,
-            ),
-            params=params,
-        )
+    """The publish in one statement, the terminal hook in it (``store.jobs.PUBLISH``); its
+    ``metric`` effect and the attempt's duration after commit."""
+    moved, closed = store.publish(
+        lease,
+        attempt_id=lease.attempt_id,
+        state=state,
+        event=EVENT_OF_STATE[state].value,
+        values=values,
+        details=details,
+        checkpoints=checkpoints,
     )
-    with prepared_cursor() as cursor:
-        cursor.execute(sql, params)
-        moved, closed = cursor.fetchone()
     if not moved:
         return False
     # One callback after commit for both metrics (each ``on_commit`` registration costs
@@ -945,11 +474,11 @@ def _leave_lease(
     """One fenced move out of a leased state with its bookkeeping; the caller holds the
     transaction. The terminal hook for terminal targets, the lease end and the audit event for
     the others. False: lost, nothing written."""
-    fence = _fenced(lease)
+    fence = held(lease)
     if guard is not None:
         fence = fence.filter(guard)
-    if not _move(
-        fence, source, target, lease_token=None, **values, **page_counters(checkpoints or [])
+    if not store.move(
+        fence, source, target, lease_token=None, **values, **pages.counters(checkpoints or [])
     ):
         return False
     if checkpoints:
@@ -1041,8 +570,8 @@ def requeue_lost_lease(*, lease: Lease, traceparent: str) -> bool:
     """RUNNING -> QUEUED (generation + 1, new outbox row) for an expired lease with attempts
     left (guarded on attempts < max_attempts); the attempt's outcome is ``lease_lost``."""
     with transaction.atomic():
-        if not _move(
-            _fenced(lease).filter(~_EXHAUSTED),
+        if not store.move(
+            held(lease).filter(~_EXHAUSTED),
             State.RUNNING,
             State.QUEUED,
             generation=F("generation") + 1,
@@ -1077,8 +606,8 @@ def yield_slice(*, lease: Lease, traceparent: str, cost: int) -> bool:
     the attempt closes ``yielded``; the job resumes from its checkpoints when the fair order
     sends it again. Fenced like every worker write. False: lost, nothing written."""
     with transaction.atomic():
-        if not _move(
-            _fenced(lease),
+        if not store.move(
+            held(lease),
             State.RUNNING,
             State.QUEUED,
             generation=F("generation") + 1,
@@ -1126,24 +655,10 @@ def finish_cancel(*, lease: Lease, by_sweep: bool = False) -> bool:
 # --- cancel API --------------------------------------------------------------------------------
 
 
-def _tenant_job(job_id: uuid.UUID, tenant: str | None) -> QuerySet[ConversionJob]:
-    jobs = ConversionJob.objects.filter(id=job_id)
-    return jobs if tenant is None else jobs.filter(tenant=tenant)
-
-
-def _move_returning_generation(
-    guard: QuerySet[ConversionJob], source: State, target: State, **values: Any
-) -> int | None:
-    """``_move`` that also says which generation it moved (read under the lock it took)."""
-    if not _move(guard, source, target, **values):
-        return None
-    return int(guard.values_list("generation", flat=True).get())
-
-
 def _cancel_immediately(job_id: uuid.UUID, tenant: str, actor: str, source: State) -> int | None:
     with transaction.atomic():
-        generation = _move_returning_generation(
-            _tenant_job(job_id, tenant),
+        generation = store.move_returning_generation(
+            store.of_tenant(job_id, tenant),
             source,
             State.CANCELLED,
             next_attempt_at=None,
@@ -1183,8 +698,8 @@ def cancel_running(*, job_id: uuid.UUID, tenant: str, actor: str) -> int | None:
     """RUNNING -> CANCELLING: the lease holder stops at its next page or heartbeat (or the
     lease sweep ends it). Generation or None."""
     with transaction.atomic():
-        generation = _move_returning_generation(
-            _tenant_job(job_id, tenant), State.RUNNING, State.CANCELLING
+        generation = store.move_returning_generation(
+            store.of_tenant(job_id, tenant), State.RUNNING, State.CANCELLING
         )
         if generation is not None:
             audit_event_append(
@@ -1204,7 +719,7 @@ def cancel_running(*, job_id: uuid.UUID, tenant: str, actor: str) -> int | None:
 def requeue_due_retry(*, job_id: uuid.UUID, generation: int, traceparent: str) -> bool:
     """RETRY_WAIT whose timer has passed -> QUEUED, generation + 1, new outbox row."""
     with transaction.atomic():
-        if not _move(
+        if not store.move(
             ConversionJob.objects.filter(
                 id=job_id, generation=generation, next_attempt_at__lte=Now()
             ),
@@ -1230,8 +745,8 @@ def _operator_retry(job_id: uuid.UUID, tenant: str | None, actor: str, source: S
     budget (done pages stay done), new outbox row. Guarded on ``expired_at IS NULL`` (an
     expired job's source is gone). A unique violation (an identical live job) propagates."""
     with transaction.atomic():
-        generation = _move_returning_generation(
-            _tenant_job(job_id, tenant).filter(expired_at__isnull=True),
+        generation = store.move_returning_generation(
+            store.of_tenant(job_id, tenant).filter(expired_at__isnull=True),
             source,
             State.QUEUED,
             generation=F("generation") + 1,
@@ -1245,16 +760,11 @@ def _operator_retry(job_id: uuid.UUID, tenant: str | None, actor: str, source: S
         )
         if generation is None:
             return None
-        PageCheckpoint.objects.filter(job_id=job_id, state=PageState.FAILED).update(
-            state=PageState.PENDING, attempts=0, error_code=None
-        )
-        traceparent = (
-            ConversionJob.objects.filter(id=job_id).values_list("traceparent", flat=True).get()
-        )
+        pages.failed_reset(job_id)
         _redispatch(
             job_id=job_id,
             generation=generation,
-            traceparent=traceparent,
+            traceparent=store.traceparent_of(job_id),
             reason="operator_retry",
         )
         audit_event_append(

@@ -29,7 +29,7 @@ from django.http import HttpRequest, HttpResponseBase, StreamingHttpResponse
 from django.urls import Resolver404, get_resolver, set_script_prefix
 from rest_framework.views import APIView
 
-from conversion_jobs.db import health_check_by_socket
+from conversion_jobs.store.db import health_check_by_socket
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class QuireASGIHandler(ASGIHandler):
         ``response.close`` after the send (ADR 0017, session 6). A streaming response (a
         download) is still closed after its body was sent, on its thread."""
         signals.request_started.send(sender=self.__class__, scope=request.scope)  # type: ignore[attr-defined]
-        health_check_by_socket(connection)  # no SELECT 1 per request (conversion_jobs/db.py)
+        health_check_by_socket(connection)  # no SELECT 1 per request (conversion_jobs/store/db.py)
         handler = self.api_handler if _api_view(request.path_info) else self.sync_handler
         response = handler.get_response(request)
         if not response.streaming:

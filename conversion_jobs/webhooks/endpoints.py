@@ -11,7 +11,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import transaction
 from django.utils import timezone
 
 from conversion_jobs.exceptions import (
@@ -22,6 +22,7 @@ from conversion_jobs.exceptions import (
 )
 from conversion_jobs.models import ExecutionAuditEvent
 from conversion_jobs.services.audit import event_hash
+from conversion_jobs.store import notify
 from conversion_jobs.webhooks import signing
 from conversion_jobs.webhooks.models import (
     DisabledReason,
@@ -287,7 +288,6 @@ def _requeue(messages: Any) -> int:
             last_error=None,
         )
     )
-    if count and connection.vendor == "postgresql":
-        with connection.cursor() as cursor:  # delivered on commit: the notifier wakes
-            cursor.execute("SELECT pg_notify(%s, '')", [CHANNEL])
+    if count:
+        notify.notify(CHANNEL)  # delivered on commit: the notifier wakes
     return count

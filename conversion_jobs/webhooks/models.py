@@ -90,9 +90,9 @@ class MessageState(models.TextChoices):
 class WebhookMessage(models.Model):
     """One event for one endpoint. ``webhook-id`` is ``msg_<id hex>``, the same on every retry.
     ``payload`` is the body as first delivered: the ORM terminal hook renders it in the terminal
-    transaction; the publish statement (``_PUBLISH_SQL``) leaves it NULL and the notifier renders
-    it from the job row at its first claim (a succeeded or partial job's representation does not
-    change after its publish, retention aside) and keeps it for every retry."""
+    transaction; the publish statement (``store.jobs.PUBLISH``) leaves it NULL and the notifier
+    renders it from the job row at its first claim (a succeeded or partial job's representation
+    does not change after its publish, retention aside) and keeps it for every retry."""
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     endpoint = models.ForeignKey(WebhookEndpoint, on_delete=models.CASCADE, related_name="+")

@@ -34,13 +34,13 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import httpx
-import psycopg
 from django.conf import settings
-from django.db import close_old_connections, connection, transaction
+from django.db import close_old_connections, transaction
 from django.db.models import Count, Q
 from django.utils import timezone
 
 from conversion_jobs.observability import metrics
+from conversion_jobs.store import notify
 from conversion_jobs.webhooks import signing, transport
 from conversion_jobs.webhooks.endpoints import CHANNEL, webhook_endpoint_disable
 from conversion_jobs.webhooks.models import (
@@ -247,17 +247,7 @@ class _Wakeup:
         self.read_fd, self.write_fd = os.pipe()
         os.set_blocking(self.read_fd, False)
         os.set_blocking(self.write_fd, False)
-        if connection.vendor == "postgresql":
-            db = connection.settings_dict
-            self.conn = psycopg.connect(
-                dbname=db["NAME"],
-                host=db["HOST"] or None,
-                port=db["PORT"] or None,
-                user=db["USER"] or None,
-                password=db["PASSWORD"] or None,
-                autocommit=True,
-            )
-            self.conn.execute(f"LISTEN {CHANNEL}")
+        self.conn = notify.listen_connection(CHANNEL)
 
     def poke(self, *_: Any) -> None:
         """A delivery ended (a ``Future`` done callback)."""

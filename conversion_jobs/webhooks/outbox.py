@@ -1,7 +1,8 @@
 """The webhook outbox (docs/API_CONTRACT.md §9, ADR 0020): the terminal hook writes one message
 row per enabled endpoint of the job's tenant subscribed to the event, in the transaction that
-moved the job to its terminal state. ``transitions._PUBLISH_SQL`` writes the same rows in SQL
-(``PUBLISH_MESSAGES``); ``tests/integration/webhooks/test_outbox.py`` holds the two in step."""
+moved the job to its terminal state. The publish statement writes the same rows in SQL
+(``store/jobs.py``, ``WEBHOOK_MESSAGES``); ``tests/integration/webhooks/test_outbox.py`` holds
+the two in step."""
 
 from __future__ import annotations
 
@@ -23,18 +24,6 @@ EVENT_OF_STATE: dict[State, EventType] = {
     State.FAILED: EventType.FAILED,
     State.CANCELLED: EventType.CANCELLED,
 }
-
-#: The publish statement's part (a CTE member after ``moved``, which returns the job's id and
-#: tenant): one message per enabled endpoint of the tenant subscribed to ``%(event)s``, its
-#: payload left NULL (rendered by the notifier at its first claim: ``payload_render``).
-PUBLISH_MESSAGES = """
-    INSERT INTO webhook_message
-        (id, endpoint_id, job_id, event_type, payload, state, attempts, created_at,
-         next_attempt_at)
-    SELECT gen_random_uuid(), e.id, m.id, %(event)s::text, NULL, 'pending', 0, now(), now()
-    FROM moved m JOIN webhook_endpoint e ON e.tenant = m.tenant
-    WHERE e.enabled AND e.events @> jsonb_build_array(%(event)s::text)
-"""
 
 
 def event_payload(job: ConversionJob, event_type: str) -> dict[str, Any]:

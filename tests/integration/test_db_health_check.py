@@ -10,7 +10,7 @@ import pytest
 from django.db import close_old_connections, connection, connections
 from django.test.utils import CaptureQueriesContext
 
-from conversion_jobs.db import health_check_by_socket
+from conversion_jobs.store.db import health_check_by_socket
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 

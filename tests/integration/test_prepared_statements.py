@@ -1,5 +1,5 @@
 """The acceptance's two statements are prepared once per connection
-(``services/prepared.py::prepared_cursor``, the cursor of every hot statement): Postgres parses
+(``store/prepared.py::prepared_cursor``, the cursor of every hot statement): Postgres parses
 and plans them once, then only binds and executes."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from django.db import IntegrityError, connection, transaction
 from django.test.utils import CaptureQueriesContext
 
 from conversion_jobs import storage
-from conversion_jobs.db import violated_constraint
 from conversion_jobs.models import ConversionJob
 from conversion_jobs.services.acceptance import StagedUpload, conversion_job_accept
-from conversion_jobs.services.prepared import Byteas, Int4s, Int8s, Texts, prepared_cursor
+from conversion_jobs.store.db import violated_constraint
+from conversion_jobs.store.prepared import Byteas, Int4s, Int8s, Texts, prepared_cursor
 from tests import testdocs
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]

@@ -1,4 +1,4 @@
-"""The acceptance insert's parameters built directly (``transitions.job_insert_params``) are
+"""The acceptance insert's parameters built directly (``store.jobs.job_insert_params``) are
 the values Django's fields would give the driver (``Field.get_db_prep_save``), field by field."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from django.utils import timezone
 from django.utils.functional import lazystr
 
 from conversion_jobs.models import ConversionJob
-from conversion_jobs.services.transitions import job_insert_params
 from conversion_jobs.states import State
+from conversion_jobs.store.jobs import job_insert_params
 
 #: The parameters are built only for Postgres's acceptance statement (SQLite's acceptance goes
 #: through the ORM), and the equality they hold is with the Postgres backend's preparation.

@@ -1,5 +1,5 @@
-"""A checkpoint batch of done pages (one statement on Postgres, ``_DONE_PAGES_SQL``; the ORM
-transaction elsewhere): fenced like every write of an attempt, and all or nothing."""
+"""A checkpoint batch of done pages (one statement on Postgres, ``store.checkpoints.DONE_PAGES``;
+the ORM transaction elsewhere): fenced like every write of an attempt, and all or nothing."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from conversion_jobs.models import ConversionJob, PageCheckpoint, PageState
 from conversion_jobs.services import transitions
 from conversion_jobs.services.checkpoints import (
     INLINE_PREFIX,
-    PAGE_CHECKPOINT_FIELDS,
     page_checkpoint_done,
     page_checkpoints_record,
 )
 from conversion_jobs.services.leases import LeaseLost
+from conversion_jobs.store.checkpoints import CHECKPOINT_COLUMNS
 from tests import testdocs
 from tests.integration.execution.jobkit import submit
 
@@ -148,7 +148,7 @@ def test_batch__inline_page_texts_are_compressed_with_lz4_where_postgres_has_it(
 
 
 def test_page_checkpoint_done__fields_are_the_models_in_order():
-    assert tuple(f.attname for f in PageCheckpoint._meta.concrete_fields) == PAGE_CHECKPOINT_FIELDS
+    assert tuple(f.attname for f in PageCheckpoint._meta.concrete_fields) == CHECKPOINT_COLUMNS
 
 
 def test_page_checkpoint_done__is_the_keyword_built_row_and_records_the_same(tmp_path):

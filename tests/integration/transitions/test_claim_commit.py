@@ -14,6 +14,7 @@ from django.utils import timezone
 
 from conversion_jobs.models import ConversionAttempt, ConversionJob, ConversionOutbox, WorkerLease
 from conversion_jobs.services import dispatch, transitions
+from conversion_jobs.store import outbox
 from tests.integration.transitions.builders import text_result
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
@@ -69,11 +70,9 @@ def test_claim__a_lost_claim_never_publishes_and_is_dispatched_again(
 
 def _commit_mode_of_a_mark(ids: list[int]) -> str:
     """``synchronous_commit`` as the background publisher's mark leaves its transaction."""
-    from conversion_jobs.services import publisher
-
     with transaction.atomic():
         with connection.cursor() as cursor:
-            cursor.execute(publisher._MARK_SQL, {"ids": ids})
+            cursor.execute(outbox.MARK_PUBLISHED, {"ids": ids})
             cursor.execute("SHOW synchronous_commit")
             (mode,) = cursor.fetchone()
         transaction.set_rollback(True)

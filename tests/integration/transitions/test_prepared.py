@@ -1,5 +1,5 @@
 """The hot statements (claim, a batch of done pages, publish) are bound by the server and
-prepared once per connection (services/prepared.py, ADR 0017 session 5): the same statement
+prepared once per connection (store/prepared.py, ADR 0017 session 5): the same statement
 serves every job, and a column added to the job table by a later migration does not break a
 connection that prepared the claim before it."""
 
@@ -11,7 +11,8 @@ import pytest
 from django.db import connection
 
 from conversion_jobs.models import ConversionJob
-from conversion_jobs.services import checkpoints, transitions
+from conversion_jobs.services import transitions
+from conversion_jobs.store import checkpoints
 from tests.integration.transitions.builders import done_page, text_result
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
@@ -34,7 +35,7 @@ def _run_one(job: ConversionJob, pages: int) -> None:
     assert claim.job.id == job.id and claim.job.state == "running"
     if pages > 1:
         assert checkpoints.done_pages_record(
-            lease=claim.lease, checkpoints=[done_page(job.id, n) for n in range(1, pages)]
+            claim.lease, [done_page(job.id, n) for n in range(1, pages)]
         )
     result = text_result(
         key=f"inline:results/{job.id}/result.g1.txt", size=pages, pages_done=pages, page_count=pages

@@ -26,10 +26,11 @@ from conversion_jobs.models import (
     ConversionOutbox,
     WorkerLease,
 )
-from conversion_jobs.services import checkpoints, dispatch, recovery, retention, transitions
+from conversion_jobs.services import dispatch, recovery, retention, transitions
 from conversion_jobs.services.acceptance import StagedUpload, conversion_job_accept
 from conversion_jobs.services.admission import admission_snapshot_reset
 from conversion_jobs.services.cancellation import conversion_job_cancel
+from conversion_jobs.store import checkpoints
 from tests import testdocs
 from tests.integration.transitions.builders import done_page, text_result
 
@@ -52,7 +53,7 @@ AGO = timedelta(days=30)
 def _plans(run: Callable[[], Any]) -> list[tuple[str, str]]:
     """(statement, plan) for every statement ``run`` executes that reads a table. Captured with
     their parameters by an execute wrapper, which sees the ORM's cursors and the hot
-    statements' server-binding one (services/prepared.py) alike."""
+    statements' server-binding one (store/prepared.py) alike."""
     captured: list[tuple[str, Any]] = []
 
     def capture(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
@@ -136,9 +137,7 @@ def test_plans__claim_checkpoint_publish(history, no_broker_publish):
     claim = transitions.claim(job_id=job.id, generation=1, worker="w")
     assert claim is not None
     page = done_page(job.id, 1)
-    _assert_indexed(
-        _plans(lambda: checkpoints.done_pages_record(lease=claim.lease, checkpoints=[page]))
-    )
+    _assert_indexed(_plans(lambda: checkpoints.done_pages_record(claim.lease, [page])))
     result = text_result(pages_done=0)
     _assert_indexed(_plans(lambda: transitions.publish_succeeded(lease=claim.lease, result=result)))
     other = history()

@@ -1,6 +1,7 @@
 """The webhook outbox (docs/API_CONTRACT.md §9): every terminal edge writes one message per
 enabled endpoint of the job's tenant subscribed to its event, in the terminal transaction; the
-publish statement (``_PUBLISH_SQL``) and the ORM terminal hook (``_terminal``) are held in step."""
+publish statement (``store.jobs.PUBLISH``) and the ORM terminal hook (``_terminal``) are held in
+step (both built from ``states.TERMINAL_EFFECTS``: tests/integration/store/test_statements.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from conversion_jobs.models import (
 from conversion_jobs.representation import job_representation
 from conversion_jobs.services import recovery, transitions
 from conversion_jobs.states import TERMINAL_STATES, State
+from conversion_jobs.store import db as store_db
 from conversion_jobs.webhooks.outbox import EVENT_OF_STATE, payload_render
 from tests.integration.transitions.test_edges import CASES, _setup
 
@@ -45,7 +47,7 @@ def _run(edge, path: str, make_job, monkeypatch) -> ConversionJob:
     source, call = CASES[edge]
     job, lease = _setup(make_job, source)
     if path == "orm":  # the ORM statements of the standalone profile, on this database
-        monkeypatch.setattr(transitions, "_postgres", lambda: False)
+        monkeypatch.setattr(store_db, "postgres", lambda: False)
     assert call(job, lease)
     return ConversionJob.objects.get(id=job.id)
 
@@ -123,7 +125,7 @@ def test_outbox__rolled_back_terminal_transaction_writes_none(
     source, call = CASES[edge]
     job, lease = _setup(make_job, source)
     if path == "orm":
-        monkeypatch.setattr(transitions, "_postgres", lambda: False)
+        monkeypatch.setattr(store_db, "postgres", lambda: False)
 
     class Abort(Exception):
         pass

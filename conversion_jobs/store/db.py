@@ -1,11 +1,19 @@
-"""Database helpers shared by the services."""
+"""The store's connection helpers: which database this is, constraint names on both profiles,
+the web's socket health check."""
 
 from __future__ import annotations
 
 import select
 from typing import Any
 
-from django.db import IntegrityError
+from django.db import IntegrityError, connection
+
+
+def postgres() -> bool:
+    """The production profile's database (else SQLite, the standalone profile). The store's
+    one vendor test: its functions run a statement's Postgres text or its twin."""
+    return connection.vendor == "postgresql"
+
 
 # SQLite names the columns, not the constraint: map its message onto our constraint names.
 _SQLITE_UNIQUE = {
@@ -31,7 +39,7 @@ def violated_constraint(exc: IntegrityError) -> str | None:
     return None
 
 
-def health_check_by_socket(connection: Any) -> None:
+def health_check_by_socket(db: Any) -> None:
     """Before a request's first query: when ``CONN_HEALTH_CHECKS`` would ask an idle Postgres
     connection ``SELECT 1``, look at its socket instead; a socket with nothing to read is the
     open connection it was after its last answer, and the check counts as done.
@@ -44,12 +52,12 @@ def health_check_by_socket(connection: Any) -> None:
     Saves a round trip and the server's parse of ``SELECT 1`` per request (ADR 0017, session
     6); the web's sync requests call it (``conversion_jobs.web.handler``), nothing else
     depends on it."""
-    raw = connection.connection
+    raw = db.connection
     if (
         raw is None
-        or connection.vendor != "postgresql"
-        or not connection.health_check_enabled
-        or connection.health_check_done
+        or db.vendor != "postgresql"
+        or not db.health_check_enabled
+        or db.health_check_done
         or raw.closed
         or raw.broken
     ):
@@ -57,4 +65,4 @@ def health_check_by_socket(connection: Any) -> None:
     poller = select.poll()
     poller.register(raw.fileno(), select.POLLIN | select.POLLPRI)
     if not poller.poll(0):
-        connection.health_check_done = True
+        db.health_check_done = True
