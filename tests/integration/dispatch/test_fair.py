@@ -26,27 +26,6 @@ from conversion_jobs.states import State
 pytestmark = [pytest.mark.fair_credits]
 
 
-@pytest.fixture
-def capacity(settings: Any) -> Any:
-    def set_to(n: int) -> None:
-        settings.QUIRE = {**settings.QUIRE, "FAIR_CAPACITY": n}
-
-    set_to(0)
-    return set_to
-
-
-@pytest.fixture
-def unit(make_job: Any) -> Any:
-    """A queued job of ``tenant`` with one waiting dispatch unit of ``cost`` page units."""
-
-    def make(tenant: str, cost: int = 1) -> ConversionJob:
-        job = make_job(tenant=tenant, dispatch_cost=cost)
-        ConversionOutbox.objects.create(job=job, generation=1)
-        return job
-
-    return make
-
-
 def tenants_of(units: list[fair.Unit]) -> list[str]:
     return [u.tenant for u in units]
 

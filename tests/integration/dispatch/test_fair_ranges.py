@@ -19,27 +19,6 @@ pytestmark = [pytest.mark.fair_credits]
 
 
 @pytest.fixture
-def capacity(settings: Any) -> Any:
-    def set_to(n: int) -> None:
-        settings.QUIRE = {**settings.QUIRE, "FAIR_CAPACITY": n}
-
-    set_to(0)
-    return set_to
-
-
-@pytest.fixture
-def unit(make_job: Any) -> Any:
-    """A queued job of ``tenant`` with one waiting dispatch unit of ``cost`` page units."""
-
-    def make(tenant: str, cost: int = 1) -> ConversionJob:
-        job = make_job(tenant=tenant, dispatch_cost=cost)
-        ConversionOutbox.objects.create(job=job, generation=1)
-        return job
-
-    return make
-
-
-@pytest.fixture
 def fanned_out(make_job: Any) -> Any:
     """A PDF -> text job of ``tenant`` claimed and planned by the real planner transaction
     (``fanout.ranges_plan``) into ``ranges`` ranges of ``pages`` pages: one range row and one
