@@ -220,12 +220,15 @@ def phase_weights(args: argparse.Namespace) -> dict:
         TenantShare.objects.update_or_create(tenant="tenant-b", defaults={"weight": 1})
         stack.start("beat")
         stack.start("sweeper")
-        stack.start("worker", WORKER_CONCURRENCY="2")
-        # more work than the window converts, both tenants, submitted before it opens
+        # more work than the window converts, both tenants, submitted before it opens and before
+        # the worker starts: once the relay wakes on every freed slot, the workers convert
+        # faster than this process submits, and a backlog submitted to running workers is gone
+        # before the window opens (session 14)
         jobs = args.weights_jobs
         for _ in range(jobs):
             _submit(tenant="tenant-a", pages=5, output="png", options={"dpi": args.dpi})
             _submit(tenant="tenant-b", pages=5, output="png", options={"dpi": args.dpi})
+        stack.start("worker", WORKER_CONCURRENCY="2")
         time.sleep(5)
         with psycopg.connect(stack.db_url, autocommit=True) as conn:
             start = conn.execute("SELECT now()").fetchone()[0]
