@@ -68,6 +68,7 @@ from conversion_jobs.models import (
 from conversion_jobs.observability import gauges, metrics
 from conversion_jobs.services import broker
 from conversion_jobs.states import LEASED_STATES, State
+from conversion_jobs.store import notify
 from conversion_jobs.store.prepared import Int8s, prepared_cursor
 
 log = logging.getLogger(__name__)
@@ -408,11 +409,8 @@ def wake() -> None:
     range ended). Inside a transaction Postgres delivers the NOTIFY at its commit, and folds
     several into one; without one, at once. Never fails its caller (the outbox sweep's tick is
     the backstop). SQLite: nothing (the standalone worker relays itself)."""
-    if connection.vendor != "postgresql":
-        return
     try:
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_notify(%s, '')", [CHANNEL])
+        notify.notify(CHANNEL)
     except Exception as exc:
         if connection.in_atomic_block:
             raise  # the caller's transaction is broken anyway: its own handling decides

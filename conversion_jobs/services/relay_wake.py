@@ -19,9 +19,10 @@ import select
 import threading
 from typing import Any
 
-from django.db import close_old_connections, connection
+from django.db import close_old_connections
 
 from conversion_jobs.services import dispatch, fair
+from conversion_jobs.store import notify
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ def start() -> threading.Thread | None:
     """Start the listening thread once per process (Postgres only: SQLite has no NOTIFY, and a
     standalone worker relays itself). Returns the thread, or None."""
     global _started
-    if connection.vendor != "postgresql":
+    if not notify.notifies():
         return None
     with _lock:
         if _started is None or not _started.is_alive():
@@ -47,22 +48,6 @@ def start() -> threading.Thread | None:
         return _started
 
 
-def _listen() -> Any:
-    import psycopg
-
-    db = connection.settings_dict
-    conn = psycopg.connect(
-        dbname=db["NAME"],
-        host=db["HOST"] or None,
-        port=db["PORT"] or None,
-        user=db["USER"] or None,
-        password=db["PASSWORD"] or None,
-        autocommit=True,
-    )
-    conn.execute(f"LISTEN {fair.CHANNEL}")
-    return conn
-
-
 def run(stop: threading.Event) -> None:
     """Listen and relay until ``stop`` is set. A lost connection (the database restarted) is
     opened again after a second; meanwhile the outbox sweep's tick publishes."""
@@ -70,7 +55,7 @@ def run(stop: threading.Event) -> None:
     while not stop.is_set():
         try:
             if conn is None:
-                conn = _listen()
+                conn = notify.listen_connection(fair.CHANNEL)
                 woken = True  # anything written while nobody listened
             else:
                 readable, _, _ = select.select([conn.fileno()], [], [], IDLE_S)
