@@ -69,6 +69,7 @@ from conversion_jobs.observability import gauges, metrics
 from conversion_jobs.services import broker
 from conversion_jobs.states import LEASED_STATES, State
 from conversion_jobs.store import notify
+from conversion_jobs.store.fair import GATE_REFUSED
 from conversion_jobs.store.prepared import Int8s, prepared_cursor
 
 log = logging.getLogger(__name__)
@@ -200,6 +201,9 @@ class Unit(NamedTuple):
     cost: int
     range_first: int | None = None
     range_generation: int | None = None
+    #: a gated message of this unit was refused before this pick chose it (ADR 0021, "Idle
+    #: latency: the gated fast path"): a publisher that sent it speculatively sends it again
+    refused: bool = False
 
     @property
     def page_range(self) -> broker.RangeRef | None:
@@ -214,7 +218,7 @@ class Unit(NamedTuple):
 #: columns leaves this statement's result type, and its prepared plan, valid.
 _PICK_SQL = (
     "SELECT out_id, out_job, out_generation, out_traceparent, out_tenant, out_cost,"
-    " out_range_first, out_range_generation"
+    " out_range_first, out_range_generation, out_refused"
     " FROM quire_fair_pick(%(limit)s::integer, %(capacity)s::integer,"
     " %(lost)s::float8, %(ttl)s::float8)"
 )
@@ -236,7 +240,7 @@ def pick(*, limit: int) -> list[Unit]:
                 },
             )
             rows = cursor.fetchall()
-        units = [Unit(r[0], r[1], r[2], r[3] or "", r[4], r[5], r[6], r[7]) for r in rows]
+        units = [Unit(r[0], r[1], r[2], r[3] or "", r[4], r[5], r[6], r[7], r[8]) for r in rows]
     else:
         units = _pick_sqlite(limit=limit)
     if units:
@@ -325,6 +329,7 @@ def _pick_sqlite(*, limit: int) -> list[Unit]:
                 "job__dispatch_cost",
                 "range_first",
                 "range_generation",
+                "last_error_code",
             )
         )
         shares = {s.tenant: s for s in TenantShare.objects.filter(tenant__in={r[4] for r in rows})}
@@ -371,7 +376,17 @@ def _pick_sqlite(*, limit: int) -> list[Unit]:
             TenantShare.objects.filter(tenant=tenant, vtime__lt=fin).update(vtime=fin)
         DispatchClock.objects.filter(id=1, vclock__lt=chosen[-1][0]).update(vclock=chosen[-1][0])
         return [
-            Unit(row[0], row[1], row[2], row[3] or "", row[4], cost, row[7], row[8])
+            Unit(
+                row[0],
+                row[1],
+                row[2],
+                row[3] or "",
+                row[4],
+                cost,
+                row[7],
+                row[8],
+                row[9] == GATE_REFUSED,
+            )
             for _s, _i, _f, row, cost in chosen
         ]
 
