@@ -544,6 +544,30 @@ def fail(
         )
 
 
+def fail_lease_lost(*, lease: Lease, range_first: int | None = None) -> bool:
+    """The lease sweep's dead letter: RUNNING -> FAILED ``attempts_exhausted`` (retryable) for
+    a lease that expired with its attempt budget spent; the attempt closes ``lease_lost``, the
+    audit event is ``lease_expired``. The job's own lease is guarded on attempts >=
+    max_attempts; with ``range_first`` a page range's worker kept dying (the caller counted the
+    range's attempts), which fails its job. False: lost."""
+    if range_first is None:
+        detail, details = "last error: lease_lost", {"result": "exhausted"}
+    else:
+        detail = "last error: lease_lost (a page range)"
+        details = {"result": "exhausted", "range_first": range_first}
+    return fail(
+        lease=lease,
+        code="attempts_exhausted",
+        detail=detail,
+        retryable=True,
+        outcome=AttemptOutcome.LEASE_LOST,
+        attempt_error="lease_lost",
+        event_type="lease_expired",
+        details=details,
+        only_if_exhausted=range_first is None,
+    )
+
+
 @edge(State.RUNNING, State.RETRY_WAIT)
 def retry_later(*, lease: Lease, code: str, delay: timedelta) -> bool:
     """RUNNING -> RETRY_WAIT with ``next_attempt_at`` = now + ``delay`` (a Postgres timestamp),
@@ -565,37 +589,56 @@ def retry_later(*, lease: Lease, code: str, delay: timedelta) -> bool:
     return won
 
 
+def _requeue(
+    lease: Lease,
+    *,
+    traceparent: str,
+    reason: str,
+    values: dict[str, Any],
+    outcome: AttemptOutcome,
+    error_code: str | None,
+    details: dict[str, Any],
+    guard: Q | None = None,
+) -> bool:
+    """RUNNING -> QUEUED at once, fenced: generation + 1 and its outbox row (the redispatch
+    metric's ``reason``, also the audit event's type); the lease ends with ``outcome``. The
+    caller holds the transaction. False: lost, nothing written."""
+    if not _leave_lease(
+        lease,
+        State.RUNNING,
+        State.QUEUED,
+        values={"generation": F("generation") + 1, "queued_at": Now(), **values},
+        guard=guard,
+        outcome=outcome,
+        error_code=error_code,
+        event_type=reason,
+        details=details,
+    ):
+        return False
+    _redispatch(
+        job_id=lease.job_id,
+        generation=lease.generation + 1,
+        traceparent=traceparent,
+        reason=reason,
+    )
+    return True
+
+
 @edge(State.RUNNING, State.QUEUED)
 def requeue_lost_lease(*, lease: Lease, traceparent: str) -> bool:
     """RUNNING -> QUEUED (generation + 1, new outbox row) for an expired lease with attempts
     left (guarded on attempts < max_attempts); the attempt's outcome is ``lease_lost``."""
     with transaction.atomic():
-        if not store.move(
-            held(lease).filter(~_EXHAUSTED),
-            State.RUNNING,
-            State.QUEUED,
-            generation=F("generation") + 1,
-            queued_at=Now(),
-            error_code="lease_lost",
-            error_retryable=True,
-            lease_token=None,
-        ):
-            return False
-        _lease_ends(lease, outcome=AttemptOutcome.LEASE_LOST, error_code="lease_lost")
-        _redispatch(
-            job_id=lease.job_id,
-            generation=lease.generation + 1,
+        return _requeue(
+            lease,
             traceparent=traceparent,
             reason="lease_expired",
-        )
-        audit_event_append(
-            job_id=lease.job_id,
-            event_type="lease_expired",
-            generation=lease.generation,
-            attempt_id=lease.attempt_id,
+            values={"error_code": "lease_lost", "error_retryable": True},
+            guard=~_EXHAUSTED,
+            outcome=AttemptOutcome.LEASE_LOST,
+            error_code="lease_lost",
             details={"result": "requeued"},
         )
-    return True
 
 
 @edge(State.RUNNING, State.QUEUED, name="yield")
@@ -606,33 +649,18 @@ def yield_slice(*, lease: Lease, traceparent: str, cost: int) -> bool:
     the attempt closes ``yielded``; the job resumes from its checkpoints when the fair order
     sends it again. Fenced like every worker write. False: lost, nothing written."""
     with transaction.atomic():
-        if not store.move(
-            held(lease),
-            State.RUNNING,
-            State.QUEUED,
-            generation=F("generation") + 1,
-            attempts=F("attempts") - 1,
-            queued_at=Now(),
-            lease_token=None,
-            dispatch_cost=max(1, cost),
-        ):
-            return False
-        _lease_ends(lease, outcome=AttemptOutcome.YIELDED, error_code=None)
-        _redispatch(
-            job_id=lease.job_id,
-            generation=lease.generation + 1,
+        won = _requeue(
+            lease,
             traceparent=traceparent,
             reason="yielded",
-        )
-        audit_event_append(
-            job_id=lease.job_id,
-            event_type="yielded",
-            generation=lease.generation,
-            attempt_id=lease.attempt_id,
+            values={"attempts": F("attempts") - 1, "dispatch_cost": max(1, cost)},
+            outcome=AttemptOutcome.YIELDED,
+            error_code=None,
             details={"attempt": lease.attempt_number, "cost": max(1, cost)},
         )
-        transaction.on_commit(metrics.FAIR_YIELDS.inc)
-    return True
+        if won:
+            transaction.on_commit(metrics.FAIR_YIELDS.inc)
+    return won
 
 
 @edge(State.CANCELLING, State.CANCELLED)
