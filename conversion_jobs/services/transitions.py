@@ -550,11 +550,11 @@ def fail_lease_lost(*, lease: Lease, range_first: int | None = None) -> bool:
     audit event is ``lease_expired``. The job's own lease is guarded on attempts >=
     max_attempts; with ``range_first`` a page range's worker kept dying (the caller counted the
     range's attempts), which fails its job. False: lost."""
-    if range_first is None:
-        detail, details = "last error: lease_lost", {"result": "exhausted"}
-    else:
-        detail = "last error: lease_lost (a page range)"
-        details = {"result": "exhausted", "range_first": range_first}
+    detail = "last error: lease_lost"
+    details: dict[str, Any] = {"result": "exhausted"}
+    if range_first is not None:
+        detail += " (a page range)"
+        details["range_first"] = range_first
     return fail(
         lease=lease,
         code="attempts_exhausted",
