@@ -470,13 +470,17 @@ def _leave_lease(
     details: dict[str, Any],
     guard: Q | None = None,
     checkpoints: list[PageCheckpoint] | None = None,
+    traceparent: str = "",
 ) -> bool:
     """One fenced move out of a leased state with its bookkeeping; the caller holds the
     transaction. The terminal hook for terminal targets, the lease end and the audit event for
-    the others. False: lost, nothing written."""
+    the others; back to queued is a new generation with its message (``event_type`` is the
+    redispatch metric's reason). False: lost, nothing written."""
     fence = held(lease)
     if guard is not None:
         fence = fence.filter(guard)
+    if target == State.QUEUED:
+        values = {**values, "generation": F("generation") + 1, "queued_at": Now()}
     if not store.move(
         fence, source, target, lease_token=None, **values, **pages.counters(checkpoints or [])
     ):
@@ -503,6 +507,13 @@ def _leave_lease(
         attempt_id=lease.attempt_id,
         details=details,
     )
+    if target == State.QUEUED:
+        _redispatch(
+            job_id=lease.job_id,
+            generation=lease.generation + 1,
+            traceparent=traceparent,
+            reason=event_type,
+        )
     return True
 
 
@@ -589,55 +600,22 @@ def retry_later(*, lease: Lease, code: str, delay: timedelta) -> bool:
     return won
 
 
-def _requeue(
-    lease: Lease,
-    *,
-    traceparent: str,
-    reason: str,
-    values: dict[str, Any],
-    outcome: AttemptOutcome,
-    error_code: str | None,
-    details: dict[str, Any],
-    guard: Q | None = None,
-) -> bool:
-    """RUNNING -> QUEUED at once, fenced: generation + 1 and its outbox row (the redispatch
-    metric's ``reason``, also the audit event's type); the lease ends with ``outcome``. The
-    caller holds the transaction. False: lost, nothing written."""
-    if not _leave_lease(
-        lease,
-        State.RUNNING,
-        State.QUEUED,
-        values={"generation": F("generation") + 1, "queued_at": Now(), **values},
-        guard=guard,
-        outcome=outcome,
-        error_code=error_code,
-        event_type=reason,
-        details=details,
-    ):
-        return False
-    _redispatch(
-        job_id=lease.job_id,
-        generation=lease.generation + 1,
-        traceparent=traceparent,
-        reason=reason,
-    )
-    return True
-
-
 @edge(State.RUNNING, State.QUEUED)
 def requeue_lost_lease(*, lease: Lease, traceparent: str) -> bool:
     """RUNNING -> QUEUED (generation + 1, new outbox row) for an expired lease with attempts
     left (guarded on attempts < max_attempts); the attempt's outcome is ``lease_lost``."""
     with transaction.atomic():
-        return _requeue(
+        return _leave_lease(
             lease,
-            traceparent=traceparent,
-            reason="lease_expired",
+            State.RUNNING,
+            State.QUEUED,
             values={"error_code": "lease_lost", "error_retryable": True},
             guard=~_EXHAUSTED,
             outcome=AttemptOutcome.LEASE_LOST,
             error_code="lease_lost",
+            event_type="lease_expired",
             details={"result": "requeued"},
+            traceparent=traceparent,
         )
 
 
@@ -649,14 +627,16 @@ def yield_slice(*, lease: Lease, traceparent: str, cost: int) -> bool:
     the attempt closes ``yielded``; the job resumes from its checkpoints when the fair order
     sends it again. Fenced like every worker write. False: lost, nothing written."""
     with transaction.atomic():
-        won = _requeue(
+        won = _leave_lease(
             lease,
-            traceparent=traceparent,
-            reason="yielded",
+            State.RUNNING,
+            State.QUEUED,
             values={"attempts": F("attempts") - 1, "dispatch_cost": max(1, cost)},
             outcome=AttemptOutcome.YIELDED,
             error_code=None,
+            event_type="yielded",
             details={"attempt": lease.attempt_number, "cost": max(1, cost)},
+            traceparent=traceparent,
         )
         if won:
             transaction.on_commit(metrics.FAIR_YIELDS.inc)
