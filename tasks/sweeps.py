@@ -61,19 +61,20 @@ def _apply_retention() -> int:
     return result.jobs_expired + result.jobs_purged
 
 
+# A module's service is looked up when the sweep runs, not at import (a test replaces one).
 publish_outbox = _sweep_task("publish_outbox", _publish_outbox)
 republish_stale_queued = _sweep_task(
-    "republish_stale_queued", dispatch.conversion_jobs_republish_if_dispatch_stale
+    "republish_stale_queued", lambda: dispatch.conversion_jobs_republish_if_dispatch_stale()
 )
 requeue_due_retries = _sweep_task(
-    "requeue_due_retries", recovery.conversion_jobs_requeue_if_retry_due
+    "requeue_due_retries", lambda: recovery.conversion_jobs_requeue_if_retry_due()
 )
 recover_expired_leases = _sweep_task(
-    "recover_expired_leases", recovery.conversion_jobs_recover_if_lease_expired
+    "recover_expired_leases", lambda: recovery.conversion_jobs_recover_if_lease_expired()
 )
 recover_expired_ranges = _sweep_task("recover_expired_ranges", job_ranges_recover_if_lease_expired)
 repair_leaseless_jobs = _sweep_task(
-    "repair_leaseless_jobs", recovery.conversion_jobs_repair_if_leaseless
+    "repair_leaseless_jobs", lambda: recovery.conversion_jobs_repair_if_leaseless()
 )
 remove_stale_work_dirs = _sweep_task("remove_stale_work_dirs", _remove_stale_work_dirs)
 remove_orphaned_artifacts = _sweep_task("remove_orphaned_artifacts", artifacts_remove_orphans)
