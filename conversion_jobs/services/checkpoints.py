@@ -84,24 +84,18 @@ def page_checkpoint_record(
     page: int,
     state: PageState,
     attempts: int,
-    artifact_key: str | None = None,
-    artifact_sha256: str | None = None,
-    artifact_size: int | None = None,
-    media_type: str | None = None,
-    error_code: str | None = None,
+    error_code: str,
     range_lease: RangeLease | None = None,
 ) -> PageCheckpoint:
-    """Fenced upsert of one page's checkpoint (``attempts``: tries spent on this page so far);
-    with ``range_lease``, fenced on the page range too."""
+    """Fenced upsert of the checkpoint of a page not done (pending with tries left, or failed):
+    ``attempts``, the tries spent on it so far, and the last ``error_code``; with
+    ``range_lease``, fenced on the page range too. (A done page is batched:
+    ``page_checkpoint_done``.)"""
     checkpoint = PageCheckpoint(
         job_id=lease.job_id,
         page_number=page,
         state=state,
         attempts=attempts,
-        artifact_key=artifact_key,
-        artifact_sha256=artifact_sha256,
-        artifact_size=artifact_size,
-        media_type=media_type,
         error_code=error_code,
         generation=lease.generation,
     )

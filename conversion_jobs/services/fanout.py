@@ -40,7 +40,6 @@ from conversion_jobs import converters, storage
 from conversion_jobs.converters.base import PDF, Prepared
 from conversion_jobs.converters.errors import SourceMissing
 from conversion_jobs.models import (
-    AttemptOutcome,
     ConversionJob,
     ConversionOutbox,
     InlineSource,
@@ -612,18 +611,7 @@ def _recover_range(*, range_id: int, job_id: uuid.UUID, now: datetime) -> str | 
     max_attempts = ConversionJob.objects.filter(id=job_id).values_list("max_attempts", flat=True)[0]
     if attempts >= max_attempts:
         # A range whose worker keeps dying is the document crashing its converter.
-        transitions.chosen(
-            transitions.fail(
-                lease=lease,
-                code="attempts_exhausted",
-                detail="last error: lease_lost (a page range)",
-                retryable=True,
-                outcome=AttemptOutcome.LEASE_LOST,
-                attempt_error="lease_lost",
-                event_type="lease_expired",
-                details={"result": "exhausted", "range_first": first},
-            )
-        )
+        transitions.chosen(transitions.fail_lease_lost(lease=lease, range_first=first))
         return "exhausted"
     ranges.filter(id=range_id).update(
         state=RangeState.QUEUED,

@@ -479,28 +479,21 @@ def _prepared(
     the request of its pages: this job's output and options, the work dir, the limits, the
     stop flag and, for a text job, the largest page that comes back from the child as bytes
     (it then rides in its checkpoint row)."""
-    limits = limits_from_settings()
     inline_max = settings.QUIRE["INLINE_PAGE_MAX_BYTES"] if job.output == "text" else 0
-    prepared = converter.prepare(
+    first_pages = converters.FirstPages(
+        pages=tuple(first), output=job.output, inline_max_bytes=inline_max
+    )
+    request = converters.PrepareRequest(
         source=source,
         media_type=media_type,
         workdir=workdir,
-        limits=limits,
+        limits=limits_from_settings(),
         should_stop=stop,
         options=options,
-        first=converters.FirstPages(
-            pages=tuple(first), output=job.output, inline_max_bytes=inline_max
-        ),
+        first=first_pages,
     )
-    return PageRequest(
-        prepared=prepared,
-        output=job.output,
-        options=options,
-        dest_dir=workdir,
-        limits=limits,
-        should_stop=stop,
-        inline_max_bytes=inline_max,
-    )
+    prepared = converter.prepare(request)
+    return request.pages(prepared, output=job.output, inline_max_bytes=inline_max)
 
 
 def _unfinished(pages: list[int], checkpoints: dict[int, Any]) -> list[int]:

@@ -501,13 +501,17 @@ def _leave_lease(
     details: dict[str, Any],
     guard: Q | None = None,
     checkpoints: list[PageCheckpoint] | None = None,
+    traceparent: str = "",
 ) -> bool:
     """One fenced move out of a leased state with its bookkeeping; the caller holds the
     transaction. The terminal hook for terminal targets, the lease end and the audit event for
-    the others. False: lost, nothing written."""
+    the others; back to queued is a new generation with its message (``event_type`` is the
+    redispatch metric's reason). False: lost, nothing written."""
     fence = held(lease)
     if guard is not None:
         fence = fence.filter(guard)
+    if target == State.QUEUED:
+        values = {**values, "generation": F("generation") + 1, "queued_at": Now()}
     if not store.move(
         fence, source, target, lease_token=None, **values, **pages.counters(checkpoints or [])
     ):
@@ -534,6 +538,13 @@ def _leave_lease(
         attempt_id=lease.attempt_id,
         details=details,
     )
+    if target == State.QUEUED:
+        _redispatch(
+            job_id=lease.job_id,
+            generation=lease.generation + 1,
+            traceparent=traceparent,
+            reason=event_type,
+        )
     return True
 
 
@@ -575,6 +586,30 @@ def fail(
         )
 
 
+def fail_lease_lost(*, lease: Lease, range_first: int | None = None) -> bool:
+    """The lease sweep's dead letter: RUNNING -> FAILED ``attempts_exhausted`` (retryable) for
+    a lease that expired with its attempt budget spent; the attempt closes ``lease_lost``, the
+    audit event is ``lease_expired``. The job's own lease is guarded on attempts >=
+    max_attempts; with ``range_first`` a page range's worker kept dying (the caller counted the
+    range's attempts), which fails its job. False: lost."""
+    detail = "last error: lease_lost"
+    details: dict[str, Any] = {"result": "exhausted"}
+    if range_first is not None:
+        detail += " (a page range)"
+        details["range_first"] = range_first
+    return fail(
+        lease=lease,
+        code="attempts_exhausted",
+        detail=detail,
+        retryable=True,
+        outcome=AttemptOutcome.LEASE_LOST,
+        attempt_error="lease_lost",
+        event_type="lease_expired",
+        details=details,
+        only_if_exhausted=range_first is None,
+    )
+
+
 @edge(State.RUNNING, State.RETRY_WAIT)
 def retry_later(*, lease: Lease, code: str, delay: timedelta) -> bool:
     """RUNNING -> RETRY_WAIT with ``next_attempt_at`` = now + ``delay`` (a Postgres timestamp),
@@ -601,32 +636,18 @@ def requeue_lost_lease(*, lease: Lease, traceparent: str) -> bool:
     """RUNNING -> QUEUED (generation + 1, new outbox row) for an expired lease with attempts
     left (guarded on attempts < max_attempts); the attempt's outcome is ``lease_lost``."""
     with transaction.atomic():
-        if not store.move(
-            held(lease).filter(~_EXHAUSTED),
+        return _leave_lease(
+            lease,
             State.RUNNING,
             State.QUEUED,
-            generation=F("generation") + 1,
-            queued_at=Now(),
+            values={"error_code": "lease_lost", "error_retryable": True},
+            guard=~_EXHAUSTED,
+            outcome=AttemptOutcome.LEASE_LOST,
             error_code="lease_lost",
-            error_retryable=True,
-            lease_token=None,
-        ):
-            return False
-        _lease_ends(lease, outcome=AttemptOutcome.LEASE_LOST, error_code="lease_lost")
-        _redispatch(
-            job_id=lease.job_id,
-            generation=lease.generation + 1,
-            traceparent=traceparent,
-            reason="lease_expired",
-        )
-        audit_event_append(
-            job_id=lease.job_id,
             event_type="lease_expired",
-            generation=lease.generation,
-            attempt_id=lease.attempt_id,
             details={"result": "requeued"},
+            traceparent=traceparent,
         )
-    return True
 
 
 @edge(State.RUNNING, State.QUEUED, name="yield")
@@ -637,33 +658,20 @@ def yield_slice(*, lease: Lease, traceparent: str, cost: int) -> bool:
     the attempt closes ``yielded``; the job resumes from its checkpoints when the fair order
     sends it again. Fenced like every worker write. False: lost, nothing written."""
     with transaction.atomic():
-        if not store.move(
-            held(lease),
+        won = _leave_lease(
+            lease,
             State.RUNNING,
             State.QUEUED,
-            generation=F("generation") + 1,
-            attempts=F("attempts") - 1,
-            queued_at=Now(),
-            lease_token=None,
-            dispatch_cost=max(1, cost),
-        ):
-            return False
-        _lease_ends(lease, outcome=AttemptOutcome.YIELDED, error_code=None)
-        _redispatch(
-            job_id=lease.job_id,
-            generation=lease.generation + 1,
-            traceparent=traceparent,
-            reason="yielded",
-        )
-        audit_event_append(
-            job_id=lease.job_id,
+            values={"attempts": F("attempts") - 1, "dispatch_cost": max(1, cost)},
+            outcome=AttemptOutcome.YIELDED,
+            error_code=None,
             event_type="yielded",
-            generation=lease.generation,
-            attempt_id=lease.attempt_id,
             details={"attempt": lease.attempt_number, "cost": max(1, cost)},
+            traceparent=traceparent,
         )
-        transaction.on_commit(metrics.FAIR_YIELDS.inc)
-    return True
+        if won:
+            transaction.on_commit(metrics.FAIR_YIELDS.inc)
+    return won
 
 
 @edge(State.CANCELLING, State.CANCELLED)
