@@ -23,7 +23,8 @@ when a worker slot is free:
   tenant that was idle starts again at the clock and banks nothing.
 * **one picker at a time**: Postgres runs the whole pick as ``quire_fair_pick`` (migration 0019)
   under a transaction-scoped advisory lock; SQLite's twin runs under ``BEGIN IMMEDIATE`` (the
-  database's one write lock). Both, and every statement of the relay, are ``store/fair.py``'s. Two relays never send one unit twice or exceed the credits.
+  database's one write lock). Both, and every statement of the relay, are ``store/fair.py``'s.
+  Two relays never send one unit twice or exceed the credits.
 
 Every caller that may have freed or filled a slot runs a pick: the commit fast path (the web's
 background publisher, or inline), the worker after each attempt (its credit returned: in
