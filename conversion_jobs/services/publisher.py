@@ -81,8 +81,8 @@ class BackgroundPublisher:
         self._nacked: set[int] = set()
         self._next_tag = 1
         self._last_used = 0.0
-        # The last pick chose every row handed to it: the next rows go out gated, before their
-        # pick (ADR 0021, "Idle latency: the gated fast path"). Off until a pick says so.
+        # The last pick chose exactly the rows handed to it: the next rows go out gated, before
+        # their pick (ADR 0021, "Idle latency: the gated fast path"). Off until a pick says so.
         self._gate_open = False
 
     # --- the request side ------------------------------------------------------------------
@@ -192,8 +192,8 @@ class BackgroundPublisher:
         broker confirms are marked so (``fair.confirm``); a unit this process picked and never
         confirmed (killed before its publish) waits again after twice the confirm timeout.
 
-        While this process's last pick chose every row handed to it (an idle system), the rows
-        are sent first, as gated messages, and the pick runs while they travel (ADR 0021, "Idle
+        While this process's last pick chose exactly the rows handed to it (an idle system), the
+        rows are sent first, as gated messages, and the pick runs while they travel (ADR 0021, "Idle
         latency: the gated fast path"): a worker claims a gated message only once a pick marked
         its unit sent, so the order and the credits stay the pick's."""
         if settings.AMQP_BROKER:
@@ -215,8 +215,11 @@ class BackgroundPublisher:
         except Exception:
             _reset_db()
             raise
+        # Idle: the pick chose the handed rows and nothing else was waiting. A pick that also
+        # chose rows not handed yet (committed meanwhile) closes the gate, so those rows, handed
+        # next, are not sent a second time as gated messages.
         chosen = {u.outbox_id for u in units}
-        self._gate_open = fair_store.gate_supported() and all(p.outbox_id in chosen for p in handed)
+        self._gate_open = fair_store.gate_supported() and chosen == {p.outbox_id for p in handed}
         if units:
             faults.hit("fair.after_pick")
         sent = self._gated_settle(gated, units) if gated else set()

@@ -338,21 +338,27 @@ def claim(
 
     ``gate``: the outbox id of a *gated* message, sent before its unit was picked (ADR 0021,
     "Idle latency: the gated fast path"): it runs only if a pick marked the unit sent. Finding
-    no mark, the claim waits for any pick in progress (its lock, shared) and tries again; still
-    none, it records the refusal on the unit's waiting row, under that lock, so the pick that
+    no mark, the claim waits for any pick in progress (its lock, shared) and for any other holder
+    of the row, and tries again - its attempt starting after the waits; still none, it records
+    the refusal on the unit's waiting row, under that lock, so the pick that
     later chooses the unit tells its publisher to send it again. Either the pick or the refusal
     comes first, never both at once: the unit is never left sent with no message."""
     worker = worker[:128]
-    won = _claimed(job_id=job_id, generation=generation, worker=worker, gated=gate is not None)
-    if won is None and gate is not None and store.generation_of(job_id) == generation:
+    gated = gate is not None
+    # A gated claim never waits on the row: a pick marking it holds it, and the wait below is
+    # the pick's own (its attempt then starts after the wait, not before).
+    won = _claimed(job_id=job_id, generation=generation, worker=worker, gated=gated, skip=gated)
+    if won is None and gate is not None:
         with transaction.atomic():
             fair_store.pick_wait()
-            won = _claimed(job_id=job_id, generation=generation, worker=worker, gated=True)
-            if won is None and fair_store.gate_refuse(
-                outbox_id=gate, job_id=job_id, generation=generation
-            ):
-                metrics.DUPLICATE_DELIVERIES.labels(reason="unpicked").inc()
-                return None
+            row = store.lock_for_choice(job_id, None)  # and the row's other holder, if any
+            if row is not None and row[:2] == (State.QUEUED, generation):
+                won = _claimed(job_id=job_id, generation=generation, worker=worker, gated=True)
+                if won is None and fair_store.gate_refuse(
+                    outbox_id=gate, job_id=job_id, generation=generation
+                ):
+                    metrics.DUPLICATE_DELIVERIES.labels(reason="unpicked").inc()
+                    return None
     if won is None:
         current = store.generation_of(job_id)
         reason = "stale" if current is not None and current > generation else "duplicate"
@@ -362,7 +368,9 @@ def claim(
     return won
 
 
-def _claimed(*, job_id: uuid.UUID, generation: int, worker: str, gated: bool) -> Claim | None:
+def _claimed(
+    *, job_id: uuid.UUID, generation: int, worker: str, gated: bool, skip: bool = False
+) -> Claim | None:
     token = uuid.uuid4()
     now = timezone.now()
     won = store.claim(
@@ -373,6 +381,7 @@ def _claimed(*, job_id: uuid.UUID, generation: int, worker: str, gated: bool) ->
         now=now,
         expires=now + lease_ttl(),
         gated=gated,
+        skip_locked=skip,
     )
     if won is None:
         return None

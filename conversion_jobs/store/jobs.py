@@ -384,7 +384,7 @@ WITH locked AS (
     WHERE id = %(job)s AND state = 'queued' AND generation = %(generation)s
       AND (NOT %(gated)s::boolean
            OR (dispatched_at IS NOT NULL AND dispatched_generation = generation))
-    FOR UPDATE
+    FOR UPDATE{skip_locked}
 ), att AS (
     SELECT nextval(pg_get_serial_sequence('conversion_attempt', 'id')) AS id FROM locked
 ), moved AS (
@@ -438,10 +438,13 @@ def claim(
     now: datetime,
     expires: datetime,
     gated: bool = False,
+    skip_locked: bool = False,
 ) -> Claimed | None:
     """``CLAIM`` (SQLite: :func:`_claim_orm`). None: the guard matched nothing (written nothing).
     ``gated``: the message was sent before its unit was picked (ADR 0021, "Idle latency: the
-    gated fast path"), so the job must also carry a pick's sent mark in its generation."""
+    gated fast path"), so the job must also carry a pick's sent mark in its generation.
+    ``skip_locked``: a row another transaction holds (a pick marking it) matches nothing instead
+    of being waited for (SQLite has no row locks: its twin ignores it)."""
     params: dict[str, Any] = {
         "job": job_id,
         "generation": generation,
@@ -456,6 +459,7 @@ def claim(
     details = canonical_json({"attempt": audit.slot("attempt_number")})
     exprs = {"attempt": "att.id", "attempt_number": "l.attempts + 1"}
     sql = CLAIM.format(
+        skip_locked=" SKIP LOCKED" if skip_locked else "",
         columns=_job_columns(),
         commit=CLAIM_ASYNC_COMMIT if settings.QUIRE["CLAIM_ASYNC_COMMIT"] else "",
         hash=audit.chain_sql(

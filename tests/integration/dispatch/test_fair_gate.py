@@ -209,7 +209,9 @@ def test_background_publisher__idle__sends_gated_messages_before_the_pick(
 ) -> None:
     capacity(1000)
     sent_before = _counter(metrics.FAIR_GATED, outcome="sent")
-    first = _accept(tmp_path)  # the gate opens once a pick chose every row handed to it
+    first = _accept(
+        tmp_path
+    )  # the gate opens once a pick chose exactly the rows handed to it (nothing else was waiting)
     assert background.flush(30)
     second = _accept(tmp_path)
     assert background.flush(30)
@@ -251,3 +253,38 @@ def test_background_publisher__busy__sends_no_gated_messages(
         is None
     )
     assert ConversionOutbox.objects.get(job=waiting).last_error_code == GATE_REFUSED
+
+
+def _hold_row(job_id: uuid.UUID, started: threading.Event, hold_s: float, out: list[float]) -> None:
+    try:
+        with transaction.atomic():
+            ConversionJob.objects.select_for_update().get(id=job_id)
+            started.set()
+            time.sleep(hold_s)
+            out.append(time.time())
+    finally:
+        connections.close_all()
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_gated_claim__a_held_row_is_waited_for_after_and_the_attempt_starts_after_the_wait(
+    capacity: Any, unit: Any
+) -> None:
+    """The first look of a gated claim skips a row another transaction holds (a pick marking
+    it) rather than wait inside the claim statement; the second look waits for the holder. The
+    attempt's start is taken after that wait, so commit -> claim counts it."""
+    if connection.vendor != "postgresql":
+        pytest.fail("this test needs the production profile (row locks)")
+    capacity(1)
+    job = unit("a")
+    fair.pick(limit=10)
+    started, released = threading.Event(), []
+    holder = threading.Thread(target=_hold_row, args=(job.id, started, 0.5, released))
+    holder.start()
+    assert started.wait(10)
+    claim = transitions.claim(job_id=job.id, generation=1, worker="w", gate=_outbox_id(job))
+    holder.join(10)
+    assert claim is not None
+    assert claim.lease.started_at is not None
+    assert claim.lease.started_at.timestamp() >= released[0] - 0.05
