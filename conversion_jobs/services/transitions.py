@@ -345,8 +345,11 @@ def claim(
     comes first, never both at once: the unit is never left sent with no message."""
     worker = worker[:128]
     gated = gate is not None
-    # A gated claim never waits on the row: a pick marking it holds it, and the wait below is
-    # the pick's own (its attempt then starts after the wait, not before).
+    if gated:
+        # On an idle system the gated message often outruns its pick: wait for a pick in
+        # progress first, then claim without waiting on the row (a holder of the row is waited
+        # for below), so the attempt's start is taken after every wait.
+        fair_store.pick_passed()
     won = _claimed(job_id=job_id, generation=generation, worker=worker, gated=gated, skip=gated)
     if won is None and gate is not None:
         with transaction.atomic():

@@ -52,6 +52,21 @@ def pick_wait() -> None:
             cursor.execute("SELECT pg_advisory_xact_lock_shared(%s)", [PICK_LOCK])
 
 
+def pick_passed() -> None:
+    """Wait until a pick in progress has committed (the pick's lock taken shared and let go at
+    once, one statement): a gated claim's first step, so that it reads the pick's mark. SQLite:
+    nothing."""
+    if db.postgres():
+        with prepared_cursor() as cursor:
+            cursor.execute(PICK_PASSED, {"key": PICK_LOCK})
+
+
+#: :func:`pick_passed`'s statement: a barrier, not a lock held (a pick may start right after).
+PICK_PASSED = (
+    "SELECT pg_advisory_lock_shared(%(key)s::bigint), pg_advisory_unlock_shared(%(key)s::bigint)"
+)
+
+
 def gate_refuse(*, outbox_id: int, job_id: uuid.UUID, generation: int) -> int:
     """Record on the unit's waiting row that its gated message was refused (no pick had marked
     it): the pick that later chooses it says so, and its publisher sends the unit again. Row

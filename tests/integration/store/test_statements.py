@@ -735,6 +735,7 @@ def test_fair_confirm_and_return_unconfirmed__an_unconfirmed_unit_waits_again(
 def test_fair_gate__a_refusal_on_a_waiting_unit_the_pick_reports(path, make_job, fair_slots):
     assert fair.gate_supported() is (path == "statement")
     job, row = _unit(make_job)
+    fair.pick_passed()  # no pick in progress: at once (fair.PICK_PASSED, a barrier)
     with transaction.atomic():
         fair.pick_wait()  # no pick in progress: at once (the pick's lock, fair.PICK_LOCK, shared)
         assert fair.gate_refuse(outbox_id=row, job_id=job.id, generation=1) == 1
