@@ -211,15 +211,13 @@ def _convert_range(*, claim: RangeClaim, beats: _Beats, workdir: Path) -> str:
         converter.request_pages(request, pages=ahead)
     return runner._convert_pages(
         runner.PageRun(
-            lease=lease,
+            batch=CheckpointBatch(lease, checkpoints, range_lease=range_lease),
             job=job,
             converter=converter,
             request=request,
             pages=pages,
             todo=todo,
-            checkpoints=checkpoints,
             unrecorded={},
-            range_lease=range_lease,
             finish=functools.partial(
                 _range_done, claim=claim, beats=beats, workdir=workdir, source=source
             ),
@@ -258,11 +256,9 @@ def _join(*, claim: RangeClaim, workdir: Path, source: Path) -> str:
     )
     with CheckpointBatch(lease, checkpoints) as batch:
         return runner._finalize(
-            lease=lease,
+            batch=batch,
             job=job,
             pages=pages,
-            checkpoints=checkpoints,
-            batch=batch,
             prepared=prepared,
             workdir=workdir,
             local={},
