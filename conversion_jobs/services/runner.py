@@ -17,7 +17,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -495,8 +495,9 @@ class PageRun:
     too) and the pages' checkpoints as read (a page that fails is added). ``request``: the
     converter's page request (its ``dest_dir`` is the work dir, its ``inline_max_bytes`` the
     largest text page that rides in its checkpoint row, 0: none). ``todo``: the pages of
-    ``pages`` still to convert, in order. A page range passes ``finish`` (called once its last
-    batch is written, instead of ``_finalize``)."""
+    ``pages`` still to convert, in order. ``unrecorded``: the page count while it is still to
+    be recorded (``_convert``; a page range's never is). A page range passes ``finish``
+    (called once its last batch is written, instead of ``_finalize``)."""
 
     batch: CheckpointBatch
     job: ConversionJob
@@ -504,7 +505,7 @@ class PageRun:
     request: PageRequest
     pages: list[int]
     todo: list[int]
-    unrecorded: dict[str, int]
+    unrecorded: dict[str, int] = field(default_factory=dict)
     finish: Callable[[], str] | None = None
 
 
@@ -539,7 +540,7 @@ def _convert_pages(run: PageRun) -> str:
             batch=batch,
             job=run.job,
             pages=run.pages,
-            prepared=run.request.prepared,
+            document=run.request.prepared.document,
             workdir=run.request.dest_dir,
             local=local,
             unrecorded=run.unrecorded,
@@ -689,12 +690,13 @@ def _finalize(
     batch: CheckpointBatch,
     job: ConversionJob,
     pages: list[int],
-    prepared: Any,
+    document: Path,
     workdir: Path,
     local: dict[int, Path],
     unrecorded: dict[str, int],
 ) -> str:
-    """Assemble the result from page artifacts and publish it with one fenced CAS (on
+    """Assemble the result from page artifacts (``document``: the prepared document, a pdf
+    job's source of LibreOffice's own PDF) and publish it with one fenced CAS (on
     ``batch.lease``); the pages still waiting in ``batch`` are checkpointed in that same
     transaction. Pages an earlier attempt converted are fetched from the store into the work
     directory first."""
@@ -715,7 +717,7 @@ def _finalize(
         lease=lease,
         job=job,
         done=[(p, outcome[p]) for p in done_pages],
-        prepared=prepared,
+        document=document,
         workdir=workdir,
         local=local,
     )
@@ -776,7 +778,7 @@ def _assembled(
     lease: Lease,
     job: ConversionJob,
     done: list[tuple[int, Any]],
-    prepared: Any,
+    document: Path,
     workdir: Path,
     local: dict[int, Path],
 ) -> _Assembled:
@@ -809,7 +811,7 @@ def _assembled(
             output=job.output,
             pages=sources,
             dest=assembled,
-            prepared_document=prepared.document,
+            prepared_document=document,
         )
         sha, size = storage.sha256_file(assembled)
         storage.put_file(key, assembled, sha256=sha)
