@@ -18,7 +18,6 @@ from .base import (
     OUTPUTS,
     PDF,
     Converter,
-    Limits,
     PageArtifact,
     PageRequest,
     Prepared,
@@ -56,8 +55,7 @@ def _prepare_in_session(
     session = open_session(
         document=Path(request.source), scratch_dir=request.workdir, limits=limits
     )
-    secret = {"password": password} if password is not None else {}
-    args = {"path": str(session.document), **secret}
+    args = _document_args(session, password)
     try:
         if first is None:
             return session.call(
@@ -72,16 +70,8 @@ def _prepare_in_session(
             page_op,
             first.pages,
             (str(session.inside()), _SUFFIX[first.output]),
-            _page_args(
-                session=session,
-                output=first.output,
-                options=request.options,
-                limits=limits,
-                password=password,
-                inline_max_bytes=first.inline_max_bytes,
-            ),
-            timeout_s=limits.prepare_timeout_s,
-            page_timeout_s=limits.page_timeout_s,
+            _page_args(args, request, output=first.output, inline_max_bytes=first.inline_max_bytes),
+            limits=limits,
             should_stop=request.should_stop,
             fault=fault,
         )
@@ -90,27 +80,27 @@ def _prepare_in_session(
         raise
 
 
+def _document_args(session: ChildSession, password: str | None) -> dict:
+    """What opens the session's document in the child: its path, and its password if it has
+    one. A prepare's arguments, and part of every page request's: a fresh child (after a failed
+    page) opens the document again."""
+    secret = {"password": password} if password is not None else {}
+    return {"path": str(session.document), **secret}
+
+
 def _page_args(
+    document: dict,
+    request: PrepareRequest | PageRequest,
     *,
-    session: ChildSession,
     output: str,
-    options: dict | None,
-    limits: Limits,
-    password: str | None,
     inline_max_bytes: int,
 ) -> dict:
-    """The arguments of a page request but its pages (``read_ahead``'s ``args``)."""
-    dpi = int((options or {}).get("dpi") or DEFAULT_DPI)
-    # a fresh child (after a failed page) opens the document again: the password goes along
-    secret = {"password": password} if password is not None else {}
+    """The arguments of a page request but its pages (``read_ahead``'s ``args``): the
+    document's (``_document_args``), the ``output``, the dpi (the request's option, within its
+    limits) and the largest page that comes back inline."""
+    dpi = int((request.options or {}).get("dpi") or DEFAULT_DPI)
     extra = {"inline_max_bytes": inline_max_bytes} if inline_max_bytes > 0 else {}
-    return {
-        "path": str(session.document),
-        "output": output,
-        "dpi": max(1, min(dpi, limits.max_dpi)),
-        **secret,
-        **extra,
-    }
+    return {**document, "output": output, "dpi": max(1, min(dpi, request.limits.max_dpi)), **extra}
 
 
 #: Pages asked of the child in one read-ahead request (it answers each as it is done).
@@ -189,11 +179,9 @@ def _request_pages(
             request.op,
             [(p, str(_page_dest(session.inside(), p, request.output))) for p in wanted],
             _page_args(
-                session=session,
+                _document_args(session, request.password),
+                request,
                 output=request.output,
-                options=request.options,
-                limits=limits,
-                password=request.password,
                 inline_max_bytes=request.inline_max_bytes,
             ),
             timeout_s=limits.page_timeout_s,

@@ -48,7 +48,7 @@ from conversion_jobs.models import (
     WorkerLease,
 )
 from conversion_jobs.observability import metrics
-from conversion_jobs.services import execution, fair, transitions
+from conversion_jobs.services import fair, transitions
 from conversion_jobs.services.audit import audit_event_append
 from conversion_jobs.services.checkpoints import (
     job_row_lock,
@@ -168,25 +168,23 @@ def ranges_for(*, pages: list[int], todo: list[int]) -> list[tuple[int, int]]:
 
 
 def conversion_job_fan_out(
+    claim: transitions.Claim,
     *,
-    lease: Lease,
-    job: ConversionJob,
     pages: list[int],
     todo: list[int],
     prepared: Prepared,
     heartbeat: Heartbeat,
-    unrecorded: dict[str, int],
-    source: bytes | None = None,
     kept: list[RangeClaim] | None = None,
     worker: str = "",
 ) -> str:
-    """The planner: the page count recorded, an Office document's PDF stored once (every range
-    splits it), then the ranges planned (``ranges_plan``). Returns ``fanned_out``; LeaseLost
-    when the job was recovered or cancelled meanwhile (the runner stops). ``kept``: the planner
-    goes on with the first range itself, in the slot it holds (no message, no wait for the
-    relay): it is planned already claimed by the planner (``worker``: its identity), and its
-    claim is appended to ``kept`` (``source``: an inline source's bytes, for it)."""
-    execution.page_count_record_deferred(lease, unrecorded)
+    """The planner of the attempt ``claim`` (its page count recorded): an Office document's PDF
+    stored once (every range splits it), then the ranges planned (``ranges_plan``). Returns
+    ``fanned_out``; LeaseLost when the job was recovered or cancelled meanwhile (the runner
+    stops). ``kept``: the planner goes on with the first range itself, in the slot it holds (no
+    message, no wait for the relay): it is planned already claimed by the planner (``worker``:
+    its identity), and its claim is appended to ``kept`` (with ``claim.source``, an inline
+    source's bytes)."""
+    lease, job = claim.lease, claim.job
     document_key = None
     if prepared.media_type == PDF and job.source_media_type != PDF:
         document_key = storage.page_key(
@@ -221,7 +219,7 @@ def conversion_job_fan_out(
                 lease=dataclasses.replace(lease, started_at=None),
                 job=job,
                 document_key=document_key,
-                source=source if document_key is None else None,
+                source=claim.source if document_key is None else None,
             )
         )
     return "fanned_out"
