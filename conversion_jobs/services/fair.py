@@ -42,7 +42,6 @@ import os
 import re
 import socket
 import threading
-import uuid
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -185,21 +184,9 @@ def dispatch_cost(
 # --- the pick -----------------------------------------------------------------------------------
 
 
-class Unit(NamedTuple):
-    """A dispatch unit the relay chose to send now: a job's message, or a page range's (its
-    first page and range generation, ADR 0023)."""
-
-    outbox_id: int
-    job_id: uuid.UUID
-    generation: int
-    traceparent: str
-    tenant: str
-    cost: int
-    range_first: int | None = None
-    range_generation: int | None = None
-    #: a gated message of this unit was refused before this pick chose it (ADR 0021, "Idle
-    #: latency: the gated fast path"): a publisher that sent it speculatively sends it again
-    refused: bool = False
+class Unit(fair_store.Picked):
+    """A dispatch unit the relay chose to send now (a row of the pick, ``store.fair.Picked``): a
+    job's message, or a page range's (its first page and range generation, ADR 0023)."""
 
     @property
     def page_range(self) -> broker.RangeRef | None:

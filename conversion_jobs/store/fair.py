@@ -102,9 +102,11 @@ class Picked(NamedTuple):
     traceparent: str
     tenant: str
     cost: int
-    range_first: int | None
-    range_generation: int | None
-    refused: bool
+    range_first: int | None = None
+    range_generation: int | None = None
+    #: a gated message of this unit was refused before this pick chose it (ADR 0021, "Idle
+    #: latency: the gated fast path"): a publisher that sent it first sends it again
+    refused: bool = False
 
 
 def pick(*, limit: int) -> list[Picked]:
