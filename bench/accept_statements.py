@@ -91,12 +91,15 @@ def main() -> None:
             details={"media_type": "application/pdf", "size": 10240, "output": "text"},
         )
         acceptance._precheck(
-            tenant="bench",
-            key=new.idempotency_key,
-            sha=job.source_sha256,
-            output="text",
-            digest="d" * 64,
-            engine="",
+            acceptance._Identity(
+                tenant="bench",
+                key=new.idempotency_key,
+                fingerprint=new.fingerprint,
+                sha256=job.source_sha256,
+                output="text",
+                digest="d" * 64,
+                engine="",
+            )
         )
         transitions.job_insert_queued(new)
 

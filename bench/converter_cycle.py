@@ -54,7 +54,14 @@ def main() -> int:
     args = parser.parse_args()
 
     from conversion_jobs import converters
-    from conversion_jobs.converters import Limits, PageRequest, sandbox, sessions, zygote
+    from conversion_jobs.converters import (
+        Limits,
+        PageRequest,
+        PrepareRequest,
+        sandbox,
+        sessions,
+        zygote,
+    )
     from conversion_jobs.converters.isolation import empty_directory
     from tests.testdocs import pdf_bytes
 
@@ -81,13 +88,15 @@ def main() -> int:
         source.write_bytes(document)
         converters.begin_attempt(tenant="bench-tenant")
         prepared = converter.prepare(
-            source=source,
-            media_type="application/pdf",
-            workdir=workdir,
-            limits=limits,
-            should_stop=lambda: False,
-            options={},
-            first=first,
+            PrepareRequest(
+                source=source,
+                media_type="application/pdf",
+                workdir=workdir,
+                limits=limits,
+                should_stop=lambda: False,
+                options={},
+                first=first,
+            )
         )
         page = converter.convert_page(
             PageRequest(

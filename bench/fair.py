@@ -12,7 +12,9 @@ layer in the parent of the stack, as ``bench/latency.py`` does.
 * **Idle latency**: commit -> claim p50 / p99 of ``--idle-jobs`` one-page PDF -> text jobs, one
   at a time (``bench/latency.py``'s idle phase), fair dispatch off (the fast path as it was)
   and on, interleaved job by job on one stack (the switch is this process's, which runs every
-  commit's fast path).
+  commit's fast path). ``--fast-path background`` (the default since session 15): the commit
+  hands its row to the web's background publisher thread, as a served web does (fair on, the
+  gated fast path, ADR 0021); ``inline``: the fast path on the committing thread.
 * **Flood** (one worker, ``WORKER_CONCURRENCY=2``: two worker processes): B alone first (the
   idle baseline: ``--b-jobs`` one-page jobs submitted at once, p95 of submit -> succeeded); A
   alone (``--a-jobs`` 10-page PNG jobs, pages/s from its first submit to its last finish); then
@@ -150,6 +152,12 @@ def phase_idle(args: argparse.Namespace) -> dict:
                 )
 
         fair.pick, broker.publish_conversion = timed_pick, timed_publish
+        if args.fast_path == "background":
+            # as the web runs it: the commit hands its row to the background publisher's thread
+            from conversion_jobs.services import publisher
+
+            settings.QUIRE["FAST_PUBLISH"] = "background"
+            assert publisher.enable() is not None
         for i in range(2 * args.idle_jobs):
             name = ("off", "on")[i % 2]
             settings.QUIRE["FAIR_DISPATCH"] = name == "on"
@@ -169,7 +177,18 @@ def phase_idle(args: argparse.Namespace) -> dict:
             }
         for key, values in spent.items():
             values.sort()
-            out["off"][f"{key}_ms_p50"] = c.percentile(values, 50)
+            out["off"][f"{key}_ms_p50"] = c.percentile(values, 50) if values else float("nan")
+        from conversion_jobs.observability import metrics
+
+        out["on"]["gated"] = {
+            o: int(metrics.FAIR_GATED.labels(outcome=o)._value.get()) for o in ("sent", "not_sent")
+        }
+        out["on"]["gate_refused"] = int(
+            c.sql_retry(
+                stack.db_url,
+                "SELECT count(*) FROM conversion_outbox WHERE last_error_code = 'gate_refused'",
+            )
+        )
         return out
 
 
@@ -326,6 +345,12 @@ def main() -> int:
     parser.add_argument("--phase", choices=list(PHASES), help=argparse.SUPPRESS)
     parser.add_argument("--only", default="idle,flood,weights,long")
     parser.add_argument("--idle-jobs", type=int, default=100)
+    parser.add_argument(
+        "--fast-path",
+        choices=("background", "inline"),
+        default="background",
+        help="idle: the web's background publisher (as served) or the inline fast path",
+    )
     parser.add_argument("--a-jobs", type=int, default=1000)
     parser.add_argument("--b-jobs", type=int, default=20)
     parser.add_argument("--b-delay", type=float, default=5.0)
@@ -355,6 +380,10 @@ def main() -> int:
         print(
             "  in this process: pick p50 {pick_ms_p50:.2f} ms, publish p50 fair off"
             " {publish_off_ms_p50:.2f} / on {publish_on_ms_p50:.2f} ms".format(**off)
+        )
+        print(
+            f"  fast path: {args.fast_path}; gated messages sent {on['gated']['sent']},"
+            f" not chosen {on['gated']['not_sent']}, refused by a claim {on['gate_refused']}"
         )
         for name, r in (("off", off), ("on", on)):
             print(

@@ -126,7 +126,7 @@ def worker_converter(
     *, source: Path, output: str, first: int, last: int, out: Path, warm: bool
 ) -> None:
     from conversion_jobs import converters
-    from conversion_jobs.converters import Limits, PageRequest, converter_for
+    from conversion_jobs.converters import Limits, PageRequest, PrepareRequest, converter_for
     from tests import testdocs
 
     limits = Limits()
@@ -135,7 +135,13 @@ def worker_converter(
 
     def convert(document: Path, pages: range, workdir: Path) -> None:
         prepared = converter.prepare(
-            source=document, media_type=PDF, workdir=workdir, limits=limits, should_stop=stop.is_set
+            PrepareRequest(
+                source=document,
+                media_type=PDF,
+                workdir=workdir,
+                limits=limits,
+                should_stop=stop.is_set,
+            )
         )
         request = PageRequest(
             prepared=prepared,

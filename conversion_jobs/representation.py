@@ -4,6 +4,7 @@ serializers in ``api/serializers.py`` describe the same shapes for the OpenAPI d
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -23,33 +24,52 @@ _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _MICROSECOND = timedelta(microseconds=1)
 
 
-def job_etag(
-    *,
-    state_version: int,
-    pages_total: int | None,
-    pages_done: int,
-    pages_failed: int,
-    updated_at: datetime,
-) -> str:
-    """The job's strong validator (docs/API_CONTRACT.md §2.2, RFC 9110 §8.8.3): it changes
-    whenever the representation does. A transition bumps ``state_version``; every other write
-    that changes a field of the body (page counters, the page total, retention's expiry) sets
-    ``updated_at``, which the body shows too; the counters are named as well, so two writes
-    that land in one microsecond still differ. Built from the columns the cheap 304 path reads
-    (``selectors.conversion_job_wait_status``), never from a rendered body."""
-    total = "" if pages_total is None else pages_total
-    stamp = (updated_at - _EPOCH) // _MICROSECOND
-    return f'"v{state_version}.{total}.{pages_done}.{pages_failed}.{stamp}"'
+@dataclass(frozen=True)
+class JobStatus:
+    """What a conditional or waiting read compares: the columns the cheap 304 path reads
+    (``selectors.conversion_job_wait_status``, in this order), of which the job's ETag is made."""
+
+    state: str
+    state_version: int
+    pages_total: int | None
+    pages_done: int
+    pages_failed: int
+    updated_at: datetime
+
+    @classmethod
+    def of(cls, job: ConversionJob) -> JobStatus:
+        return cls(
+            job.state,
+            job.state_version,
+            job.source_page_count,
+            job.pages_done,
+            job.pages_failed,
+            job.updated_at,
+        )
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL_STATES
+
+    @property
+    def etag(self) -> str:
+        """The job's strong validator (docs/API_CONTRACT.md §2.2, RFC 9110 §8.8.3): it changes
+        whenever the representation does. A transition bumps ``state_version``; every other
+        write that changes a field of the body (page counters, the page total, retention's
+        expiry) sets ``updated_at``, which the body shows too; the counters are named as well,
+        so two writes that land in one microsecond still differ. Never from a rendered body."""
+        stamp = (self.updated_at - _EPOCH) // _MICROSECOND
+        return f'"v{self.event_id}.{stamp}"'
+
+    @property
+    def event_id(self) -> str:
+        """The SSE id: changes whenever a client could see a difference."""
+        total = "" if self.pages_total is None else self.pages_total
+        return f"{self.state_version}.{total}.{self.pages_done}.{self.pages_failed}"
 
 
 def job_etag_of(job: ConversionJob) -> str:
-    return job_etag(
-        state_version=job.state_version,
-        pages_total=job.source_page_count,
-        pages_done=job.pages_done,
-        pages_failed=job.pages_failed,
-        updated_at=job.updated_at,
-    )
+    return JobStatus.of(job).etag
 
 
 def job_representation(job: ConversionJob) -> dict[str, Any]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from celery import shared_task
+from celery import Task, shared_task
 
 from beat_schedules.schedule import sweep_interval
 from conversion_jobs.passwords import sealed_passwords_wipe
@@ -35,39 +35,19 @@ def _sweep(name: str, run: Callable[[], int]) -> int:
     return done
 
 
-@shared_task(name="tasks.sweeps.publish_outbox", ignore_result=True)
-def publish_outbox() -> int:
-    return _sweep("publish_outbox", lambda: dispatch.outbox_rows_publish_unpublished().published)
+def _sweep_task(name: str, run: Callable[[], int]) -> Task[[], int]:
+    """The beat task ``tasks.sweeps.<name>`` (beat_schedules/schedule.py names it): ``run``
+    through ``_sweep``."""
+
+    @shared_task(name=f"tasks.sweeps.{name}", ignore_result=True)
+    def sweep() -> int:
+        return _sweep(name, run)
+
+    return sweep
 
 
-@shared_task(name="tasks.sweeps.republish_stale_queued", ignore_result=True)
-def republish_stale_queued() -> int:
-    return _sweep("republish_stale_queued", dispatch.conversion_jobs_republish_if_dispatch_stale)
-
-
-@shared_task(name="tasks.sweeps.requeue_due_retries", ignore_result=True)
-def requeue_due_retries() -> int:
-    return _sweep("requeue_due_retries", recovery.conversion_jobs_requeue_if_retry_due)
-
-
-@shared_task(name="tasks.sweeps.recover_expired_leases", ignore_result=True)
-def recover_expired_leases() -> int:
-    return _sweep("recover_expired_leases", recovery.conversion_jobs_recover_if_lease_expired)
-
-
-@shared_task(name="tasks.sweeps.recover_expired_ranges", ignore_result=True)
-def recover_expired_ranges() -> int:
-    return _sweep("recover_expired_ranges", job_ranges_recover_if_lease_expired)
-
-
-@shared_task(name="tasks.sweeps.repair_leaseless_jobs", ignore_result=True)
-def repair_leaseless_jobs() -> int:
-    return _sweep("repair_leaseless_jobs", recovery.conversion_jobs_repair_if_leaseless)
-
-
-@shared_task(name="tasks.sweeps.remove_stale_work_dirs", ignore_result=True)
-def remove_stale_work_dirs() -> int:
-    return _sweep("remove_stale_work_dirs", _remove_stale_work_dirs)
+def _publish_outbox() -> int:
+    return dispatch.outbox_rows_publish_unpublished().published
 
 
 def _remove_stale_work_dirs() -> int:
@@ -76,15 +56,26 @@ def _remove_stale_work_dirs() -> int:
     return recovery.work_dirs_remove_stale()
 
 
-@shared_task(name="tasks.sweeps.remove_orphaned_artifacts", ignore_result=True)
-def remove_orphaned_artifacts() -> int:
-    return _sweep("remove_orphaned_artifacts", artifacts_remove_orphans)
+def _apply_retention() -> int:
+    result = retention_apply()
+    return result.jobs_expired + result.jobs_purged
 
 
-@shared_task(name="tasks.sweeps.apply_retention", ignore_result=True)
-def apply_retention() -> int:
-    def run() -> int:
-        result = retention_apply()
-        return result.jobs_expired + result.jobs_purged
-
-    return _sweep("apply_retention", run)
+# A module's service is looked up when the sweep runs, not at import (a test replaces one).
+publish_outbox = _sweep_task("publish_outbox", _publish_outbox)
+republish_stale_queued = _sweep_task(
+    "republish_stale_queued", lambda: dispatch.conversion_jobs_republish_if_dispatch_stale()
+)
+requeue_due_retries = _sweep_task(
+    "requeue_due_retries", lambda: recovery.conversion_jobs_requeue_if_retry_due()
+)
+recover_expired_leases = _sweep_task(
+    "recover_expired_leases", lambda: recovery.conversion_jobs_recover_if_lease_expired()
+)
+recover_expired_ranges = _sweep_task("recover_expired_ranges", job_ranges_recover_if_lease_expired)
+repair_leaseless_jobs = _sweep_task(
+    "repair_leaseless_jobs", lambda: recovery.conversion_jobs_repair_if_leaseless()
+)
+remove_stale_work_dirs = _sweep_task("remove_stale_work_dirs", _remove_stale_work_dirs)
+remove_orphaned_artifacts = _sweep_task("remove_orphaned_artifacts", artifacts_remove_orphans)
+apply_retention = _sweep_task("apply_retention", _apply_retention)

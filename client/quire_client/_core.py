@@ -1,5 +1,7 @@
-"""What the sync and the async client share: retry policy, ``Retry-After`` parsing, turning an
-answer into a model or a typed error, the idempotency key, and digest checks. No I/O here."""
+"""What the sync and the async client share: retry policy and the retry decisions of a call
+and of an event stream, ``Retry-After`` parsing, the requests' parts, turning an answer into a
+model or a typed error, the idempotency key, and digest checks. No I/O here: each client only
+sends, sleeps and reads, in its own colour."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from typing import IO, Any
 import httpx
 
 from quire_client import errors
-from quire_client.models import OUTPUTS, Problem
+from quire_client.models import OUTPUTS, Job, JobList, Problem, Progress
 
 API = "/api/v1"
 #: statuses retried (honouring Retry-After): too many live jobs, capacity, a store or the
@@ -26,6 +28,8 @@ RETRY_STATUSES = frozenset({429, 503})
 #: connection-level failures retried for idempotent calls
 TRANSPORT_ERRORS = (httpx.TransportError,)
 USER_AGENT = "quire-client/0.1"
+#: an event stream's timeouts: the server sends a keep-alive comment well within ``read``
+EVENTS_TIMEOUT = httpx.Timeout(30.0, read=120.0)
 Upload = str | os.PathLike[str] | bytes | IO[bytes]
 
 
@@ -49,6 +53,109 @@ class RetryPolicy:
             return min(max(retry_after, 0.0), self.max_wait_s)
         base = self.backoff_s * (2 ** (attempt - 1))
         return float(min(base * (0.5 + random.random() / 2), self.max_wait_s))  # noqa: S311 - jitter
+
+
+class Tries:
+    """The tries of one call under ``policy``: after each, whether the answer is the call's, an
+    error is raised, or the client waits (the seconds returned) and tries again."""
+
+    def __init__(
+        self, policy: RetryPolicy, *, idempotent: bool = True, expect: tuple[int, ...] = (200,)
+    ) -> None:
+        self.policy, self.idempotent, self.expect = policy, idempotent, expect
+        self.attempt = 1
+
+    def after_error(self, exc: Exception) -> float:
+        """A connection error: the wait before the next try; ConnectionFailed when the tries
+        are spent or the call may not be repeated."""
+        if not self.idempotent or self.attempt >= self.policy.connection_attempts:
+            raise errors.ConnectionFailed(f"{type(exc).__name__}: {exc}") from exc
+        return self._next(None)
+
+    def after_answer(self, response: httpx.Response) -> float | None:
+        """None: ``response`` is the call's answer (a status in ``expect``, or one outside it
+        that is no error: 304, 302). A wait: a 429 / 503 with tries left. Any other error
+        answer raises its typed error."""
+        if response.status_code in RETRY_STATUSES and self.attempt < self.policy.max_attempts:
+            return self._next(retry_after_of(response))
+        if response.status_code not in self.expect:
+            raise_for_problem(response)
+        return None
+
+    def _next(self, retry_after: float | None) -> float:
+        wait = self.policy.delay(self.attempt, retry_after)
+        self.attempt += 1
+        return wait
+
+
+class EventFollow:
+    """Following a job's event stream (SSE) under ``policy``: the ``Last-Event-ID`` to resume
+    from, the snapshot an event carries, and the waits after a refusal or a lost connection
+    (the tries count from the last event received)."""
+
+    def __init__(self, policy: RetryPolicy) -> None:
+        self.policy = policy
+        self.last_id: str | None = None
+        self.failures = 0
+
+    def headers(self) -> dict[str, str]:
+        return {"Last-Event-ID": self.last_id} if self.last_id else {}
+
+    def after_refusal(self, response: httpx.Response) -> float:
+        """A 429 / 503 (its body read): the wait before connecting again; its typed error when
+        the tries are spent."""
+        self.failures += 1
+        if self.failures >= self.policy.max_attempts:
+            raise_for_problem(response)
+        return self.policy.delay(self.failures, retry_after_of(response))
+
+    def after_error(self, exc: Exception) -> float:
+        """A connection error: the wait before connecting again; ConnectionFailed when the
+        tries are spent."""
+        self.failures += 1
+        if self.failures >= self.policy.connection_attempts:
+            raise errors.ConnectionFailed(f"{type(exc).__name__}: {exc}") from exc
+        return self.policy.delay(self.failures, None)
+
+    def snapshot(self, event: Any) -> Progress | None:
+        """The job's progress an event carries (None: another kind of event)."""
+        if event.event not in ("state", "progress"):
+            return None
+        self.last_id = event.id or self.last_id
+        self.failures = 0
+        return Progress.from_dict(json.loads(event.data))
+
+
+def submit_parts(
+    *,
+    output: str,
+    options: dict[str, Any] | None,
+    metadata: dict[str, Any] | None,
+    idempotency_key: str | None,
+) -> tuple[dict[str, str], dict[str, str]]:
+    """A submit's headers (its Idempotency-Key: the given one, else a fresh one) and form
+    fields but the file; an unknown output is refused before any request."""
+    check_output(output)
+    data = {"output": output}
+    if (encoded := options_json(options)) is not None:
+        data["options"] = encoded
+    if metadata is not None:
+        data["metadata"] = json.dumps(metadata, separators=(",", ":"))
+    return {"Idempotency-Key": idempotency_key or new_idempotency_key()}, data
+
+
+def job_of(response: httpx.Response) -> Job:
+    """The job an answer carries, with its ETag."""
+    return Job.from_dict(response.json(), etag=response.headers.get("ETag"))
+
+
+def list_params(*, state: str | None, cursor: str | None, limit: int | None) -> dict[str, str]:
+    """The query of one page of jobs (``GET /api/v1/jobs``)."""
+    return {k: str(v) for k, v in (("state", state), ("cursor", cursor), ("limit", limit)) if v}
+
+
+def job_list(body: dict[str, Any]) -> JobList:
+    return JobList(jobs=[Job.from_dict(j) for j in body["jobs"]], next_cursor=body["next_cursor"])
 
 
 def parse_retry_after(value: str | None, *, now: datetime | None = None) -> float | None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import builtins
 import hashlib
-import json
 import os
 import time
 from collections.abc import AsyncIterator, Callable
@@ -93,23 +92,17 @@ class AsyncClient:
         build: Callable[[], dict[str, Any]] | None = None,
         **kwargs: Any,
     ) -> httpx.Response:
-        attempt = 0
+        tries = _core.Tries(self.retry, idempotent=idempotent, expect=expect)
         while True:
-            attempt += 1
             try:
                 response = await self._send(method, path, {**kwargs, **(build() if build else {})})
             except _core.TRANSPORT_ERRORS as exc:
-                if not idempotent or attempt >= self.retry.connection_attempts:
-                    raise errors.ConnectionFailed(f"{type(exc).__name__}: {exc}") from exc
-                await self._sleep(self.retry.delay(attempt, None))
+                await self._sleep(tries.after_error(exc))
                 continue
-            if response.status_code in RETRY_STATUSES and attempt < self.retry.max_attempts:
-                await self._sleep(self.retry.delay(attempt, _core.retry_after_of(response)))
-                continue
-            if response.status_code in expect:
+            wait = tries.after_answer(response)
+            if wait is None:
                 return response
-            _core.raise_for_problem(response)
-            return response
+            await self._sleep(wait)
 
     async def _send(self, method: str, path: str, kwargs: dict[str, Any]) -> httpx.Response:
         request = self._http.build_request(method, path, **kwargs)
@@ -135,13 +128,9 @@ class AsyncClient:
     ) -> Job:
         """Submit a document for conversion; see :meth:`quire_client.Client.submit`. A path
         is read into memory once per try (the sync client streams it)."""
-        _core.check_output(output)
-        key = idempotency_key or _core.new_idempotency_key()
-        data = {"output": output}
-        if (encoded := _core.options_json(options)) is not None:
-            data["options"] = encoded
-        if metadata is not None:
-            data["metadata"] = json.dumps(metadata, separators=(",", ":"))
+        headers, data = _core.submit_parts(
+            output=output, options=options, metadata=metadata, idempotency_key=idempotency_key
+        )
 
         def build() -> dict[str, Any]:
             name, body, owned = _core.open_upload(file)
@@ -153,14 +142,13 @@ class AsyncClient:
             return {"files": {"file": (name, body, "application/octet-stream")}, "data": data}
 
         response = await self._request(
-            "POST", f"{API}/jobs", expect=(200, 202), headers={"Idempotency-Key": key}, build=build
+            "POST", f"{API}/jobs", expect=(200, 202), headers=headers, build=build
         )
-        return Job.from_dict(response.json(), etag=response.headers.get("ETag"))
+        return _core.job_of(response)
 
     async def get(self, job_id: str) -> Job:
         """The job now; see :meth:`quire_client.Client.get`."""
-        response = await self._request("GET", f"{API}/jobs/{job_id}")
-        return Job.from_dict(response.json(), etag=response.headers.get("ETag"))
+        return _core.job_of(await self._request("GET", f"{API}/jobs/{job_id}"))
 
     async def poll(self, job_id: str, *, etag: str | None, wait: float = LONG_POLL_S) -> Job | None:
         """A conditional long-poll; see :meth:`quire_client.Client.poll`."""
@@ -174,53 +162,40 @@ class AsyncClient:
         )
         if response.status_code == 304:
             return None
-        return Job.from_dict(response.json(), etag=response.headers.get("ETag"))
+        return _core.job_of(response)
 
     async def watch(self, job_id: str) -> AsyncIterator[Progress]:
         """Progress snapshots until terminal, over SSE with long-poll fallback; see
         :meth:`quire_client.Client.watch`."""
-        last_id: str | None = None
-        failures = 0
+        follow = _core.EventFollow(self.retry)
         while True:
-            headers = {"Last-Event-ID": last_id} if last_id else {}
             try:
                 async with httpx_sse.aconnect_sse(
                     self._streams,
                     "GET",
                     f"{API}/jobs/{job_id}/events",
-                    headers=headers,
-                    timeout=httpx.Timeout(30.0, read=120.0),
+                    headers=follow.headers(),
+                    timeout=_core.EVENTS_TIMEOUT,
                 ) as source:
                     status = source.response.status_code
                     if status in RETRY_STATUSES:
                         await source.response.aread()
-                        failures += 1
-                        if failures >= self.retry.max_attempts:
-                            _core.raise_for_problem(source.response)
-                        await self._sleep(
-                            self.retry.delay(failures, _core.retry_after_of(source.response))
-                        )
+                        await self._sleep(follow.after_refusal(source.response))
                         continue
                     if status != 200:
                         await source.response.aread()
                         _core.raise_for_problem(source.response)
                         break
                     async for event in source.aiter_sse():
-                        if event.event not in ("state", "progress"):
-                            continue
-                        last_id = event.id or last_id
-                        failures = 0
-                        snapshot = Progress.from_dict(json.loads(event.data))
-                        yield snapshot
-                        if snapshot.terminal:
-                            return
+                        snapshot = follow.snapshot(event)
+                        if snapshot is not None:
+                            yield snapshot
+                            if snapshot.terminal:
+                                return
             except httpx_sse.SSEError:
                 break
             except _core.TRANSPORT_ERRORS as exc:
-                failures += 1
-                if failures >= self.retry.connection_attempts:
-                    raise errors.ConnectionFailed(f"{type(exc).__name__}: {exc}") from exc
-                await self._sleep(self.retry.delay(failures, None))
+                await self._sleep(follow.after_error(exc))
         job = await self.get(job_id)
         yield Progress.of(job)
         while not job.terminal:
@@ -257,13 +232,8 @@ class AsyncClient:
         self, *, state: str | None = None, cursor: str | None = None, limit: int | None = None
     ) -> JobList:
         """One page of the tenant's jobs; see :meth:`quire_client.Client.list_page`."""
-        params = {
-            k: str(v) for k, v in (("state", state), ("cursor", cursor), ("limit", limit)) if v
-        }
-        body = (await self._request("GET", f"{API}/jobs", params=params)).json()
-        return JobList(
-            jobs=[Job.from_dict(j) for j in body["jobs"]], next_cursor=body["next_cursor"]
-        )
+        params = _core.list_params(state=state, cursor=cursor, limit=limit)
+        return _core.job_list((await self._request("GET", f"{API}/jobs", params=params)).json())
 
     async def list(self, *, state: str | None = None, page_size: int = 100) -> AsyncIterator[Job]:
         """Every job of the tenant, newest first, following the cursor."""
@@ -278,8 +248,9 @@ class AsyncClient:
 
     async def cancel(self, job_id: str) -> Job:
         """Cancel the job; see :meth:`quire_client.Client.cancel`."""
-        response = await self._request("POST", f"{API}/jobs/{job_id}/cancel", expect=(200, 202))
-        return Job.from_dict(response.json(), etag=response.headers.get("ETag"))
+        return _core.job_of(
+            await self._request("POST", f"{API}/jobs/{job_id}/cancel", expect=(200, 202))
+        )
 
     async def pages(self, job_id: str) -> builtins.list[Page]:
         """The job's page checkpoints."""

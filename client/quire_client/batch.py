@@ -11,7 +11,6 @@ client waits as ``Retry-After`` says.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -19,8 +18,15 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from quire_client import errors
+from quire_client._core import sha256_file
 from quire_client.aio import AsyncClient
-from quire_client.manifest import MANIFEST_NAME, Manifest, idempotency_key, options_fingerprint
+from quire_client.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    Written,
+    idempotency_key,
+    options_fingerprint,
+)
 from quire_client.models import Job, Progress
 
 #: the result file's extension per output (docs/API_CONTRACT.md §2.6)
@@ -105,14 +111,6 @@ def collect(paths: Iterable[Path], out: Path, output: str) -> list[Item]:
     return items
 
 
-def _digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 class Batch:
     """One ``quire submit`` run."""
 
@@ -144,7 +142,7 @@ class Batch:
         self.reporter.start(self.items)
         try:
             for item in self.items:
-                item.sha256 = await asyncio.to_thread(_digest, item.source)
+                item.sha256 = await asyncio.to_thread(sha256_file, item.source)
                 entry = self.manifest.begin(
                     str(item.source), sha256=item.sha256, fingerprint=self.fingerprint
                 )
@@ -249,32 +247,13 @@ class Batch:
         except (errors.DigestMismatch, errors.NoResult, errors.NotFound) as exc:
             self._finish(item, state="failed", error_code=exc.code)
             return
-        self._finish(
-            item,
-            state=job.state,
-            error_code=code,
-            result_path=path,
-            result_sha256=job.result.sha256,
-            result_size=os.path.getsize(path),
-        )
+        written = Written(path=path, sha256=job.result.sha256, size=os.path.getsize(path))
+        self._finish(item, state=job.state, error_code=code, result=written)
 
     def _finish(
-        self,
-        item: Item,
-        *,
-        state: str,
-        error_code: str | None,
-        result_path: Path | None = None,
-        result_sha256: str | None = None,
-        result_size: int | None = None,
+        self, item: Item, *, state: str, error_code: str | None, result: Written | None = None
     ) -> None:
-        item.state, item.error_code, item.result_path = state, error_code, result_path
-        self.manifest.finished(
-            str(item.source),
-            state=state,
-            error_code=error_code,
-            result_path=str(result_path) if result_path else None,
-            result_sha256=result_sha256,
-            result_size=result_size,
-        )
+        item.state, item.error_code = state, error_code
+        item.result_path = result.path if result else None
+        self.manifest.finished(str(item.source), state=state, error_code=error_code, result=result)
         self.reporter.finished(item)

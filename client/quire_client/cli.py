@@ -24,7 +24,7 @@ from quire_client.aio import AsyncClient
 from quire_client.batch import NOT_SUCCEEDED, RESULT_EXT, Batch, Outcome, collect
 from quire_client.client import Client
 from quire_client.display import JsonReporter, PlainReporter, RichReporter
-from quire_client.models import OUTPUTS, Job
+from quire_client.models import OUTPUTS, Job, PagesSummary
 
 app = typer.Typer(
     name="quire",
@@ -201,11 +201,24 @@ def _guard(call: Any) -> Any:
     raise typer.Exit(1)
 
 
+#: The arguments several commands take.
+JobId = Annotated[str, typer.Argument(help="job id")]
+AsJson = Annotated[bool, typer.Option("--json")]
+
+
+def _done_of(pages: PagesSummary) -> str:
+    """A job's or a snapshot's pages as ``done/total`` (``?``: not counted yet)."""
+    return f"{pages.done}/{pages.total if pages.total is not None else '?'}"
+
+
 def _job_line(job: Job) -> str:
-    total = job.pages.total if job.pages.total is not None else "?"
     code = f" {job.error.code}" if job.error else ""
-    pages = f"pages {job.pages.done}/{total} failed {job.pages.failed}"
+    pages = f"pages {_done_of(job.pages)} failed {job.pages.failed}"
     return f"{job.id} {job.state}{code} {pages} output {job.output}"
+
+
+def _print_job(job: Job, *, as_json: bool) -> None:
+    print(json.dumps(job.to_dict(), default=str) if as_json else _job_line(job))
 
 
 def _job_exit(job: Job) -> int:
@@ -215,25 +228,24 @@ def _job_exit(job: Job) -> int:
 @app.command()
 def status(
     ctx: typer.Context,
-    job_id: Annotated[str, typer.Argument(help="job id")],
-    as_json: Annotated[bool, typer.Option("--json")] = False,
+    job_id: JobId,
+    as_json: AsJson = False,
 ) -> None:
     """Show a job's state, page counters and error."""
     with _config(ctx).client() as client:
         job = _guard(lambda: client.get(job_id))
-    print(json.dumps(job.to_dict(), default=str) if as_json else _job_line(job))
+    _print_job(job, as_json=as_json)
 
 
 @app.command()
 def wait(
     ctx: typer.Context,
-    job_id: Annotated[str, typer.Argument(help="job id")],
-    as_json: Annotated[bool, typer.Option("--json")] = False,
+    job_id: JobId,
+    as_json: AsJson = False,
 ) -> None:
     """Follow a job until it ends (live page progress); exit 0 if it succeeded, 2 if not."""
 
     def show(snapshot: Any) -> None:
-        total = snapshot.pages.total if snapshot.pages.total is not None else "?"
         if as_json:
             print(
                 json.dumps(
@@ -249,18 +261,18 @@ def wait(
                 flush=True,
             )
         else:
-            print(f"{snapshot.state} pages {snapshot.pages.done}/{total}", flush=True)
+            print(f"{snapshot.state} pages {_done_of(snapshot.pages)}", flush=True)
 
     with _config(ctx).client() as client:
         job = _guard(lambda: client.wait(job_id, on_progress=show))
-    print(json.dumps(job.to_dict(), default=str) if as_json else _job_line(job))
+    _print_job(job, as_json=as_json)
     raise typer.Exit(_job_exit(job))
 
 
 @app.command()
 def get(
     ctx: typer.Context,
-    job_id: Annotated[str, typer.Argument(help="job id")],
+    job_id: JobId,
     out: Annotated[Path, typer.Option("--out", help="directory to write the result to")],
 ) -> None:
     """Download a finished job's result into OUT (verified against its sha256)."""
@@ -282,7 +294,7 @@ def get(
 @app.command()
 def cancel(
     ctx: typer.Context,
-    job_id: Annotated[str, typer.Argument(help="job id")],
+    job_id: JobId,
 ) -> None:
     """Cancel a job; exit 2 if it had already finished (too_late)."""
     with _config(ctx).client() as client:
@@ -303,7 +315,7 @@ def list_jobs(
     ctx: typer.Context,
     state: Annotated[str | None, typer.Option(help="only jobs in this state")] = None,
     limit: Annotated[int, typer.Option(min=1, help="at most this many jobs")] = 50,
-    as_json: Annotated[bool, typer.Option("--json")] = False,
+    as_json: AsJson = False,
 ) -> None:
     """List the tenant's jobs, newest first."""
 
@@ -323,12 +335,11 @@ def list_jobs(
         return
     table = Table("id", "state", "output", "pages", "error", "created")
     for job in jobs:
-        total = job.pages.total if job.pages.total is not None else "?"
         table.add_row(
             job.id,
             job.state,
             job.output,
-            f"{job.pages.done}/{total}",
+            _done_of(job.pages),
             job.error.code if job.error else "",
             job.created_at.isoformat(timespec="seconds"),
         )

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import builtins
 import hashlib
-import json
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -77,27 +76,21 @@ class Client:
         build: Callable[[], dict[str, Any]] | None = None,
         **kwargs: Any,
     ) -> httpx.Response:
-        """One call with retries; ``build`` makes fresh request arguments for each try (a file
-        body is re-read from its start)."""
-        attempt = 0
+        """One call with retries (``_core.Tries``); ``build`` makes fresh request arguments for
+        each try (a file body is re-read from its start)."""
+        tries = _core.Tries(self.retry, idempotent=idempotent, expect=expect)
         while True:
-            attempt += 1
             try:
                 response = self._http.request(
                     method, path, **{**kwargs, **(build() if build else {})}
                 )
             except _core.TRANSPORT_ERRORS as exc:
-                if not idempotent or attempt >= self.retry.connection_attempts:
-                    raise errors.ConnectionFailed(f"{type(exc).__name__}: {exc}") from exc
-                self._sleep(self.retry.delay(attempt, None))
+                self._sleep(tries.after_error(exc))
                 continue
-            if response.status_code in RETRY and attempt < self.retry.max_attempts:
-                self._sleep(self.retry.delay(attempt, _core.retry_after_of(response)))
-                continue
-            if response.status_code in expect:
+            wait = tries.after_answer(response)
+            if wait is None:
                 return response
-            _core.raise_for_problem(response)
-            return response  # a status outside ``expect`` that is no error (304, 302)
+            self._sleep(wait)
 
     # -- jobs -----------------------------------------------------------------------------------
 
@@ -122,13 +115,9 @@ class Client:
         Raises :class:`~quire_client.errors.UnsupportedMediaType`,
         :class:`~quire_client.errors.InvalidOptions`,
         :class:`~quire_client.errors.IdempotencyKeyReused`, … (API_CONTRACT §2.1)."""
-        _core.check_output(output)
-        key = idempotency_key or _core.new_idempotency_key()
-        data = {"output": output}
-        if (encoded := _core.options_json(options)) is not None:
-            data["options"] = encoded
-        if metadata is not None:
-            data["metadata"] = json.dumps(metadata, separators=(",", ":"))
+        headers, data = _core.submit_parts(
+            output=output, options=options, metadata=metadata, idempotency_key=idempotency_key
+        )
         opened: list[Any] = []
 
         def build() -> dict[str, Any]:
@@ -139,22 +128,17 @@ class Client:
 
         try:
             response = self._request(
-                "POST",
-                f"{API}/jobs",
-                expect=(200, 202),
-                headers={"Idempotency-Key": key},
-                build=build,
+                "POST", f"{API}/jobs", expect=(200, 202), headers=headers, build=build
             )
         finally:
             for fh in opened:
                 fh.close()
-        return Job.from_dict(response.json(), etag=response.headers.get("ETag"))
+        return _core.job_of(response)
 
     def get(self, job_id: str) -> Job:
         """The job now (``GET /api/v1/jobs/{id}``). Raises
         :class:`~quire_client.errors.NotFound` for an unknown job or one of another tenant."""
-        response = self._request("GET", f"{API}/jobs/{job_id}")
-        return Job.from_dict(response.json(), etag=response.headers.get("ETag"))
+        return _core.job_of(self._request("GET", f"{API}/jobs/{job_id}"))
 
     def poll(self, job_id: str, *, etag: str | None, wait: float = LONG_POLL_S) -> Job | None:
         """A conditional long-poll: the job once its ETag differs from ``etag`` (or at once if
@@ -170,54 +154,41 @@ class Client:
         )
         if response.status_code == 304:
             return None
-        return Job.from_dict(response.json(), etag=response.headers.get("ETag"))
+        return _core.job_of(response)
 
     def watch(self, job_id: str) -> Iterator[Progress]:
         """Snapshots of the job's progress (state and page counters) until it is terminal:
         the server's event stream (SSE, ``GET /jobs/{id}/events``), reconnected with
         ``Last-Event-ID`` when it ends early; long-polls when the stream is not available.
         The last snapshot yielded is terminal."""
-        last_id: str | None = None
-        failures = 0
+        follow = _core.EventFollow(self.retry)
         while True:
-            headers = {"Last-Event-ID": last_id} if last_id else {}
             try:
                 with httpx_sse.connect_sse(
                     self._http,
                     "GET",
                     f"{API}/jobs/{job_id}/events",
-                    headers=headers,
-                    timeout=httpx.Timeout(30.0, read=120.0),
+                    headers=follow.headers(),
+                    timeout=_core.EVENTS_TIMEOUT,
                 ) as source:
                     if source.response.status_code in RETRY:
                         source.response.read()
-                        failures += 1
-                        if failures >= self.retry.max_attempts:
-                            _core.raise_for_problem(source.response)
-                        self._sleep(
-                            self.retry.delay(failures, _core.retry_after_of(source.response))
-                        )
+                        self._sleep(follow.after_refusal(source.response))
                         continue
                     if source.response.status_code != 200:
                         source.response.read()
                         _core.raise_for_problem(source.response)
                         break  # a 2xx/3xx that is not a stream: use long-polls
                     for event in source.iter_sse():
-                        if event.event not in ("state", "progress"):
-                            continue
-                        last_id = event.id or last_id
-                        failures = 0
-                        snapshot = Progress.from_dict(json.loads(event.data))
-                        yield snapshot
-                        if snapshot.terminal:
-                            return
+                        snapshot = follow.snapshot(event)
+                        if snapshot is not None:
+                            yield snapshot
+                            if snapshot.terminal:
+                                return
             except httpx_sse.SSEError:
                 break  # not an event stream (an older server, a proxy): long-polls
             except _core.TRANSPORT_ERRORS as exc:
-                failures += 1
-                if failures >= self.retry.connection_attempts:
-                    raise errors.ConnectionFailed(f"{type(exc).__name__}: {exc}") from exc
-                self._sleep(self.retry.delay(failures, None))
+                self._sleep(follow.after_error(exc))
         yield from self._watch_polling(job_id)
 
     def _watch_polling(self, job_id: str) -> Iterator[Progress]:
@@ -250,13 +221,8 @@ class Client:
         self, *, state: str | None = None, cursor: str | None = None, limit: int | None = None
     ) -> JobList:
         """One page of the tenant's jobs, newest first (``GET /api/v1/jobs``)."""
-        params = {
-            k: str(v) for k, v in (("state", state), ("cursor", cursor), ("limit", limit)) if v
-        }
-        body = self._request("GET", f"{API}/jobs", params=params).json()
-        return JobList(
-            jobs=[Job.from_dict(j) for j in body["jobs"]], next_cursor=body["next_cursor"]
-        )
+        params = _core.list_params(state=state, cursor=cursor, limit=limit)
+        return _core.job_list(self._request("GET", f"{API}/jobs", params=params).json())
 
     def list(self, *, state: str | None = None, page_size: int = 100) -> Iterator[Job]:
         """Every job of the tenant (optionally in ``state``), newest first, following
@@ -273,8 +239,7 @@ class Client:
         """Cancel the job (``POST /jobs/{id}/cancel``): the job is ``cancelled`` or
         ``cancelling`` afterwards. Raises :class:`~quire_client.errors.TooLate` when it had
         already finished."""
-        response = self._request("POST", f"{API}/jobs/{job_id}/cancel", expect=(200, 202))
-        return Job.from_dict(response.json(), etag=response.headers.get("ETag"))
+        return _core.job_of(self._request("POST", f"{API}/jobs/{job_id}/cancel", expect=(200, 202)))
 
     def pages(self, job_id: str) -> builtins.list[Page]:
         """The job's page checkpoints (any state)."""

@@ -174,14 +174,12 @@ class JsonReporter:
     def start(self, items: list[Item]) -> None:
         self.emit("start", files=len(items))
 
+    def emit_item(self, event: str, item: Item, **fields: Any) -> None:
+        """An event about one file: its name, job and state, and ``fields``."""
+        self.emit(event, file=item.name, job_id=item.job_id, state=item.state, **fields)
+
     def skipped(self, item: Item) -> None:
-        self.emit(
-            "skipped",
-            file=item.name,
-            job_id=item.job_id,
-            state=item.state,
-            result=str(item.result_path),
-        )
+        self.emit_item("skipped", item, result=str(item.result_path))
 
     def submitted(self, item: Item, job: Job) -> None:
         self.emit("submitted", file=item.name, job_id=job.id, state=job.state)
@@ -198,14 +196,8 @@ class JsonReporter:
         )
 
     def finished(self, item: Item) -> None:
-        self.emit(
-            "finished",
-            file=item.name,
-            job_id=item.job_id,
-            state=item.state,
-            error_code=item.error_code,
-            result=str(item.result_path) if item.result_path else None,
-        )
+        result = str(item.result_path) if item.result_path else None
+        self.emit_item("finished", item, error_code=item.error_code, result=result)
 
     def stop(self) -> None:
         pass

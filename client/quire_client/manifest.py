@@ -48,6 +48,15 @@ def idempotency_key(sha256: str, fingerprint: str) -> str:
     return f"quire-cli:{sha256}:{fingerprint}"
 
 
+@dataclass(frozen=True)
+class Written:
+    """A result downloaded and verified: where, its sha256 and its size."""
+
+    path: Path
+    sha256: str
+    size: int
+
+
 @dataclass
 class Entry:
     """A manifest row."""
@@ -119,19 +128,13 @@ class Manifest:
         )
 
     def finished(
-        self,
-        source: str,
-        *,
-        state: str,
-        error_code: str | None,
-        result_path: str | None = None,
-        result_sha256: str | None = None,
-        result_size: int | None = None,
+        self, source: str, *, state: str, error_code: str | None, result: Written | None = None
     ) -> None:
         """The file's outcome: a job state (or ``rejected`` for a refused submission), its
         error code, and the verified result written, if any."""
+        written = (str(result.path), result.sha256, result.size) if result else (None, None, None)
         self._db.execute(
             "UPDATE files SET state = ?, error_code = ?, result_path = ?, result_sha256 = ?,"
             " result_size = ?, updated_at = ? WHERE source = ?",
-            (state, error_code, result_path, result_sha256, result_size, time.time(), source),
+            (state, error_code, *written, time.time(), source),
         )

@@ -62,6 +62,7 @@ from conversion_jobs.exceptions import (
 from conversion_jobs.models import ConversionJob, Output, PageState
 from conversion_jobs.observability import metrics, tracing
 from conversion_jobs.representation import (
+    JobStatus,
     event_representation,
     job_etag_of,
     job_representation,
@@ -422,7 +423,7 @@ class JobDetailView(QuireView):
             raise NotFound()
         # The ETag from six columns: a 304 (and a long-poll's decision) needs no full row and
         # no rendering; a 200 renders the body and its ETag from one read of the full row.
-        status = waiting.JobStatus(*row)
+        status = JobStatus(*row)
         etag = status.etag
         if (
             wait > 0

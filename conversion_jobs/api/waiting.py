@@ -20,8 +20,6 @@ import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -29,8 +27,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 
 from conversion_jobs import selectors
-from conversion_jobs.representation import job_etag
-from conversion_jobs.states import TERMINAL_STATES
+from conversion_jobs.representation import JobStatus
 from conversion_jobs.store import notify
 
 logger = logging.getLogger(__name__)
@@ -46,37 +43,6 @@ POLL_S = 0.5
 OUTAGE_POLL_S = 2.0
 RECONNECT_MIN_S = 0.2
 RECONNECT_MAX_S = 5.0
-
-
-@dataclass(frozen=True)
-class JobStatus:
-    state: str
-    state_version: int
-    pages_total: int | None
-    pages_done: int
-    pages_failed: int
-    updated_at: datetime
-
-    @property
-    def terminal(self) -> bool:
-        return self.state in TERMINAL_STATES
-
-    @property
-    def etag(self) -> str:
-        """The ETag of the representation this status was read from (representation.py)."""
-        return job_etag(
-            state_version=self.state_version,
-            pages_total=self.pages_total,
-            pages_done=self.pages_done,
-            pages_failed=self.pages_failed,
-            updated_at=self.updated_at,
-        )
-
-    @property
-    def event_id(self) -> str:
-        """The SSE id: changes whenever a client could see a difference."""
-        total = "" if self.pages_total is None else self.pages_total
-        return f"{self.state_version}.{total}.{self.pages_done}.{self.pages_failed}"
 
 
 def _status_read(job_id: uuid.UUID, tenant: str) -> JobStatus | None:

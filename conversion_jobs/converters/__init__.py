@@ -20,6 +20,7 @@ from .base import (
     PageArtifact,
     PageRequest,
     Prepared,
+    PrepareRequest,
     limits_description,
     process_group_members,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "PageArtifact",
     "PageRequest",
     "PasswordRequired",
+    "PrepareRequest",
     "Prepared",
     "ReuseSettings",
     "SandboxUnavailable",

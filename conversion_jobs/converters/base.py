@@ -97,6 +97,36 @@ class FirstPages:
 
 
 @dataclass(frozen=True)
+class PrepareRequest:
+    """What a caller asks of a converter's ``prepare``: open the document ``source`` (accepted
+    as ``media_type``) in ``workdir``, under ``limits``, stopping when ``should_stop`` says so;
+    ``options``: the job's options for this attempt (e.g. its password); ``first``: the pages
+    the caller will ask for first, if it knows them before the page count (a converter may start
+    on them with the prepare; those beyond the count are dropped)."""
+
+    source: Path
+    media_type: str
+    workdir: Path
+    limits: Limits
+    should_stop: Callable[[], bool]
+    options: dict | None = None
+    first: FirstPages | None = None
+
+    def pages(self, prepared: Prepared, *, output: str, inline_max_bytes: int = 0) -> PageRequest:
+        """The request of the prepared document's pages in ``output``: into this work dir,
+        under these limits, options and stop flag."""
+        return PageRequest(
+            prepared=prepared,
+            output=output,
+            options=self.options or {},
+            dest_dir=self.workdir,
+            limits=self.limits,
+            should_stop=self.should_stop,
+            inline_max_bytes=inline_max_bytes,
+        )
+
+
+@dataclass(frozen=True)
 class PageRequest:
     """What a caller asks of a converter's ``convert_page`` / ``request_pages``, built once and
     handed down whole to the document's child session: the output, where the pages go and
@@ -133,21 +163,8 @@ class Converter(Protocol):
 
     def available(self) -> bool: ...
 
-    def prepare(
-        self,
-        *,
-        source: Path,
-        media_type: str,
-        workdir: Path,
-        limits: Limits,
-        should_stop: Callable[[], bool],
-        options: dict | None = None,
-        first: FirstPages | None = None,
-    ) -> Prepared:
-        """Open the document (``options``: the job's options for this attempt, e.g. its
-        password). ``first``: the pages the caller will ask for first, if it knows them before
-        the page count; a converter may start on them with the prepare (those beyond the count
-        are dropped)."""
+    def prepare(self, request: PrepareRequest) -> Prepared:
+        """Open the document ``request`` names (see ``PrepareRequest``)."""
         ...
 
     def convert_page(

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from conversion_jobs.observability import metrics
 
-from .base import Limits
+from .base import Limits, PrepareRequest
 from .errors import (
     ConversionError,
     ConversionStopped,
@@ -176,23 +176,23 @@ def _start_engine(host: _Host, *, limits: Limits, should_stop: Callable[[], bool
 
 
 def convert(
+    request: PrepareRequest,
     *,
-    source: Path,
-    media_type: str,
     dest: Path,
-    limits: Limits,
-    should_stop: Callable[[], bool],
     password: str | None = None,
     encrypted: bool | None = None,
     fault: dict | None = None,
 ) -> dict:
-    """Convert an Office document to the PDF ``dest`` with this process's warm engine. The
+    """Convert the Office document ``request`` names to the PDF ``dest`` with this process's
+    warm engine (``password``, ``encrypted``, ``fault``: as the prepare found them). The
     document is handed in as a copy in the host's private directory and the PDF handed out; both
     are gone from the host before this returns. The host checks the container first
     (``office_scan``, containers.py): a document that fails it never reaches LibreOffice (which
     is not even started for it), and the engine, which has not seen it, is kept. Returns
     ``{"page_count", "engine_rss", "engine_started"}``; raises the conversion's ConversionError
     (the engine is then recycled)."""
+    source, media_type = request.source, request.media_type
+    limits, should_stop = request.limits, request.should_stop
     settings = _settings
     if settings.scratch_dir is None:
         raise RuntimeError("warm engines are not configured")

@@ -295,8 +295,7 @@ class ChildSession:
         dest: tuple[str, str],
         page_args: dict,
         *,
-        timeout_s: float,
-        page_timeout_s: float,
+        limits: Limits,
         should_stop: Callable[[], bool],
         fault: dict | None = None,
     ) -> dict:
@@ -306,8 +305,8 @@ class ChildSession:
         sides drop the others) only if the prepare succeeded. The request names the range, not
         each page: page N goes to ``<dest[0]>/page-NNNN<dest[1]>`` (the child builds the names).
         Returns the prepare's result; a structured prepare error is raised as ``call`` raises
-        it, with no page due. ``timeout_s`` bounds the prepare's answer, ``page_timeout_s`` each
-        page (``next_page``)."""
+        it, with no page due. ``limits.prepare_timeout_s`` bounds the prepare's answer,
+        ``limits.page_timeout_s`` each page (``next_page`` is given it)."""
         if list(pages) != list(range(pages[0], pages[0] + len(pages))):
             raise ValueError("the first pages must be consecutive")
         if self.closed:
@@ -325,9 +324,10 @@ class ChildSession:
                 "prepare": {"op": op, "args": args},
                 "first": [pages[0], pages[-1], *dest],
             }
-            limit = max(timeout_s, page_timeout_s)  # the child's watchdog covers both steps
+            # the child's watchdog covers both steps
+            limit = max(limits.prepare_timeout_s, limits.page_timeout_s)
             self._send(self._request("pages", request, timeout_s=limit, fault=fault))
-            outcome = self._receive(timeout_s=timeout_s, should_stop=should_stop)
+            outcome = self._receive(timeout_s=limits.prepare_timeout_s, should_stop=should_stop)
             if "page" in outcome:
                 raise ConverterCrashed("the converter answered a page for a prepare")
         except BaseException:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import shutil
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,11 +18,10 @@ from .base import (
     OUTPUTS,
     PDF,
     Converter,
-    FirstPages,
-    Limits,
     PageArtifact,
     PageRequest,
     Prepared,
+    PrepareRequest,
 )
 from .errors import (
     ConversionError,
@@ -46,49 +45,34 @@ def _check_magic(source: Path, media_type: str) -> None:
 
 
 def _prepare_in_session(
-    *,
-    op: str,
-    source: Path,
-    workdir: Path,
-    limits: Limits,
-    should_stop: Callable[[], bool],
-    password: str | None = None,
-    first: FirstPages | None = None,
-    page_op: str = "",
-    options: dict | None = None,
+    request: PrepareRequest, *, op: str, page_op: str, password: str | None
 ) -> dict:
     """Prepare in a fresh child that then stays open for this document's pages. With
-    ``first`` (``page_op`` converts them), the first pages are asked for in the prepare's own
-    request (``ChildSession.prepare_reading_ahead``): the first ``convert_page`` finds its page
-    due, one round trip fewer per attempt."""
-    session = open_session(document=Path(source), scratch_dir=workdir, limits=limits)
-    secret = {"password": password} if password is not None else {}
-    args = {"path": str(session.document), **secret}
+    ``request.first`` (``page_op`` converts them), the first pages are asked for in the
+    prepare's own request (``ChildSession.prepare_reading_ahead``): the first ``convert_page``
+    finds its page due, one round trip fewer per attempt."""
+    limits, first = request.limits, request.first
+    session = open_session(
+        document=Path(request.source), scratch_dir=request.workdir, limits=limits
+    )
+    args = _document_args(session, password)
     try:
         if first is None:
             return session.call(
-                op, args, timeout_s=limits.prepare_timeout_s, should_stop=should_stop
+                op, args, timeout_s=limits.prepare_timeout_s, should_stop=request.should_stop
             )
-        fault = test_fault_from(options)
+        fault = test_fault_from(request.options)
         if fault:
-            session.fault_records_to = workdir
+            session.fault_records_to = request.workdir
         return session.prepare_reading_ahead(
             op,
             args,
             page_op,
             first.pages,
             (str(session.inside()), _SUFFIX[first.output]),
-            _page_args(
-                session=session,
-                output=first.output,
-                options=options,
-                limits=limits,
-                password=password,
-                inline_max_bytes=first.inline_max_bytes,
-            ),
-            timeout_s=limits.prepare_timeout_s,
-            page_timeout_s=limits.page_timeout_s,
-            should_stop=should_stop,
+            _page_args(args, request, output=first.output, inline_max_bytes=first.inline_max_bytes),
+            limits=limits,
+            should_stop=request.should_stop,
             fault=fault,
         )
     except BaseException:
@@ -96,27 +80,27 @@ def _prepare_in_session(
         raise
 
 
+def _document_args(session: ChildSession, password: str | None) -> dict:
+    """What opens the session's document in the child: its path, and its password if it has
+    one. A prepare's arguments, and part of every page request's: a fresh child (after a failed
+    page) opens the document again."""
+    secret = {"password": password} if password is not None else {}
+    return {"path": str(session.document), **secret}
+
+
 def _page_args(
+    document: dict,
+    request: PrepareRequest | PageRequest,
     *,
-    session: ChildSession,
     output: str,
-    options: dict | None,
-    limits: Limits,
-    password: str | None,
     inline_max_bytes: int,
 ) -> dict:
-    """The arguments of a page request but its pages (``read_ahead``'s ``args``)."""
-    dpi = int((options or {}).get("dpi") or DEFAULT_DPI)
-    # a fresh child (after a failed page) opens the document again: the password goes along
-    secret = {"password": password} if password is not None else {}
+    """The arguments of a page request but its pages (``read_ahead``'s ``args``): the
+    document's (``_document_args``), the ``output``, the dpi (the request's option, within its
+    limits) and the largest page that comes back inline."""
+    dpi = int((request.options or {}).get("dpi") or DEFAULT_DPI)
     extra = {"inline_max_bytes": inline_max_bytes} if inline_max_bytes > 0 else {}
-    return {
-        "path": str(session.document),
-        "output": output,
-        "dpi": max(1, min(dpi, limits.max_dpi)),
-        **secret,
-        **extra,
-    }
+    return {**document, "output": output, "dpi": max(1, min(dpi, request.limits.max_dpi)), **extra}
 
 
 #: Pages asked of the child in one read-ahead request (it answers each as it is done).
@@ -195,11 +179,9 @@ def _request_pages(
             request.op,
             [(p, str(_page_dest(session.inside(), p, request.output))) for p in wanted],
             _page_args(
-                session=session,
+                _document_args(session, request.password),
+                request,
                 output=request.output,
-                options=request.options,
-                limits=limits,
-                password=request.password,
                 inline_max_bytes=request.inline_max_bytes,
             ),
             timeout_s=limits.page_timeout_s,
@@ -241,30 +223,22 @@ class _ChildPages:
     with_password = False
     reads_first = False
 
-    def prepare(
-        self, *, source, media_type, workdir, limits, should_stop, options=None, first=None
-    ) -> Prepared:
-        _check_magic(source, media_type)
+    def prepare(self, request: PrepareRequest) -> Prepared:
+        _check_magic(request.source, request.media_type)
+        first = request.first
         if first is not None and not (
             self.reads_first and first.output in self.outputs and first.pages
         ):
-            first = None
+            request = replace(request, first=None)
+        password = (request.options or {}).get("password") if self.with_password else None
         result = _prepare_in_session(
-            op=self.prepare_op,
-            source=source,
-            workdir=workdir,
-            limits=limits,
-            should_stop=should_stop,
-            password=(options or {}).get("password") if self.with_password else None,
-            first=first,
-            page_op=self.page_op,
-            options=options,
+            request, op=self.prepare_op, page_op=self.page_op, password=password
         )
         return Prepared(
-            document=Path(source),
-            media_type=media_type,
+            document=Path(request.source),
+            media_type=request.media_type,
             page_count=result["page_count"],
-            first_requested=first is not None,
+            first_requested=request.first is not None,
         )
 
     def _check_output(self, media_type: str, output: str) -> None:
@@ -360,11 +334,11 @@ class OfficeConverter(_ChildPages):
     def available(self) -> bool:
         return soffice_available()
 
-    def prepare(
-        self, *, source, media_type, workdir, limits, should_stop, options=None, first=None
-    ) -> Prepared:
+    def prepare(self, request: PrepareRequest) -> Prepared:
+        source, media_type, workdir = request.source, request.media_type, request.workdir
+        limits, should_stop = request.limits, request.should_stop
         _check_magic(source, media_type)
-        options = options or {}
+        options = request.options or {}
         password = options.get("password")
         encrypted = office_encrypted(Path(source))
         if encrypted and password is None:
@@ -373,14 +347,7 @@ class OfficeConverter(_ChildPages):
         document = Path(workdir) / f"office-{uuid.uuid4().hex}.pdf"
         if engines.current_settings().warm:
             result = engines.convert(
-                source=source,
-                media_type=media_type,
-                dest=document,
-                limits=limits,
-                should_stop=should_stop,
-                password=password,
-                encrypted=encrypted,
-                fault=fault,
+                request, dest=document, password=password, encrypted=encrypted, fault=fault
             )
         else:
             # A fresh child converts to PDF in its private directory (LibreOffice's profile, the

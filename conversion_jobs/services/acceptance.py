@@ -64,15 +64,40 @@ class Acceptance:
     replayed: bool
 
 
-def _identity_match(*, tenant: str, sha256: str, output: str, digest: str) -> uuid.UUID | None:
+@dataclass(frozen=True)
+class _Identity:
+    """What the answers to a submit other than a new job are looked up by: the tenant, its
+    Idempotency-Key (``key``) and the request's ``fingerprint`` (a replay); the content identity,
+    the source's ``sha256``, the ``output`` and the options' ``digest`` (a duplicate); and with
+    ``sha256``, ``engine`` (``converters.engine_version``: the quarantine's key)."""
+
+    tenant: str
+    key: str | None
+    fingerprint: str
+    sha256: str
+    output: str
+    digest: str
+    engine: str
+
+    @classmethod
+    def of(
+        cls, *, tenant: str, key: str | None, sha256: str, output: str, checked: _Checked
+    ) -> _Identity:
+        """A submit's identity: the request's own parts and what its checks made of them."""
+        return cls(
+            tenant, key, checked.fingerprint, sha256, output, checked.digest, checked.engine_version
+        )
+
+
+def _identity_match(identity: _Identity) -> uuid.UUID | None:
     """The live or succeeded job with this content identity, if any (at most one: the partial
     unique constraint)."""
     return (
         ConversionJob.objects.filter(
-            tenant=tenant,
-            source_sha256=sha256,
-            output=output,
-            options_digest=digest,
+            tenant=identity.tenant,
+            source_sha256=identity.sha256,
+            output=identity.output,
+            options_digest=identity.digest,
             policy_version=settings.QUIRE["POLICY_VERSION"],
             state__in=[*LIVE_STATES, State.SUCCEEDED],
             expired_at__isnull=True,
@@ -114,12 +139,13 @@ def _bind_key(*, tenant: str, key: str, fingerprint: str, job_id: uuid.UUID) -> 
     return Acceptance(job=ConversionJob.objects.get(id=job_id), created=False, replayed=False)
 
 
-def _existing_answer(
-    *, tenant: str, key: str | None, fingerprint: str, job_id: uuid.UUID
-) -> Acceptance:
-    if key is None:
+def _existing_answer(identity: _Identity, job_id: uuid.UUID) -> Acceptance:
+    """The answer of the existing job ``job_id`` (a duplicate), the key (if any) bound to it."""
+    if identity.key is None:
         return Acceptance(job=ConversionJob.objects.get(id=job_id), created=False, replayed=False)
-    return _bind_key(tenant=tenant, key=key, fingerprint=fingerprint, job_id=job_id)
+    return _bind_key(
+        tenant=identity.tenant, key=identity.key, fingerprint=identity.fingerprint, job_id=job_id
+    )
 
 
 @dataclass(frozen=True)
@@ -130,17 +156,15 @@ class _Seen:
     quarantined: bool = False
 
 
-def _precheck(
-    *, tenant: str, key: str | None, sha: str, output: str, digest: str, engine: str
-) -> _Seen:
+def _precheck(identity: _Identity) -> _Seen:
     params = {
-        "tenant": tenant,
-        "key": key,
-        "sha": sha,
-        "output": output,
-        "digest": digest,
+        "tenant": identity.tenant,
+        "key": identity.key,
+        "sha": identity.sha256,
+        "output": identity.output,
+        "digest": identity.digest,
         "policy": settings.QUIRE["POLICY_VERSION"],
-        "engine": engine,
+        "engine": identity.engine,
     }
     fingerprint, key_job, duplicate, quarantined = jobs_store.precheck(params)
     as_uuid = lambda value: None if value is None else uuid.UUID(str(value))  # noqa: E731
@@ -198,17 +222,10 @@ def conversion_job_accept(
         checked = _checked(
             upload=upload, output=output, raw_options=raw_options, raw_metadata=raw_metadata
         )
-        digest, fingerprint = checked.digest, checked.fingerprint
-        precheck = functools.partial(
-            _precheck_answer,
-            tenant=tenant,
-            key=idempotency_key,
-            sha=upload.sha256,
-            output=output,
-            digest=digest,
-            fingerprint=fingerprint,
-            engine=checked.engine_version,
+        identity = _Identity.of(
+            tenant=tenant, key=idempotency_key, sha256=upload.sha256, output=output, checked=checked
         )
+        precheck = functools.partial(_precheck_answer, identity)
         existing = None if fold else precheck()
         if existing is None:
             existing = _admitted(tenant=tenant, fold=fold, precheck=precheck)
@@ -238,7 +255,7 @@ def conversion_job_accept(
         # Everything this submit wrote is rolled back; answer from whoever won.
         constraint = violated_constraint(exc)
         if constraint == "idempotency_tenant_key" and idempotency_key is not None:
-            replay = _replay(tenant=tenant, key=idempotency_key, fingerprint=fingerprint)
+            replay = _replay(tenant=tenant, key=idempotency_key, fingerprint=checked.fingerprint)
             if replay is None:  # pragma: no cover - the row that conflicted cannot vanish
                 raise
             return replay
@@ -250,16 +267,7 @@ def conversion_job_accept(
             admission_accepted(tenant=tenant)
             return Acceptance(job=job, created=True, replayed=False)
         conflict = None  # the inline statement met the identity: nothing written, no error
-    return _identity_conflict_answer(
-        tenant=tenant,
-        key=idempotency_key,
-        fingerprint=fingerprint,
-        sha256=upload.sha256,
-        output=output,
-        digest=digest,
-        engine=checked.engine_version,
-        cause=conflict,
-    )
+    return _identity_conflict_answer(identity, cause=conflict)
 
 
 def _admitted(
@@ -438,21 +446,12 @@ def _new_job(
     )
 
 
-def _precheck_answer(
-    *,
-    tenant: str,
-    key: str | None,
-    sha: str,
-    output: str,
-    digest: str,
-    fingerprint: str,
-    engine: str,
-) -> Acceptance | None:
+def _precheck_answer(identity: _Identity) -> Acceptance | None:
     """The answer the pre-check read gives (a replay, a duplicate), or None: insert. Raises
     DocumentQuarantined for a quarantined document that is not a key's replay."""
-    seen = _precheck(tenant=tenant, key=key, sha=sha, output=output, digest=digest, engine=engine)
+    seen = _precheck(identity)
     if seen.key_job is not None:
-        if seen.key_fingerprint != fingerprint:
+        if seen.key_fingerprint != identity.fingerprint:
             raise IdempotencyKeyReused()
         return Acceptance(
             job=ConversionJob.objects.get(id=seen.key_job), created=False, replayed=True
@@ -460,37 +459,28 @@ def _precheck_answer(
     if seen.quarantined:
         raise DocumentQuarantined()
     if seen.duplicate is not None:
-        return _existing_answer(
-            tenant=tenant, key=key, fingerprint=fingerprint, job_id=seen.duplicate
-        )
+        return _existing_answer(identity, seen.duplicate)
     return None
 
 
-def _identity_conflict_answer(
-    *,
-    tenant: str,
-    key: str | None,
-    fingerprint: str,
-    sha256: str,
-    output: str,
-    digest: str,
-    engine: str,
-    cause: Exception | None,
-) -> Acceptance:
+def _identity_conflict_answer(identity: _Identity, *, cause: Exception | None) -> Acceptance:
     """The insert met a job with this content identity, or the document's quarantine. With a
     key, its binding answers first (a replay of its own job, or 422 for another payload: the
     same answers the pre-check read gives); then the quarantine (422); otherwise the
     identity's job does, and the key (if any) is bound to it."""
+    tenant, key = identity.tenant, identity.key
     if key is not None:
-        replay = _replay(tenant=tenant, key=key, fingerprint=fingerprint)
+        replay = _replay(tenant=tenant, key=key, fingerprint=identity.fingerprint)
         if replay is not None:
             return replay
-    if document_quarantined(tenant=tenant, source_sha256=sha256, engine_version=engine):
+    if document_quarantined(
+        tenant=tenant, source_sha256=identity.sha256, engine_version=identity.engine
+    ):
         raise DocumentQuarantined()
-    winner = _identity_match(tenant=tenant, sha256=sha256, output=output, digest=digest)
+    winner = _identity_match(identity)
     if winner is None:  # it left the live/succeeded set meanwhile; the client retries
         raise InvalidRequest("a concurrent identical job changed state; retry") from cause
-    return _existing_answer(tenant=tenant, key=key, fingerprint=fingerprint, job_id=winner)
+    return _existing_answer(identity, winner)
 
 
 def _source_present(key: str) -> bool:

@@ -78,37 +78,6 @@ def page_checkpoints_by_page(
     return {p.page_number: p for p in rows}
 
 
-def page_checkpoint_record(
-    *,
-    lease: Lease,
-    page: int,
-    state: PageState,
-    attempts: int,
-    artifact_key: str | None = None,
-    artifact_sha256: str | None = None,
-    artifact_size: int | None = None,
-    media_type: str | None = None,
-    error_code: str | None = None,
-    range_lease: RangeLease | None = None,
-) -> PageCheckpoint:
-    """Fenced upsert of one page's checkpoint (``attempts``: tries spent on this page so far);
-    with ``range_lease``, fenced on the page range too."""
-    checkpoint = PageCheckpoint(
-        job_id=lease.job_id,
-        page_number=page,
-        state=state,
-        attempts=attempts,
-        artifact_key=artifact_key,
-        artifact_sha256=artifact_sha256,
-        artifact_size=artifact_size,
-        media_type=media_type,
-        error_code=error_code,
-        generation=lease.generation,
-    )
-    page_checkpoints_record(lease=lease, checkpoints=[checkpoint], range_lease=range_lease)
-    return checkpoint
-
-
 def page_checkpoint_done(
     *,
     lease: Lease,
@@ -263,14 +232,33 @@ class CheckpointBatch:
         if not self.pending:
             return
         self.durable()
-        batch = list(self.pending)
+        self._record(list(self.pending))
+        self.written()
+
+    def record(self, page: int, state: PageState, *, attempts: int, error_code: str) -> None:
+        """Checkpoint a page not done (pending with tries left, or failed) at once, after the
+        pages waiting: ``attempts``, the tries spent on it so far, and the last ``error_code``.
+        (A done page is batched: ``add``.)"""
+        self.flush()
+        checkpoint = PageCheckpoint(
+            job_id=self.lease.job_id,
+            page_number=page,
+            state=state,
+            attempts=attempts,
+            error_code=error_code,
+            generation=self.lease.generation,
+        )
+        self._record([checkpoint])
+        self.checkpoints[page] = checkpoint
+
+    def _record(self, checkpoints: list[PageCheckpoint]) -> None:
+        """The fenced write (on the range lease too, for a page range), retried."""
         db_retry(
             page_checkpoints_record,
             lease=self.lease,
-            checkpoints=batch,
+            checkpoints=checkpoints,
             range_lease=self.range_lease,
         )
-        self.written()
 
     def written(self) -> None:
         """The pending checkpoints committed (here or in the publishing transaction)."""

@@ -21,9 +21,10 @@ when a worker slot is free:
   ``max(vtime, clock) + (cost of the tenant's units before it) / weight``; the units with the
   smallest start tags are sent, ``dispatch_clock.vclock`` follows the last start tag sent, so a
   tenant that was idle starts again at the clock and banks nothing.
-* **one picker at a time**: Postgres runs the whole pick as ``quire_fair_pick`` (migration 0018)
-  under a transaction-scoped advisory lock; SQLite's twin below runs under ``BEGIN IMMEDIATE``
-  (the database's one write lock). Two relays never send one unit twice or exceed the credits.
+* **one picker at a time**: Postgres runs the whole pick as ``quire_fair_pick`` (migration 0019)
+  under a transaction-scoped advisory lock; SQLite's twin runs under ``BEGIN IMMEDIATE`` (the
+  database's one write lock). Both, and every statement of the relay, are ``store/fair.py``'s.
+  Two relays never send one unit twice or exceed the credits.
 
 Every caller that may have freed or filled a slot runs a pick: the commit fast path (the web's
 background publisher, or inline), the worker after each attempt (its credit returned: in
@@ -42,14 +43,13 @@ import re
 import socket
 import threading
 import uuid
-from collections import defaultdict
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from django.conf import settings
 from django.db import close_old_connections, connection, transaction
-from django.db.models import Count, Exists, F, OuterRef, Q, Sum
+from django.db.models import Count, Sum
 from django.db.models.functions import Coalesce, Now
 from django.utils import timezone
 
@@ -57,19 +57,16 @@ from conversion_jobs import faults
 from conversion_jobs.models import (
     ConversionJob,
     ConversionOutbox,
-    DispatchClock,
     JobRange,
     PageCheckpoint,
     PageState,
-    RangeState,
     TenantShare,
     WorkerSlot,
 )
 from conversion_jobs.observability import gauges, metrics
 from conversion_jobs.services import broker
-from conversion_jobs.states import LEASED_STATES, State
+from conversion_jobs.store import fair as fair_store
 from conversion_jobs.store import notify
-from conversion_jobs.store.prepared import Int8s, prepared_cursor
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +197,9 @@ class Unit(NamedTuple):
     cost: int
     range_first: int | None = None
     range_generation: int | None = None
+    #: a gated message of this unit was refused before this pick chose it (ADR 0021, "Idle
+    #: latency: the gated fast path"): a publisher that sent it speculatively sends it again
+    refused: bool = False
 
     @property
     def page_range(self) -> broker.RangeRef | None:
@@ -208,37 +208,11 @@ class Unit(NamedTuple):
         return broker.RangeRef(self.range_first, self.range_generation)
 
 
-#: The pick as the commit fast path sends it: bound by the server and prepared once per
-#: connection (``prepared.prepared_cursor``), so Postgres neither parses nor plans the call
-#: again. The columns are named, not ``*``: a later version of the function that returns more
-#: columns leaves this statement's result type, and its prepared plan, valid.
-_PICK_SQL = (
-    "SELECT out_id, out_job, out_generation, out_traceparent, out_tenant, out_cost,"
-    " out_range_first, out_range_generation"
-    " FROM quire_fair_pick(%(limit)s::integer, %(capacity)s::integer,"
-    " %(lost)s::float8, %(ttl)s::float8)"
-)
-
-
 def pick(*, limit: int) -> list[Unit]:
-    """Choose and mark sent at most ``limit`` units, fewer when credits are short, in fair order.
-    Commits before it returns when called outside a transaction (the caller publishes after)."""
-    q = settings.QUIRE
-    if connection.vendor == "postgresql":
-        with prepared_cursor() as cursor:
-            cursor.execute(
-                _PICK_SQL,
-                {
-                    "limit": limit,
-                    "capacity": q["FAIR_CAPACITY"],
-                    "lost": float(q["FAIR_LOST_S"]),
-                    "ttl": float(q["FAIR_SLOT_TTL_S"]),
-                },
-            )
-            rows = cursor.fetchall()
-        units = [Unit(r[0], r[1], r[2], r[3] or "", r[4], r[5], r[6], r[7]) for r in rows]
-    else:
-        units = _pick_sqlite(limit=limit)
+    """Choose and mark sent at most ``limit`` units, fewer when credits are short, in fair order
+    (``store.fair.pick``). Commits before it returns when called outside a transaction (the
+    caller publishes after)."""
+    units = [Unit(*row) for row in fair_store.pick(limit=limit)]
     if units:
         metrics.FAIR_DISPATCHED.inc(len(units))
     return units
@@ -246,134 +220,12 @@ def pick(*, limit: int) -> list[Unit]:
 
 def capacity() -> int:
     """Worker slots: ``QUIRE_FAIR_CAPACITY``, or those announced within the slot TTL."""
-    fixed = settings.QUIRE["FAIR_CAPACITY"]
-    if fixed > 0:
-        return int(fixed)
-    since = timezone.now() - timedelta(seconds=settings.QUIRE["FAIR_SLOT_TTL_S"])
-    return sum(WorkerSlot.objects.filter(seen_at__gt=since).values_list("slots", flat=True))
+    return fair_store.capacity()
 
 
 def busy_by_tenant() -> dict[str, int]:
-    """Slots in use per tenant: running or cancelling jobs (not a fanned-out job whose ranges
-    are queued or running: they hold its slots), running ranges, plus jobs and ranges sent and
-    not claimed yet (within ``QUIRE_FAIR_LOST_S``). Read from rows."""
-    lost = timezone.now() - timedelta(seconds=settings.QUIRE["FAIR_LOST_S"])
-    busy: dict[str, int] = defaultdict(int)
-    live_ranges = JobRange.objects.filter(
-        job_id=OuterRef("id"),
-        job_generation=OuterRef("generation"),
-        state__in=[RangeState.QUEUED, RangeState.RUNNING],
-    )
-    leased = ConversionJob.objects.filter(state__in=LEASED_STATES).exclude(Exists(live_ranges))
-    sent = ConversionJob.objects.filter(
-        state=State.QUEUED,
-        dispatched_at__gt=lost,
-        dispatched_generation=F("generation"),
-    )
-    for query in (leased, sent):
-        for tenant, n in (
-            query.values_list("tenant").annotate(n=Count("id")).values_list("tenant", "n")
-        ):
-            busy[tenant] += n
-    ranges = JobRange.objects.filter(
-        job__state__in=LEASED_STATES, job__generation=F("job_generation")
-    ).filter(Q(state=RangeState.RUNNING) | Q(state=RangeState.QUEUED, dispatched_at__gt=lost))
-    for tenant, n in (
-        ranges.values_list("job__tenant").annotate(n=Count("id")).values_list("job__tenant", "n")
-    ):
-        busy[tenant] += n
-    return dict(busy)
-
-
-def _waiting() -> Any:
-    """Dispatch units: unpublished outbox rows whose job is queued in their generation, and
-    those of a range queued in their range generation while its job runs in theirs."""
-    queued_range = JobRange.objects.filter(
-        job_id=OuterRef("job_id"),
-        first_page=OuterRef("range_first"),
-        generation=OuterRef("range_generation"),
-        job_generation=OuterRef("generation"),
-        state=RangeState.QUEUED,
-    )
-    return ConversionOutbox.objects.filter(
-        published_at__isnull=True, job__generation=F("generation")
-    ).filter(
-        Q(range_first__isnull=True, job__state=State.QUEUED)
-        | Q(Exists(queued_range), range_first__isnull=False, job__state=State.RUNNING)
-    )
-
-
-def _pick_sqlite(*, limit: int) -> list[Unit]:
-    """``quire_fair_pick`` for the standalone profile, the same algorithm in Python: every
-    transaction there is ``BEGIN IMMEDIATE``, so this one holds the database's write lock from
-    its first read, as the Postgres function holds its advisory lock."""
-    with transaction.atomic():
-        busy = busy_by_tenant()
-        credit = min(limit, capacity() - sum(busy.values()))
-        if credit <= 0:
-            return []
-        rows = list(
-            _waiting()
-            .order_by("id")
-            .values_list(
-                "id",
-                "job_id",
-                "generation",
-                "traceparent",
-                "job__tenant",
-                "cost",
-                "job__dispatch_cost",
-                "range_first",
-                "range_generation",
-            )
-        )
-        shares = {s.tenant: s for s in TenantShare.objects.filter(tenant__in={r[4] for r in rows})}
-        clock = DispatchClock.objects.get_or_create(id=1)[0].vclock
-        per_tenant: dict[str, list[tuple[Any, ...]]] = defaultdict(list)
-        for row in rows:
-            per_tenant[row[4]].append(row)
-        candidates = []
-        for tenant, units in per_tenant.items():
-            share = shares.get(tenant)
-            weight = share.weight if share else 1
-            base = max(share.vtime if share else 0.0, clock)
-            room = credit
-            if share is not None and share.running_cap is not None:
-                room = min(room, share.running_cap - busy.get(tenant, 0))
-            upto = 0
-            for row in units[: max(0, room)]:
-                cost = max(row[5] if row[5] is not None else row[6], 1)
-                start = base + upto / weight
-                upto += cost
-                candidates.append((start, row[0], base + upto / weight, row, cost))
-        candidates.sort(key=lambda c: (c[0], c[1]))
-        chosen = candidates[:credit]
-        if not chosen:
-            return []
-        now = timezone.now()
-        ConversionOutbox.objects.filter(
-            id__in=[c[1] for c in chosen], published_at__isnull=True
-        ).update(published_at=now, publish_attempts=F("publish_attempts") + 1)
-        for _start, _id, _finish, row, _cost in chosen:
-            if row[7] is None:
-                ConversionJob.objects.filter(id=row[1]).update(
-                    dispatched_at=now, dispatched_generation=row[2]
-                )
-            else:
-                JobRange.objects.filter(
-                    job_id=row[1], first_page=row[7], generation=row[8], state=RangeState.QUEUED
-                ).update(dispatched_at=now)
-        finish: dict[str, float] = {}
-        for _start, _id, fin, row, _cost in chosen:
-            finish[row[4]] = max(finish.get(row[4], 0.0), fin)
-        for tenant, fin in finish.items():
-            TenantShare.objects.get_or_create(tenant=tenant)
-            TenantShare.objects.filter(tenant=tenant, vtime__lt=fin).update(vtime=fin)
-        DispatchClock.objects.filter(id=1, vclock__lt=chosen[-1][0]).update(vclock=chosen[-1][0])
-        return [
-            Unit(row[0], row[1], row[2], row[3] or "", row[4], cost, row[7], row[8])
-            for _s, _i, _f, row, cost in chosen
-        ]
+    """Slots in use per tenant, read from rows (``store.fair.busy_by_tenant``)."""
+    return fair_store.busy_by_tenant()
 
 
 def unsend(units: list[Unit], *, code: str) -> None:
@@ -449,33 +301,17 @@ def relay(*, limit: int, path: str) -> int:
 
 # --- a pick that was never published ------------------------------------------------------------
 
-#: The broker confirmed these picked units: their row's ``published_at`` moves from the pick's
-#: time (which ``conversion_job.dispatched_at`` also holds) to now. Its own transaction, which
-#: does not wait for its WAL flush (a mark lost in a Postgres crash only makes the unit look
-#: unconfirmed: sent once more, a duplicate the claim's CAS ignores).
-_CONFIRM_SQL = (
-    "UPDATE conversion_outbox"
-    " SET published_at = GREATEST(clock_timestamp(), published_at + interval '1 microsecond')"
-    " WHERE id = ANY(%(ids)s::bigint[]) AND published_at IS NOT NULL"
-    " AND set_config('synchronous_commit', 'off', true) IS NOT NULL"
-)
-
 
 def confirm(outbox_ids: list[int]) -> None:
     """Record that the broker confirmed these picked units' messages (ADR 0021, "A unit picked
-    and lost"). Never raises: a mark that fails leaves the units looking unconfirmed, and
-    :func:`units_return_unconfirmed` sends them once more (a harmless duplicate)."""
+    and lost"): their row's ``published_at`` moves from the pick's time to the confirm's
+    (``store.fair.CONFIRM``). Never raises: a mark that fails leaves the units looking
+    unconfirmed, and :func:`units_return_unconfirmed` sends them once more (a harmless
+    duplicate)."""
     if not outbox_ids:
         return
     try:
-        if connection.vendor == "postgresql":
-            with prepared_cursor() as cursor:
-                cursor.execute(_CONFIRM_SQL, {"ids": Int8s(outbox_ids)})
-        else:
-            now = timezone.now()
-            ConversionOutbox.objects.filter(id__in=outbox_ids, published_at__isnull=False).update(
-                published_at=now
-            )
+        fair_store.confirm(outbox_ids)
     except Exception as exc:
         log.warning("could not mark picked units confirmed", extra={"error": type(exc).__name__})
         raw = connection.connection
@@ -490,73 +326,19 @@ def unconfirmed_after_s() -> float:
     return 2.0 * float(settings.QUIRE["PUBLISH_CONFIRM_TIMEOUT_S"])
 
 
-#: Jobs sent by a pick (``dispatched_at`` set in their generation), not claimed, whose outbox
-#: row still carries the pick's own time (never confirmed) past ``unconfirmed_after_s``: the
-#: picker died or stalled between its pick and its publish. Their rows go back to waiting and
-#: the jobs stop counting as busy, in one statement; the jobs' row locks first, skipping any a
-#: claim holds. A confirm that commits meanwhile changes ``published_at``, so the row no longer
-#: matches and nothing is returned for it.
-_RETURN_UNCONFIRMED_SQL = """
-WITH lost AS (
-    SELECT j.id, j.generation, j.dispatched_at FROM conversion_job j
-    WHERE j.state = 'queued' AND j.dispatched_at IS NOT NULL
-      AND j.dispatched_generation = j.generation
-      AND j.dispatched_at < now() - make_interval(secs => %(after)s)
-    ORDER BY j.dispatched_at
-    LIMIT %(batch)s
-    FOR UPDATE OF j SKIP LOCKED
-), back AS (
-    UPDATE conversion_outbox o SET published_at = NULL, last_error_code = 'unconfirmed'
-    FROM lost l
-    WHERE o.job_id = l.id AND o.generation = l.generation AND o.published_at = l.dispatched_at
-      AND o.range_first IS NULL
-    RETURNING o.job_id
-)
-UPDATE conversion_job j SET dispatched_at = NULL
-FROM (SELECT DISTINCT b.job_id FROM back b) r WHERE j.id = r.job_id
-RETURNING j.id
-"""
-
-
 def units_return_unconfirmed(*, batch: int) -> int:
     """Units picked and never confirmed (their picker killed between its pick and its publish)
     go back to waiting after ``unconfirmed_after_s``, for the next pick, instead of counting as
-    busy until ``QUIRE_FAIR_LOST_S`` and the stale-dispatch sweep. The outbox sweep runs this
-    before its pick, every tick. Their tenants' virtual time stays advanced, as after a broker
-    error (:func:`unsend`). A picker that was only stalled and publishes after all sends a
-    duplicate message, which the claim's CAS ignores. The count returned."""
-    after = unconfirmed_after_s()
-    if connection.vendor == "postgresql":
-        with connection.cursor() as cursor:  # one statement, its own transaction
-            cursor.execute(_RETURN_UNCONFIRMED_SQL, {"after": after, "batch": batch})
-            count = len(cursor.fetchall())
-    else:
-        count = _return_unconfirmed_sqlite(after=after, batch=batch)
+    busy until ``QUIRE_FAIR_LOST_S`` and the stale-dispatch sweep (``store.fair.
+    RETURN_UNCONFIRMED``). The outbox sweep runs this before its pick, every tick. Their
+    tenants' virtual time stays advanced, as after a broker error (:func:`unsend`). A picker
+    that was only stalled and publishes after all sends a duplicate message, which the claim's
+    CAS ignores. The count returned."""
+    count = fair_store.return_unconfirmed(after_s=unconfirmed_after_s(), batch=batch)
     if count:
         metrics.REDISPATCHES.labels(reason="unconfirmed").inc(count)
         log.warning("picked units never confirmed went back to waiting", extra={"count": count})
     return count
-
-
-def _return_unconfirmed_sqlite(*, after: float, batch: int) -> int:
-    cutoff = timezone.now() - timedelta(seconds=after)
-    with transaction.atomic():  # BEGIN IMMEDIATE: the database's write lock from here
-        rows = list(
-            ConversionOutbox.objects.filter(
-                range_first__isnull=True,
-                job__state=State.QUEUED,
-                job__generation=F("generation"),
-                job__dispatched_generation=F("generation"),
-                job__dispatched_at__lt=cutoff,
-                published_at=F("job__dispatched_at"),
-            ).values_list("id", "job_id")[:batch]
-        )
-        if not rows:
-            return 0
-        ConversionOutbox.objects.filter(id__in=[r[0] for r in rows]).update(
-            published_at=None, last_error_code="unconfirmed"
-        )
-        return ConversionJob.objects.filter(id__in={r[1] for r in rows}).update(dispatched_at=None)
 
 
 def relay_quietly(*, path: str) -> int:
@@ -574,7 +356,7 @@ def relay_quietly(*, path: str) -> int:
 def others_waiting(*, tenant: str) -> bool:
     """Another tenant has a unit waiting and no slot is free for it: the condition under which
     a running attempt that used its slice yields (docs/ARCHITECTURE.md §2b)."""
-    if not _waiting().exclude(job__tenant=tenant).exists():
+    if not fair_store.waiting().exclude(job__tenant=tenant).exists():
         return False
     return capacity() - sum(busy_by_tenant().values()) <= 0
 
@@ -586,7 +368,7 @@ def outbox_rows_retire_superseded(*, batch: int) -> int:
     cutoff = timezone.now() - timedelta(seconds=settings.QUIRE["FAIR_LOST_S"])
     ids = list(
         ConversionOutbox.objects.filter(published_at__isnull=True, created_at__lt=cutoff)
-        .exclude(id__in=_waiting().values("id"))
+        .exclude(id__in=fair_store.waiting().values("id"))
         .values_list("id", flat=True)[:batch]
     )
     if not ids:
@@ -673,7 +455,7 @@ def tenants_fairness() -> list[TenantFairness]:
     window = timezone.now() - timedelta(seconds=settings.QUIRE["FAIR_SHARE_WINDOW_S"])
     backlog: dict[str, tuple[int, int]] = {}
     for tenant, n, cost in (
-        _waiting()
+        fair_store.waiting()
         .values_list("job__tenant")
         .annotate(n=Count("id"), cost=Sum(Coalesce("cost", "job__dispatch_cost")))
         .values_list("job__tenant", "n", "cost")

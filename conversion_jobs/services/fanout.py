@@ -40,7 +40,6 @@ from conversion_jobs import converters, storage
 from conversion_jobs.converters.base import PDF, Prepared
 from conversion_jobs.converters.errors import SourceMissing
 from conversion_jobs.models import (
-    AttemptOutcome,
     ConversionJob,
     ConversionOutbox,
     InlineSource,
@@ -49,7 +48,7 @@ from conversion_jobs.models import (
     WorkerLease,
 )
 from conversion_jobs.observability import metrics
-from conversion_jobs.services import execution, fair, transitions
+from conversion_jobs.services import fair, transitions
 from conversion_jobs.services.audit import audit_event_append
 from conversion_jobs.services.checkpoints import (
     job_row_lock,
@@ -169,25 +168,23 @@ def ranges_for(*, pages: list[int], todo: list[int]) -> list[tuple[int, int]]:
 
 
 def conversion_job_fan_out(
+    claim: transitions.Claim,
     *,
-    lease: Lease,
-    job: ConversionJob,
     pages: list[int],
     todo: list[int],
     prepared: Prepared,
     heartbeat: Heartbeat,
-    unrecorded: dict[str, int],
-    source: bytes | None = None,
     kept: list[RangeClaim] | None = None,
     worker: str = "",
 ) -> str:
-    """The planner: the page count recorded, an Office document's PDF stored once (every range
-    splits it), then the ranges planned (``ranges_plan``). Returns ``fanned_out``; LeaseLost
-    when the job was recovered or cancelled meanwhile (the runner stops). ``kept``: the planner
-    goes on with the first range itself, in the slot it holds (no message, no wait for the
-    relay): it is planned already claimed by the planner (``worker``: its identity), and its
-    claim is appended to ``kept`` (``source``: an inline source's bytes, for it)."""
-    execution.page_count_record_deferred(lease, unrecorded)
+    """The planner of the attempt ``claim`` (its page count recorded): an Office document's PDF
+    stored once (every range splits it), then the ranges planned (``ranges_plan``). Returns
+    ``fanned_out``; LeaseLost when the job was recovered or cancelled meanwhile (the runner
+    stops). ``kept``: the planner goes on with the first range itself, in the slot it holds (no
+    message, no wait for the relay): it is planned already claimed by the planner (``worker``:
+    its identity), and its claim is appended to ``kept`` (with ``claim.source``, an inline
+    source's bytes)."""
+    lease, job = claim.lease, claim.job
     document_key = None
     if prepared.media_type == PDF and job.source_media_type != PDF:
         document_key = storage.page_key(
@@ -222,7 +219,7 @@ def conversion_job_fan_out(
                 lease=dataclasses.replace(lease, started_at=None),
                 job=job,
                 document_key=document_key,
-                source=source if document_key is None else None,
+                source=claim.source if document_key is None else None,
             )
         )
     return "fanned_out"
@@ -612,18 +609,7 @@ def _recover_range(*, range_id: int, job_id: uuid.UUID, now: datetime) -> str | 
     max_attempts = ConversionJob.objects.filter(id=job_id).values_list("max_attempts", flat=True)[0]
     if attempts >= max_attempts:
         # A range whose worker keeps dying is the document crashing its converter.
-        transitions.chosen(
-            transitions.fail(
-                lease=lease,
-                code="attempts_exhausted",
-                detail="last error: lease_lost (a page range)",
-                retryable=True,
-                outcome=AttemptOutcome.LEASE_LOST,
-                attempt_error="lease_lost",
-                event_type="lease_expired",
-                details={"result": "exhausted", "range_first": first},
-            )
-        )
+        transitions.chosen(transitions.fail_lease_lost(lease=lease, range_first=first))
         return "exhausted"
     ranges.filter(id=range_id).update(
         state=RangeState.QUEUED,

@@ -14,7 +14,7 @@ from django.conf import settings
 
 from conversion_jobs import converters, storage
 from conversion_jobs.converters import registry
-from conversion_jobs.converters.base import PDF, Prepared
+from conversion_jobs.converters.base import PDF
 from conversion_jobs.converters.engines import configure
 from conversion_jobs.models import ConversionJob
 from conversion_jobs.passwords import sealed_passwords_wipe
@@ -70,12 +70,13 @@ class _Beats:
         heartbeat.start()
 
 
-def conversion_execute(*, job_id: uuid.UUID, generation: int) -> str:
-    """A job's message: its attempt (``runner.conversion_job_execute``); when the attempt fans
-    the job out, the first range goes on in this slot at once (claimed by the plan itself: no
-    message, no wait for the relay, ADR 0023)."""
+def conversion_execute(*, job_id: uuid.UUID, generation: int, gate: int | None = None) -> str:
+    """A job's message: its attempt (``runner.conversion_job_execute``; ``gate``: a gated
+    message's outbox id, ADR 0021); when the attempt fans the job out, the first range goes on
+    in this slot at once (claimed by the plan itself: no message, no wait for the relay, ADR
+    0023)."""
     return runner.conversion_job_execute(
-        job_id=job_id, generation=generation, then=_planned_range_execute
+        job_id=job_id, generation=generation, then=_planned_range_execute, gate=gate
     )
 
 
@@ -210,15 +211,12 @@ def _convert_range(*, claim: RangeClaim, beats: _Beats, workdir: Path) -> str:
         converter.request_pages(request, pages=ahead)
     return runner._convert_pages(
         runner.PageRun(
-            lease=lease,
+            batch=CheckpointBatch(lease, checkpoints, range_lease=range_lease),
             job=job,
             converter=converter,
             request=request,
             pages=pages,
             todo=todo,
-            checkpoints=checkpoints,
-            unrecorded={},
-            range_lease=range_lease,
             finish=functools.partial(
                 _range_done, claim=claim, beats=beats, workdir=workdir, source=source
             ),
@@ -250,19 +248,12 @@ def _join(*, claim: RangeClaim, workdir: Path, source: Path) -> str:
         document = workdir / "document.pdf"
         if not document.exists():
             storage.download(claim.document_key, document)
-    prepared = Prepared(
-        document=document,
-        media_type=PDF if claim.document_key else job.source_media_type,
-        page_count=job.source_page_count or 0,
-    )
     with CheckpointBatch(lease, checkpoints) as batch:
         return runner._finalize(
-            lease=lease,
+            batch=batch,
             job=job,
             pages=pages,
-            checkpoints=checkpoints,
-            batch=batch,
-            prepared=prepared,
+            document=document,
             workdir=workdir,
             local={},
             unrecorded={},

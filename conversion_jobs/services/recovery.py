@@ -99,19 +99,7 @@ def _recover_held(held: transitions.Held, lease: Lease, traceparent: str) -> str
         transitions.chosen(transitions.finish_cancel(lease=lease, by_sweep=True))
         return "cancelled"
     if held.exhausted:
-        transitions.chosen(
-            transitions.fail(
-                lease=lease,
-                code="attempts_exhausted",
-                detail="last error: lease_lost",
-                retryable=True,
-                outcome=AttemptOutcome.LEASE_LOST,
-                attempt_error="lease_lost",
-                event_type="lease_expired",
-                details={"result": "exhausted"},
-                only_if_exhausted=True,
-            )
-        )
+        transitions.chosen(transitions.fail_lease_lost(lease=lease))
         return "exhausted"
     transitions.chosen(transitions.requeue_lost_lease(lease=lease, traceparent=traceparent))
     return "requeued"

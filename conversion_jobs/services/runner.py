@@ -17,7 +17,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -41,7 +41,6 @@ from conversion_jobs.services.checkpoints import (
     CheckpointBatch,
     inline_content,
     page_checkpoint_done,
-    page_checkpoint_record,
     page_checkpoints_by_page,
 )
 from conversion_jobs.services.db_retry import (
@@ -51,7 +50,7 @@ from conversion_jobs.services.db_retry import (
     db_retry_until,
 )
 from conversion_jobs.services.heartbeat import Heartbeat
-from conversion_jobs.services.leases import Lease, LeaseLost, RangeLease, job_state_under_lease
+from conversion_jobs.services.leases import Lease, LeaseLost, job_state_under_lease
 from conversion_jobs.services.recovery import SPARE_WORKDIR_PREFIX
 from conversion_jobs.services.tidying import tidy_later, tidy_wait
 from conversion_jobs.services.zipresult import zip_result_digest, zip_result_key
@@ -95,12 +94,14 @@ def conversion_job_execute(
     job_id: uuid.UUID,
     generation: int,
     then: Callable[[fanout.RangeClaim], str] | None = None,
+    gate: int | None = None,
 ) -> str:
-    """Claim and run one delivery. Returns what happened (for logs and tests): ``duplicate``,
-    ``succeeded``, ``partial``, ``failed``, ``retry_wait``, ``cancelled``, ``lost`` or
-    ``fanned_out``. ``then``: when the attempt fans the job out (ADR 0023), it keeps the first
-    range, claimed in the plan, and ``then(claim)`` runs it in this slot once the attempt has
-    ended (``range_runner``); without it every range waits for a message."""
+    """Claim and run one delivery (``gate``: a gated message's outbox id, ADR 0021). Returns
+    what happened (for logs and tests): ``duplicate``, ``succeeded``, ``partial``, ``failed``,
+    ``retry_wait``, ``cancelled``, ``lost`` or ``fanned_out``. ``then``: when the attempt fans
+    the job out (ADR 0023), it keeps the first range, claimed in the plan, and ``then(claim)``
+    runs it in this slot once the attempt has ended (``range_runner``); without it every range
+    waits for a message."""
     connections_refresh()
     converters.sandbox.configure(work_dir=settings.QUIRE["WORK_DIR"])
     claim = db_retry_until(
@@ -109,6 +110,7 @@ def conversion_job_execute(
         job_id=job_id,
         generation=generation,
         worker=worker_identity(),
+        gate=gate,
     )
     if claim is None:
         return "duplicate"
@@ -129,14 +131,7 @@ def conversion_job_execute(
     outcome = "lost"
     kept: list[fanout.RangeClaim] | None = [] if then is not None else None
     try:
-        outcome = _run(
-            lease=lease,
-            job=claim.job,
-            source=claim.source,
-            heartbeat=heartbeat,
-            workdir=workdir,
-            kept=kept,
-        )
+        outcome = _run(claim, heartbeat=heartbeat, workdir=workdir, kept=kept)
     finally:
         heartbeat.finish()
         if claim.job.password_sealed is not None and outcome in _TERMINAL_OUTCOMES:
@@ -214,25 +209,18 @@ _TERMINAL_OUTCOMES = frozenset({"succeeded", "partial", "failed", "cancelled"})
 
 
 def _run(
+    claim: execution.Claim,
     *,
-    lease: Lease,
-    job: ConversionJob,
-    source: bytes | None,
     heartbeat: Heartbeat,
     workdir: Path,
     kept: list[fanout.RangeClaim] | None = None,
 ) -> str:
+    lease, job = claim.lease, claim.job
     #: the page count prepare found, while it is still to be recorded (see _convert)
     unrecorded: dict[str, int] = {}
     try:
         return _convert(
-            lease=lease,
-            job=job,
-            source_bytes=source,
-            heartbeat=heartbeat,
-            workdir=workdir,
-            unrecorded=unrecorded,
-            kept=kept,
+            claim, heartbeat=heartbeat, workdir=workdir, unrecorded=unrecorded, kept=kept
         )
     except (LeaseLost, ConversionStopped):
         return _stopped(lease=lease)
@@ -373,18 +361,17 @@ def _attempt_options(job: ConversionJob, lease: Lease, *, password: bool = True)
 
 
 def _convert(
+    claim: execution.Claim,
     *,
-    lease: Lease,
-    job: ConversionJob,
-    source_bytes: bytes | None,
     heartbeat: Heartbeat,
     workdir: Path,
     unrecorded: dict[str, int],
     kept: list[fanout.RangeClaim] | None = None,
 ) -> str:
-    """``job``: the row as the claim read it back (options, source, output never change).
-    ``source_bytes``: an inline source's bytes, as the claim read them with the row.
+    """``claim.job``: the row as the claim read it back (options, source, output never
+    change); ``claim.source``: an inline source's bytes, as the claim read them with the row.
     ``unrecorded`` gets the page count when its recording is deferred to the publish."""
+    lease, job, source_bytes = claim.lease, claim.job, claim.source
     options = _attempt_options(job, lease)
     configure(engine_settings_from_settings())
     converter = converters.converter_for(job.source_media_type, job.output)
@@ -426,16 +413,14 @@ def _convert(
     todo = _unfinished(pages, checkpoints)  # a resumed job never redoes a finished page
     if fanout.fanout_wanted(job=job, todo=todo):
         # Long enough to split: the pages go to page ranges that any worker claims, and this
-        # attempt ends here (ADR 0023).
+        # attempt ends here (ADR 0023). The ranges' progress needs the count first.
+        execution.page_count_record_deferred(lease, unrecorded)
         return fanout.conversion_job_fan_out(
-            lease=lease,
-            job=job,
+            claim,
             pages=pages,
             todo=todo,
             prepared=prepared,
             heartbeat=heartbeat,
-            unrecorded=unrecorded,
-            source=source_bytes,
             kept=kept,
             worker=worker_identity(),
         )
@@ -449,13 +434,12 @@ def _convert(
         execution.page_count_record_deferred(lease, unrecorded)
     return _convert_pages(
         PageRun(
-            lease=lease,
+            batch=CheckpointBatch(lease, checkpoints),
             job=job,
             converter=converter,
             request=request,
             pages=pages,
             todo=todo,
-            checkpoints=checkpoints,
             unrecorded=unrecorded,
         )
     )
@@ -476,28 +460,21 @@ def _prepared(
     the request of its pages: this job's output and options, the work dir, the limits, the
     stop flag and, for a text job, the largest page that comes back from the child as bytes
     (it then rides in its checkpoint row)."""
-    limits = limits_from_settings()
     inline_max = settings.QUIRE["INLINE_PAGE_MAX_BYTES"] if job.output == "text" else 0
-    prepared = converter.prepare(
+    first_pages = converters.FirstPages(
+        pages=tuple(first), output=job.output, inline_max_bytes=inline_max
+    )
+    request = converters.PrepareRequest(
         source=source,
         media_type=media_type,
         workdir=workdir,
-        limits=limits,
+        limits=limits_from_settings(),
         should_stop=stop,
         options=options,
-        first=converters.FirstPages(
-            pages=tuple(first), output=job.output, inline_max_bytes=inline_max
-        ),
+        first=first_pages,
     )
-    return PageRequest(
-        prepared=prepared,
-        output=job.output,
-        options=options,
-        dest_dir=workdir,
-        limits=limits,
-        should_stop=stop,
-        inline_max_bytes=inline_max,
-    )
+    prepared = converter.prepare(request)
+    return request.pages(prepared, output=job.output, inline_max_bytes=inline_max)
 
 
 def _unfinished(pages: list[int], checkpoints: dict[int, Any]) -> list[int]:
@@ -513,30 +490,30 @@ def _unfinished(pages: list[int], checkpoints: dict[int, Any]) -> list[int]:
 @dataclass(frozen=True)
 class PageRun:
     """What ``_convert_pages`` works on: an attempt's pages, or a page range's (ADR 0023).
-    ``request``: the converter's page request (its ``dest_dir`` is the work dir, its
-    ``inline_max_bytes`` the largest text page that rides in its checkpoint row, 0: none).
-    ``todo``: the pages of ``pages`` still to convert, in order. ``checkpoints``: the pages'
-    checkpoints as read (a page that fails is added). A page range passes its ``range_lease``
-    (every checkpoint is fenced on it too) and ``finish`` (called once its last batch is
-    written, instead of ``_finalize``)."""
+    ``batch``: the checkpoint batch the pages go to, not entered yet; it holds the lease its
+    writes are fenced on (and a page range's ``range_lease``: every checkpoint is fenced on it
+    too) and the pages' checkpoints as read (a page that fails is added). ``request``: the
+    converter's page request (its ``dest_dir`` is the work dir, its ``inline_max_bytes`` the
+    largest text page that rides in its checkpoint row, 0: none). ``todo``: the pages of
+    ``pages`` still to convert, in order. ``unrecorded``: the page count while it is still to
+    be recorded (``_convert``; a page range's never is). A page range passes ``finish``
+    (called once its last batch is written, instead of ``_finalize``)."""
 
-    lease: Lease
+    batch: CheckpointBatch
     job: ConversionJob
     converter: converters.Converter
     request: PageRequest
     pages: list[int]
     todo: list[int]
-    checkpoints: dict[int, Any]
-    unrecorded: dict[str, int]
-    range_lease: RangeLease | None = None
+    unrecorded: dict[str, int] = field(default_factory=dict)
     finish: Callable[[], str] | None = None
 
 
 def _convert_pages(run: PageRun) -> str:
     """Convert ``run.todo`` page by page (each page up to ``PAGE_MAX_ATTEMPTS`` tries) into
-    one checkpoint batch, yield the worker at a page boundary past the fair slice, then
+    the run's checkpoint batch, yield the worker at a page boundary past the fair slice, then
     finalize (or ``run.finish``)."""
-    with CheckpointBatch(run.lease, run.checkpoints, range_lease=run.range_lease) as batch:
+    with run.batch as batch:
         local: dict[int, Path] = {}  # pages of this attempt: where their bytes are on this host
         slice_ = _Slice()
         page_budget = settings.QUIRE["PAGE_MAX_ATTEMPTS"]
@@ -547,29 +524,23 @@ def _convert_pages(run: PageRun) -> str:
             # A page range (ADR 0023) never yields: it is already a bounded unit of work, and a
             # yield would move the whole fanned-out job (ADR 0021).
             if (
-                run.range_lease is None
+                batch.range_lease is None
                 and slice_.due()
-                and _yield_if_others_wait(
-                    lease=run.lease, job=run.job, batch=batch, left=len(run.todo) - index
-                )
+                and _yield_if_others_wait(job=run.job, batch=batch, left=len(run.todo) - index)
             ):
                 return "yielded"
             lookahead = run.todo[index + 1 : index + 2 * converters.READ_AHEAD_PAGES]
-            artifact, tries = _page_converted(
-                run, batch, page, lookahead=lookahead, budget=page_budget
-            )
+            artifact, tries = _page_converted(run, page, lookahead=lookahead, budget=page_budget)
             if artifact is not None:
-                _page_stored(run, batch, page, artifact=artifact, tries=tries, local=local)
+                _page_stored(run, page, artifact=artifact, tries=tries, local=local)
         if run.finish is not None:
             batch.flush()
             return run.finish()
         return _finalize(
-            lease=run.lease,
+            batch=batch,
             job=run.job,
             pages=run.pages,
-            checkpoints=run.checkpoints,
-            batch=batch,
-            prepared=run.request.prepared,
+            document=run.request.prepared.document,
             workdir=run.request.dest_dir,
             local=local,
             unrecorded=run.unrecorded,
@@ -577,13 +548,14 @@ def _convert_pages(run: PageRun) -> str:
 
 
 def _page_converted(
-    run: PageRun, batch: CheckpointBatch, page: int, *, lookahead: list[int], budget: int
+    run: PageRun, page: int, *, lookahead: list[int], budget: int
 ) -> tuple[Any, int]:
     """``page`` converted, tried again after an error until ``budget`` tries (counting those
     of earlier attempts); the artifact and the tries before it. ``(None, tries)``: the page
     failed for good (checkpointed failed). A retryable error within the budget is
     checkpointed pending and raised: the job tries again later."""
-    done = run.checkpoints.get(page)
+    batch = run.batch
+    done = batch.checkpoints.get(page)
     tries = done.attempts if done is not None else 0
     while True:
         try:
@@ -597,7 +569,7 @@ def _page_converted(
             exhausted = tries >= budget or exc.code in ("conversion_timeout", "input_too_large")
             batch.flush()
             if exc.retryable and not exhausted:
-                _checkpoint(run, page, PageState.PENDING, attempts=tries, error_code=exc.code)
+                batch.record(page, PageState.PENDING, attempts=tries, error_code=exc.code)
                 raise
             if exhausted:
                 _page_failed(run, page, tries=tries, exc=exc)
@@ -609,26 +581,19 @@ def _page_failed(run: PageRun, page: int, *, tries: int, exc: ConversionError) -
     end the job), then the page is checkpointed failed."""
     if quarantine.is_crash(exc.code):
         # A crash that fails only its page still counts against the document.
-        ended_as = db_retry(_crash_noted, lease=run.lease, job=run.job, code=exc.code)
+        ended_as = db_retry(_crash_noted, lease=run.batch.lease, job=run.job, code=exc.code)
         if ended_as is not None:
             raise _QuarantineFailed(ended_as) from exc
-    run.checkpoints[page] = _checkpoint(
-        run, page, PageState.FAILED, attempts=tries, error_code=exc.code
-    )
+    run.batch.record(page, PageState.FAILED, attempts=tries, error_code=exc.code)
 
 
 def _page_stored(
-    run: PageRun,
-    batch: CheckpointBatch,
-    page: int,
-    *,
-    artifact: Any,
-    tries: int,
-    local: dict[int, Path],
+    run: PageRun, page: int, *, artifact: Any, tries: int, local: dict[int, Path]
 ) -> None:
     """A converted page goes to the batch: a small text page in its checkpoint row, any other
     stored as an object (``local`` notes where its bytes are on this host)."""
-    lease, job = run.lease, run.job
+    batch, job = run.batch, run.job
+    lease = batch.lease
     key = storage.page_key(
         job_id=lease.job_id, page=page, generation=lease.generation, ext=PAGE_EXT[job.output]
     )
@@ -674,9 +639,7 @@ class _Slice:
         return True
 
 
-def _yield_if_others_wait(
-    *, lease: Lease, job: ConversionJob, batch: CheckpointBatch, left: int
-) -> bool:
+def _yield_if_others_wait(*, job: ConversionJob, batch: CheckpointBatch, left: int) -> bool:
     """At a page boundary past the slice: when another tenant's work waits with no free slot,
     checkpoint the pages done so far and end the attempt ``yielded`` (docs/ARCHITECTURE.md
     §2b); the job is queued again at the cost of its ``left`` pages. False: keep converting.
@@ -692,7 +655,7 @@ def _yield_if_others_wait(
         pages=left,
     )
     if db_retry(
-        execution.conversion_job_yield, lease=lease, traceparent=job.traceparent, cost=cost
+        execution.conversion_job_yield, lease=batch.lease, traceparent=job.traceparent, cost=cost
     ):
         return True
     raise LeaseLost()
@@ -722,36 +685,22 @@ def _fetch(key: str, workdir: Path) -> Path:
     return dest
 
 
-def _checkpoint(
-    run: PageRun, page: int, state: PageState, *, attempts: int, error_code: str
-) -> Any:
-    """A page not done (pending, failed), checkpointed at once (fenced on the run's range too)."""
-    return db_retry(
-        page_checkpoint_record,
-        lease=run.lease,
-        page=page,
-        state=state,
-        attempts=attempts,
-        error_code=error_code,
-        range_lease=run.range_lease,
-    )
-
-
 def _finalize(
     *,
-    lease: Lease,
+    batch: CheckpointBatch,
     job: ConversionJob,
     pages: list[int],
-    checkpoints: dict[int, Any],
-    batch: CheckpointBatch,
-    prepared: Any,
+    document: Path,
     workdir: Path,
     local: dict[int, Path],
     unrecorded: dict[str, int],
 ) -> str:
-    """Assemble the result from page artifacts and publish it with one fenced CAS; the pages
-    still waiting in ``batch`` are checkpointed in that same transaction. Pages an earlier
-    attempt converted are fetched from the store into the work directory first."""
+    """Assemble the result from page artifacts (``document``: the prepared document, a pdf
+    job's source of LibreOffice's own PDF) and publish it with one fenced CAS (on
+    ``batch.lease``); the pages still waiting in ``batch`` are checkpointed in that same
+    transaction. Pages an earlier attempt converted are fetched from the store into the work
+    directory first."""
+    lease, checkpoints = batch.lease, batch.checkpoints
     pending = {c.page_number: c for c in batch.pending}
     outcome = {**checkpoints, **pending}
     done_pages = [p for p in pages if outcome[p].state == PageState.DONE]
@@ -768,7 +717,7 @@ def _finalize(
         lease=lease,
         job=job,
         done=[(p, outcome[p]) for p in done_pages],
-        prepared=prepared,
+        document=document,
         workdir=workdir,
         local=local,
     )
@@ -829,7 +778,7 @@ def _assembled(
     lease: Lease,
     job: ConversionJob,
     done: list[tuple[int, Any]],
-    prepared: Any,
+    document: Path,
     workdir: Path,
     local: dict[int, Path],
 ) -> _Assembled:
@@ -862,7 +811,7 @@ def _assembled(
             output=job.output,
             pages=sources,
             dest=assembled,
-            prepared_document=prepared.document,
+            prepared_document=document,
         )
         sha, size = storage.sha256_file(assembled)
         storage.put_file(key, assembled, sha256=sha)

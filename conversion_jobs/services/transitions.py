@@ -55,6 +55,7 @@ from conversion_jobs.states import (
     State,
 )
 from conversion_jobs.store import checkpoints as pages
+from conversion_jobs.store import fair as fair_store
 from conversion_jobs.store import jobs as store
 from conversion_jobs.store.leases import held, lease_delete
 from conversion_jobs.webhooks.outbox import EVENT_OF_STATE, messages_enqueue
@@ -329,23 +330,65 @@ class Claim:
 
 
 @edge(State.QUEUED, State.RUNNING)
-def claim(*, job_id: uuid.UUID, generation: int, worker: str) -> Claim | None:
+def claim(
+    *, job_id: uuid.UUID, generation: int, worker: str, gate: int | None = None
+) -> Claim | None:
     """QUEUED -> RUNNING for this generation: attempts + 1, the attempt, the lease, the audit
-    event. None: a duplicate or stale delivery (counted; the caller acks it)."""
-    token = uuid.uuid4()
-    now = timezone.now()
-    expires = now + lease_ttl()
+    event. None: a duplicate or stale delivery (counted; the caller acks it).
+
+    ``gate``: the outbox id of a *gated* message, sent before its unit was picked (ADR 0021,
+    "Idle latency: the gated fast path"): it runs only if a pick marked the unit sent. Finding
+    no mark, the claim waits for any pick in progress (its lock, shared) and for any other holder
+    of the row, and tries again - its attempt starting after the waits; still none, it records
+    the refusal on the unit's waiting row, under that lock, so the pick that
+    later chooses the unit tells its publisher to send it again. Either the pick or the refusal
+    comes first, never both at once: the unit is never left sent with no message."""
     worker = worker[:128]
-    won = store.claim(
-        job_id=job_id, generation=generation, worker=worker, token=token, now=now, expires=expires
-    )
+    gated = gate is not None
+    if gated:
+        # On an idle system the gated message often outruns its pick: wait for a pick in
+        # progress first, then claim without waiting on the row (a holder of the row is waited
+        # for below), so the attempt's start is taken after every wait.
+        fair_store.pick_passed()
+    won = _claimed(job_id=job_id, generation=generation, worker=worker, gated=gated, skip=gated)
+    if won is None and gate is not None:
+        with transaction.atomic():
+            fair_store.pick_wait()
+            row = store.lock_for_choice(job_id, None)  # and the row's other holder, if any
+            if row is not None and row[:2] == (State.QUEUED, generation):
+                won = _claimed(job_id=job_id, generation=generation, worker=worker, gated=True)
+                if won is None and fair_store.gate_refuse(
+                    outbox_id=gate, job_id=job_id, generation=generation
+                ):
+                    metrics.DUPLICATE_DELIVERIES.labels(reason="unpicked").inc()
+                    return None
     if won is None:
         current = store.generation_of(job_id)
         reason = "stale" if current is not None and current > generation else "duplicate"
         metrics.DUPLICATE_DELIVERIES.labels(reason=reason).inc()
         return None
-    job, attempt_id, source = won
     metrics.CLAIMS.inc()
+    return won
+
+
+def _claimed(
+    *, job_id: uuid.UUID, generation: int, worker: str, gated: bool, skip: bool = False
+) -> Claim | None:
+    token = uuid.uuid4()
+    now = timezone.now()
+    won = store.claim(
+        job_id=job_id,
+        generation=generation,
+        worker=worker,
+        token=token,
+        now=now,
+        expires=now + lease_ttl(),
+        gated=gated,
+        skip_locked=skip,
+    )
+    if won is None:
+        return None
+    job, attempt_id, source = won
     lease = Lease(job_id, generation, token, attempt_id, job.attempts, now)
     return Claim(lease, job, source)
 
@@ -470,13 +513,17 @@ def _leave_lease(
     details: dict[str, Any],
     guard: Q | None = None,
     checkpoints: list[PageCheckpoint] | None = None,
+    traceparent: str = "",
 ) -> bool:
     """One fenced move out of a leased state with its bookkeeping; the caller holds the
     transaction. The terminal hook for terminal targets, the lease end and the audit event for
-    the others. False: lost, nothing written."""
+    the others; back to queued is a new generation with its message (``event_type`` is the
+    redispatch metric's reason). False: lost, nothing written."""
     fence = held(lease)
     if guard is not None:
         fence = fence.filter(guard)
+    if target == State.QUEUED:
+        values = {**values, "generation": F("generation") + 1, "queued_at": Now()}
     if not store.move(
         fence, source, target, lease_token=None, **values, **pages.counters(checkpoints or [])
     ):
@@ -503,6 +550,13 @@ def _leave_lease(
         attempt_id=lease.attempt_id,
         details=details,
     )
+    if target == State.QUEUED:
+        _redispatch(
+            job_id=lease.job_id,
+            generation=lease.generation + 1,
+            traceparent=traceparent,
+            reason=event_type,
+        )
     return True
 
 
@@ -544,6 +598,30 @@ def fail(
         )
 
 
+def fail_lease_lost(*, lease: Lease, range_first: int | None = None) -> bool:
+    """The lease sweep's dead letter: RUNNING -> FAILED ``attempts_exhausted`` (retryable) for
+    a lease that expired with its attempt budget spent; the attempt closes ``lease_lost``, the
+    audit event is ``lease_expired``. The job's own lease is guarded on attempts >=
+    max_attempts; with ``range_first`` a page range's worker kept dying (the caller counted the
+    range's attempts), which fails its job. False: lost."""
+    detail = "last error: lease_lost"
+    details: dict[str, Any] = {"result": "exhausted"}
+    if range_first is not None:
+        detail += " (a page range)"
+        details["range_first"] = range_first
+    return fail(
+        lease=lease,
+        code="attempts_exhausted",
+        detail=detail,
+        retryable=True,
+        outcome=AttemptOutcome.LEASE_LOST,
+        attempt_error="lease_lost",
+        event_type="lease_expired",
+        details=details,
+        only_if_exhausted=range_first is None,
+    )
+
+
 @edge(State.RUNNING, State.RETRY_WAIT)
 def retry_later(*, lease: Lease, code: str, delay: timedelta) -> bool:
     """RUNNING -> RETRY_WAIT with ``next_attempt_at`` = now + ``delay`` (a Postgres timestamp),
@@ -570,32 +648,18 @@ def requeue_lost_lease(*, lease: Lease, traceparent: str) -> bool:
     """RUNNING -> QUEUED (generation + 1, new outbox row) for an expired lease with attempts
     left (guarded on attempts < max_attempts); the attempt's outcome is ``lease_lost``."""
     with transaction.atomic():
-        if not store.move(
-            held(lease).filter(~_EXHAUSTED),
+        return _leave_lease(
+            lease,
             State.RUNNING,
             State.QUEUED,
-            generation=F("generation") + 1,
-            queued_at=Now(),
+            values={"error_code": "lease_lost", "error_retryable": True},
+            guard=~_EXHAUSTED,
+            outcome=AttemptOutcome.LEASE_LOST,
             error_code="lease_lost",
-            error_retryable=True,
-            lease_token=None,
-        ):
-            return False
-        _lease_ends(lease, outcome=AttemptOutcome.LEASE_LOST, error_code="lease_lost")
-        _redispatch(
-            job_id=lease.job_id,
-            generation=lease.generation + 1,
-            traceparent=traceparent,
-            reason="lease_expired",
-        )
-        audit_event_append(
-            job_id=lease.job_id,
             event_type="lease_expired",
-            generation=lease.generation,
-            attempt_id=lease.attempt_id,
             details={"result": "requeued"},
+            traceparent=traceparent,
         )
-    return True
 
 
 @edge(State.RUNNING, State.QUEUED, name="yield")
@@ -606,33 +670,20 @@ def yield_slice(*, lease: Lease, traceparent: str, cost: int) -> bool:
     the attempt closes ``yielded``; the job resumes from its checkpoints when the fair order
     sends it again. Fenced like every worker write. False: lost, nothing written."""
     with transaction.atomic():
-        if not store.move(
-            held(lease),
+        won = _leave_lease(
+            lease,
             State.RUNNING,
             State.QUEUED,
-            generation=F("generation") + 1,
-            attempts=F("attempts") - 1,
-            queued_at=Now(),
-            lease_token=None,
-            dispatch_cost=max(1, cost),
-        ):
-            return False
-        _lease_ends(lease, outcome=AttemptOutcome.YIELDED, error_code=None)
-        _redispatch(
-            job_id=lease.job_id,
-            generation=lease.generation + 1,
-            traceparent=traceparent,
-            reason="yielded",
-        )
-        audit_event_append(
-            job_id=lease.job_id,
+            values={"attempts": F("attempts") - 1, "dispatch_cost": max(1, cost)},
+            outcome=AttemptOutcome.YIELDED,
+            error_code=None,
             event_type="yielded",
-            generation=lease.generation,
-            attempt_id=lease.attempt_id,
             details={"attempt": lease.attempt_number, "cost": max(1, cost)},
+            traceparent=traceparent,
         )
-        transaction.on_commit(metrics.FAIR_YIELDS.inc)
-    return True
+        if won:
+            transaction.on_commit(metrics.FAIR_YIELDS.inc)
+    return won
 
 
 @edge(State.CANCELLING, State.CANCELLED)

@@ -186,3 +186,41 @@ def test_background_publisher__web_killed_between_its_pick_and_its_publish__sent
         timeout=60,
         what="the job to run",
     )
+
+
+def _gated_sent(port: int) -> float:
+    """``quire_fair_gated_total{outcome="sent"}`` of the web (0 before the first)."""
+    from tests.conftest import metrics_headers
+
+    text = requests.get(
+        f"http://127.0.0.1:{port}/metrics", headers=metrics_headers(), timeout=10
+    ).text
+    for line in text.splitlines():
+        if line.startswith('quire_fair_gated_total{outcome="sent"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_background_publisher__idle__gated_messages_run_once_each(
+    start: Callable[..., harness.Proc],
+) -> None:
+    """An idle stack (ADR 0021, "Idle latency: the gated fast path"): after the first commit
+    opens the gate, each next one's unit is published before its pick, as a gated message; the
+    worker (a real Celery worker, which reads the ``quire_gate`` header) claims each once, and
+    none is refused."""
+    start("worker")
+    web = start("web", WEB_CONCURRENCY="1")
+    job_ids = []
+    for _ in range(6):
+        job_ids.append(_accept(web.port))
+        harness.wait_until(
+            lambda: ConversionJob.objects.get(id=job_ids[-1]).state == "succeeded",
+            timeout=60,
+            what="the job to run",
+        )
+    assert _gated_sent(web.port) >= 5
+    jobs = ConversionJob.objects.filter(id__in=job_ids)
+    assert sorted(jobs.values_list("attempts", flat=True)) == [1] * 6
+    assert not ConversionOutbox.objects.filter(
+        job_id__in=job_ids, last_error_code="gate_refused"
+    ).exists()

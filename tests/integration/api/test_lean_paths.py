@@ -134,7 +134,7 @@ def _normal(answer: Any) -> Any:
     status, headers, body = answer
     body = TIME.sub(b'"<time>"', UUID.sub(b"<id>", body))
     headers = [(k, UUID.sub(b"<id>", v.encode()).decode()) for k, v in headers]
-    # the job's ETag ends in its updated_at (representation.py job_etag), a time as well
+    # the job's ETag ends in its updated_at (representation.py JobStatus.etag), a time as well
     headers = [(k, ETAG_TIME.sub('.<time>"', v) if k == "ETag" else v) for k, v in headers]
     # the content length follows the ids' and times' lengths only through the normalised body
     return status, sorted(headers), body

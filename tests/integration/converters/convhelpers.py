@@ -6,7 +6,13 @@ import os
 import time
 from pathlib import Path
 
-from conversion_jobs.converters import Limits, PageRequest, converter_for, sniff_media_type
+from conversion_jobs.converters import (
+    Limits,
+    PageRequest,
+    PrepareRequest,
+    converter_for,
+    sniff_media_type,
+)
 
 FAST = Limits(page_timeout_s=20, prepare_timeout_s=60)
 
@@ -19,7 +25,9 @@ def prepare(source: Path, workdir: Path, *, output: str, limits: Limits = FAST, 
     media_type = media_type or sniff_media_type(source)
     converter = converter_for(media_type, output)
     prepared = converter.prepare(
-        source=source, media_type=media_type, workdir=workdir, limits=limits, should_stop=never
+        PrepareRequest(
+            source=source, media_type=media_type, workdir=workdir, limits=limits, should_stop=never
+        )
     )
     return converter, prepared
 

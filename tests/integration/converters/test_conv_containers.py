@@ -10,7 +10,7 @@ import pytest
 from convhelpers import Stopwatch, never, private_dirs
 
 from conversion_jobs.converters import InputTooLarge, InvalidInput, Limits, engines
-from conversion_jobs.converters.base import DOCX
+from conversion_jobs.converters.base import DOCX, PrepareRequest
 from conversion_jobs.converters.errors import ConversionLostContent
 from conversion_jobs.converters.registry import OfficeConverter
 from tests import testdocs
@@ -33,7 +33,9 @@ HOSTILE = [
 def _prepare(source, workdir):
     workdir.mkdir(parents=True, exist_ok=True)
     return OfficeConverter().prepare(
-        source=source, media_type=DOCX, workdir=workdir, limits=LIMITS, should_stop=never
+        PrepareRequest(
+            source=source, media_type=DOCX, workdir=workdir, limits=LIMITS, should_stop=never
+        )
     )
 
 

@@ -11,7 +11,7 @@ from conversion_jobs.converters import (
     Limits,
     converter_for,
 )
-from conversion_jobs.converters.base import DOCX, PDF, PNG
+from conversion_jobs.converters.base import DOCX, PDF, PNG, PrepareRequest
 from tests import testdocs
 
 LIMITS = Limits(page_timeout_s=10, prepare_timeout_s=10)
@@ -20,7 +20,9 @@ LIMITS = Limits(page_timeout_s=10, prepare_timeout_s=10)
 def _prepare(source, media_type, workdir, limits=LIMITS):
     converter = converter_for(media_type, "text")
     return converter.prepare(
-        source=source, media_type=media_type, workdir=workdir, limits=limits, should_stop=never
+        PrepareRequest(
+            source=source, media_type=media_type, workdir=workdir, limits=limits, should_stop=never
+        )
     )
 
 

@@ -19,6 +19,7 @@ from conversion_jobs.converters import (
     InvalidInput,
     Limits,
     PageRequest,
+    PrepareRequest,
     process_group_members,
     run_isolated,
     sandbox,
@@ -220,11 +221,13 @@ def test_libreoffice__stop_kills_soffice_and_its_forks(tmp_path):
     )
     with pytest.raises(ConversionStopped):
         converter.prepare(
-            source=source,
-            media_type="application/vnd.openxmlformats-officedocument.wordprocessingml.document",
-            workdir=tmp_path,
-            limits=Limits(prepare_timeout_s=60),
-            should_stop=should_stop,
+            PrepareRequest(
+                source=source,
+                media_type="application/vnd.openxmlformats-officedocument.wordprocessingml.document",
+                workdir=tmp_path,
+                limits=Limits(prepare_timeout_s=60),
+                should_stop=should_stop,
+            )
         )
     assert seen
     assert not any(alive(pid) for pid in seen)
@@ -239,11 +242,13 @@ def test_libreoffice__timeout_leaves_no_process(tmp_path):
     area = str(child_area(tmp_path) / ".isolated-")
     with pytest.raises(ConversionTimeout):
         converter_for(DOCX, "text").prepare(
-            source=source,
-            media_type=DOCX,
-            workdir=tmp_path,
-            limits=Limits(prepare_timeout_s=0.7),
-            should_stop=never,
+            PrepareRequest(
+                source=source,
+                media_type=DOCX,
+                workdir=tmp_path,
+                limits=Limits(prepare_timeout_s=0.7),
+                should_stop=never,
+            )
         )
     assert processes_mentioning(area) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.docx"]

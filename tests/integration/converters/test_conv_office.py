@@ -12,7 +12,7 @@ from conversion_jobs.converters import (
     engines,
     release,
 )
-from conversion_jobs.converters.base import DOCX
+from conversion_jobs.converters.base import DOCX, PrepareRequest
 from tests import testdocs
 
 SLOW_START = Limits(page_timeout_s=30, prepare_timeout_s=120)
@@ -113,11 +113,13 @@ def test_libreoffice_out_of_memory_at_the_limit__is_a_crash_not_invalid_input(
     source = testdocs.make_docx(tmp_path / "in.docx", paragraphs=["memory"] * 50)
     with pytest.raises(ConversionError) as failed:
         converter_for(DOCX, "text").prepare(
-            source=source,
-            media_type=DOCX,
-            workdir=tmp_path,
-            limits=Limits(memory_bytes=memory_mb * 1_000_000, prepare_timeout_s=60),
-            should_stop=never,
+            PrepareRequest(
+                source=source,
+                media_type=DOCX,
+                workdir=tmp_path,
+                limits=Limits(memory_bytes=memory_mb * 1_000_000, prepare_timeout_s=60),
+                should_stop=never,
+            )
         )
     release()
     assert failed.value.code == "converter_crashed", str(failed.value)
@@ -137,11 +139,13 @@ def test_a_document_libreoffice_cannot_load__is_invalid_input_after_the_probe_lo
         zf.writestr("word/document.xml", "\x00\x01garbage" * 100)
     with pytest.raises(ConversionError) as failed:
         converter_for(DOCX, "text").prepare(
-            source=source,
-            media_type=DOCX,
-            workdir=tmp_path,
-            limits=Limits(prepare_timeout_s=60),
-            should_stop=never,
+            PrepareRequest(
+                source=source,
+                media_type=DOCX,
+                workdir=tmp_path,
+                limits=Limits(prepare_timeout_s=60),
+                should_stop=never,
+            )
         )
     release()
     assert failed.value.code == "invalid_input", str(failed.value)

@@ -17,7 +17,7 @@ import pypdfium2 as pdfium
 import pytest
 
 from conversion_jobs.converters import ConversionStopped, ConversionTimeout, engines
-from conversion_jobs.converters.base import DOCX, ODT, PPTX, XLSX, Limits
+from conversion_jobs.converters.base import DOCX, ODT, PPTX, XLSX, Limits, PrepareRequest
 from conversion_jobs.converters.isolation import process_group_members
 from conversion_jobs.converters.registry import OfficeConverter
 from tests import testdocs
@@ -55,12 +55,14 @@ def _pdf_pages_text(path: Path) -> list[str]:
 def _convert(source: Path, media_type: str, workdir: Path, **kwargs):
     workdir.mkdir(parents=True, exist_ok=True)
     return OfficeConverter().prepare(
-        source=source,
-        media_type=media_type,
-        workdir=workdir,
-        limits=kwargs.pop("limits", LIMITS),
-        should_stop=kwargs.pop("should_stop", never),
-        **kwargs,
+        PrepareRequest(
+            source=source,
+            media_type=media_type,
+            workdir=workdir,
+            limits=kwargs.pop("limits", LIMITS),
+            should_stop=kwargs.pop("should_stop", never),
+            **kwargs,
+        )
     )
 
 
@@ -253,15 +255,16 @@ import json, os, sys, time
 from pathlib import Path
 from conversion_jobs.converters import engines
 from tests import testdocs
-from conversion_jobs.converters.base import DOCX, Limits
+from conversion_jobs.converters.base import DOCX, Limits, PrepareRequest
 from conversion_jobs.converters.registry import OfficeConverter
 root = Path(sys.argv[1])
 engines.configure(engines.EngineSettings(scratch_dir=root / "engines"))
 source = testdocs.make_docx(root / "a.docx", paragraphs=["Worker " + str(os.getpid())])
 def convert(name, options=None):
     (root / name).mkdir()
-    return OfficeConverter().prepare(source=source, media_type=DOCX, workdir=root / name,
-        limits=Limits(prepare_timeout_s=60), should_stop=lambda: False, options=options)
+    return OfficeConverter().prepare(PrepareRequest(source=source, media_type=DOCX,
+        workdir=root / name, limits=Limits(prepare_timeout_s=60), should_stop=lambda: False,
+        options=options))
 convert("w0")
 print(json.dumps({"pgid": engines.host_pgid(), "sockets": engines.host_sockets()}), flush=True)
 sys.stdin.readline()

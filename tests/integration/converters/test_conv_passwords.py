@@ -17,7 +17,7 @@ from conversion_jobs.converters import (
     engines,
     sniff_media_type,
 )
-from conversion_jobs.converters.base import DOC, ODT
+from conversion_jobs.converters.base import DOC, ODT, PrepareRequest
 from conversion_jobs.converters.registry import OfficeConverter, PdfConverter
 from conversion_jobs.converters.sniff import office_encrypted
 from tests import testdocs
@@ -68,12 +68,14 @@ def test_encrypted_pdf__password_opens__wrong_or_none_refused(tmp_path):
 
     def prepare(workdir: str, options):
         return converter.prepare(
-            source=source,
-            media_type="application/pdf",
-            workdir=tmp_path / workdir,
-            limits=FAST,
-            should_stop=never,
-            options=options,
+            PrepareRequest(
+                source=source,
+                media_type="application/pdf",
+                workdir=tmp_path / workdir,
+                limits=FAST,
+                should_stop=never,
+                options=options,
+            )
         )
 
     with pytest.raises(EncryptedInput):
@@ -116,12 +118,14 @@ def test_encrypted_office__password_opens__wrong_or_none_refused(
     def prepare(workdir: str, options):
         (tmp_path / workdir).mkdir()
         return OfficeConverter().prepare(
-            source=source,
-            media_type=media_type,
-            workdir=tmp_path / workdir,
-            limits=FAST,
-            should_stop=never,
-            options=options,
+            PrepareRequest(
+                source=source,
+                media_type=media_type,
+                workdir=tmp_path / workdir,
+                limits=FAST,
+                should_stop=never,
+                options=options,
+            )
         )
 
     with pytest.raises(EncryptedInput):

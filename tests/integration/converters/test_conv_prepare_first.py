@@ -14,6 +14,7 @@ from conversion_jobs.converters import (
     FirstPages,
     InvalidInput,
     PageRequest,
+    PrepareRequest,
     sessions,
 )
 from conversion_jobs.converters.registry import PdfConverter
@@ -24,13 +25,15 @@ pytestmark = pytest.mark.usefixtures("no_children_left_behind")
 
 def _prepare(source: Path, workdir: Path, first: FirstPages | None, options=None):
     return PdfConverter().prepare(
-        source=source,
-        media_type="application/pdf",
-        workdir=workdir,
-        limits=FAST,
-        should_stop=never,
-        options=options,
-        first=first,
+        PrepareRequest(
+            source=source,
+            media_type="application/pdf",
+            workdir=workdir,
+            limits=FAST,
+            should_stop=never,
+            options=options,
+            first=first,
+        )
     )
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from convhelpers import FAST, never
 
-from conversion_jobs.converters import InvalidInput, PageRequest, sessions
+from conversion_jobs.converters import InvalidInput, PageRequest, PrepareRequest, sessions
 from conversion_jobs.converters.registry import PdfConverter
 from tests import testdocs
 
@@ -34,7 +34,13 @@ def _attempt(tmp_path: Path, name: str, *, tenant: str, options=None) -> dict:
     source = testdocs.make_pdf(workdir / "in.pdf", pages=2, text_of=lambda n: f"{name} page {n}")
     converter = PdfConverter()
     prepared = converter.prepare(
-        source=source, media_type="application/pdf", workdir=workdir, limits=FAST, should_stop=never
+        PrepareRequest(
+            source=source,
+            media_type="application/pdf",
+            workdir=workdir,
+            limits=FAST,
+            should_stop=never,
+        )
     )
     failure = None
     for page in (1, 2):

@@ -19,7 +19,7 @@ from conversion_jobs.converters import (
     sessions,
     zygote,
 )
-from conversion_jobs.converters.base import DOCX
+from conversion_jobs.converters.base import DOCX, PrepareRequest
 from conversion_jobs.converters.isolation import ChildSession
 from tests import testdocs
 
@@ -49,11 +49,13 @@ def test_libreoffice_killed_at_the_memory_limit__leaves_no_osl_pipe_on_the_host(
     for limit in (300_000_000, 350_000_000, 400_000_000):
         with pytest.raises(ConversionError):
             converter_for(DOCX, "text").prepare(
-                source=source,
-                media_type=DOCX,
-                workdir=tmp_path,
-                limits=Limits(memory_bytes=limit, prepare_timeout_s=60),
-                should_stop=never,
+                PrepareRequest(
+                    source=source,
+                    media_type=DOCX,
+                    workdir=tmp_path,
+                    limits=Limits(memory_bytes=limit, prepare_timeout_s=60),
+                    should_stop=never,
+                )
             )
         left = [p.name for p in root.tmp.glob("OSL_PIPE_*")]
         if left:

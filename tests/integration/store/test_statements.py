@@ -11,6 +11,7 @@ store is named nowhere in this file."""
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import uuid
 from collections.abc import Callable
@@ -49,6 +50,7 @@ from conversion_jobs.store import (
     audit,
     checkpoints,
     db,
+    fair,
     jobs,
     leases,
     notify,
@@ -65,7 +67,7 @@ POSTGRES = connection.vendor == "postgresql"
 PATHS = ["statement", "twin"] if POSTGRES else ["twin"]
 #: the modules whose every statement this suite drives (``db`` and ``prepared`` have their own
 #: suites: tests/integration/test_db_health_check.py, test_prepared_statements.py)
-DRIVEN = (audit, checkpoints, jobs, leases, notify, outbox, quarantine, sources)
+DRIVEN = (audit, checkpoints, fair, jobs, leases, notify, outbox, quarantine, sources)
 
 
 @pytest.fixture(params=PATHS)
@@ -680,6 +682,87 @@ def test_listen_connection__receives_a_committed_notify():
 
 
 # --- the suite drives the whole store ---------------------------------------------------------
+
+
+# --- the fair relay (store/fair.py) -------------------------------------------------------------
+
+
+@pytest.fixture
+def fair_slots(settings: Any) -> None:
+    settings.QUIRE = {**settings.QUIRE, "FAIR_CAPACITY": 3}
+
+
+def _unit(make_job: Callable[..., ConversionJob], tenant: str = "t") -> tuple[ConversionJob, int]:
+    job = make_job(state=State.QUEUED, tenant=tenant, dispatch_cost=1)
+    return job, ConversionOutbox.objects.create(job=job, generation=1).id
+
+
+def test_fair_pick__marks_each_unit_sent_once_within_the_credits(path, make_job, fair_slots):
+    assert "quire_fair_pick" in fair.PICK
+    units = [_unit(make_job) for _ in range(4)]
+    assert fair.capacity() == 3 and fair.waiting().count() == 4
+    picked = fair.pick(limit=10)
+    assert [(p.job_id, p.refused) for p in picked] == [(j.id, False) for j, _ in units[:3]]
+    assert fair.pick(limit=10) == []  # three sent, unclaimed: no credit left
+    assert fair.busy_by_tenant() == {"t": 3} and fair.waiting().count() == 1
+    job = ConversionJob.objects.get(id=units[0][0].id)
+    assert job.dispatched_generation == 1
+    assert ConversionOutbox.objects.get(id=units[0][1]).published_at == job.dispatched_at
+
+
+def _age_pick(job_id: uuid.UUID, seconds: float) -> None:
+    at = timezone.now() - timedelta(seconds=seconds)
+    ConversionJob.objects.filter(id=job_id).update(dispatched_at=at)
+    ConversionOutbox.objects.filter(job_id=job_id).update(published_at=at)
+
+
+def test_fair_confirm_and_return_unconfirmed__an_unconfirmed_unit_waits_again(
+    path, make_job, fair_slots
+):
+    assert "published_at" in fair.CONFIRM and "unconfirmed" in fair.RETURN_UNCONFIRMED
+    (job, row), (confirmed, _) = _unit(make_job), _unit(make_job)
+    fair.pick(limit=10)
+    _age_pick(job.id, 10)
+    _age_pick(confirmed.id, 10)
+    fair.confirm([ConversionOutbox.objects.get(job=confirmed).id])
+    assert fair.return_unconfirmed(after_s=1.0, batch=10) == 1  # the confirmed one stays sent
+    outbox_row = ConversionOutbox.objects.get(id=row)
+    assert (outbox_row.published_at, outbox_row.last_error_code) == (None, "unconfirmed")
+    assert ConversionJob.objects.get(id=job.id).dispatched_at is None
+    assert fair.return_unconfirmed(after_s=1.0, batch=10) == 0
+
+
+def test_fair_gate__a_refusal_on_a_waiting_unit_the_pick_reports(path, make_job, fair_slots):
+    assert fair.gate_supported() is (path == "statement")
+    job, row = _unit(make_job)
+    fair.pick_passed()  # no pick in progress: at once (fair.PICK_PASSED, a barrier)
+    with transaction.atomic():
+        fair.pick_wait()  # no pick in progress: at once (the pick's lock, fair.PICK_LOCK, shared)
+        assert fair.gate_refuse(outbox_id=row, job_id=job.id, generation=1) == 1
+    assert ConversionOutbox.objects.get(id=row).last_error_code == fair.GATE_REFUSED
+    assert fair.gate_refuse(outbox_id=row, job_id=job.id, generation=2) == 0  # another generation
+    assert [p.refused for p in fair.pick(limit=10)] == [True]
+    assert (
+        fair.gate_refuse(outbox_id=row, job_id=job.id, generation=1) == 0
+    )  # sent: no longer waiting
+
+
+def test_claim__gated_runs_only_a_unit_a_pick_marked(path, make_job, fair_slots):
+    job, _row = _unit(make_job)
+    now = timezone.now()
+    claim = functools.partial(
+        jobs.claim,
+        job_id=job.id,
+        generation=1,
+        worker="w",
+        token=uuid.uuid4(),
+        now=now,
+        expires=now + timedelta(minutes=5),
+        gated=True,
+    )
+    assert claim() is None and ConversionJob.objects.get(id=job.id).state == State.QUEUED
+    fair.pick(limit=10)
+    assert claim() is not None and ConversionJob.objects.get(id=job.id).state == State.RUNNING
 
 
 def test_every_statement_is_driven_here():

@@ -7,7 +7,13 @@ import click
 import pytest
 from quire_client.batch import collect
 from quire_client.cli import parse_options
-from quire_client.manifest import MANIFEST_NAME, Manifest, idempotency_key, options_fingerprint
+from quire_client.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    Written,
+    idempotency_key,
+    options_fingerprint,
+)
 
 
 def test_parse_options__json_values_and_plain_strings():
@@ -45,9 +51,7 @@ def test_manifest__verified_result_survives_a_reopen_and_a_changed_file_starts_a
         "/src/a.pdf",
         state="succeeded",
         error_code=None,
-        result_path=str(result),
-        result_sha256="2" * 64,
-        result_size=5,
+        result=Written(path=result, sha256="2" * 64, size=5),
     )
     manifest.close()
     reopened = Manifest(tmp_path / "out")

@@ -1,0 +1,353 @@
+"""The fair relay's statements (docs/ARCHITECTURE.md §2b, ADR 0021): the pick, the confirm
+mark, the return of units never confirmed, and the gate of a gated message (ADR 0021, "Idle
+latency: the gated fast path"). Postgres runs the pick as ``quire_fair_pick`` (migration 0019)
+under a transaction-scoped advisory lock; SQLite's twins run the same algorithm in Python under
+``BEGIN IMMEDIATE`` (the database's one write lock). ``services/fair.py`` says what they are
+for: the cost of a unit, the relay, the slots, what operators see."""
+
+from __future__ import annotations
+
+import uuid
+from collections import defaultdict
+from datetime import timedelta
+from typing import Any, NamedTuple
+
+from django.conf import settings
+from django.db import connection, transaction
+from django.db.models import Count, Exists, F, OuterRef, Q, QuerySet
+from django.utils import timezone
+
+from conversion_jobs.models import (
+    ConversionJob,
+    ConversionOutbox,
+    DispatchClock,
+    JobRange,
+    RangeState,
+    TenantShare,
+    WorkerSlot,
+)
+from conversion_jobs.states import LEASED_STATES, State
+from conversion_jobs.store import db
+from conversion_jobs.store.prepared import Int8s, prepared_cursor
+
+#: The key of the advisory lock ``quire_fair_pick`` takes (migrations 0017-0019): one picker at
+#: a time; a gated claim takes it shared to wait for a pick in progress.
+PICK_LOCK = 7102421
+#: ``conversion_outbox.last_error_code`` of a waiting unit whose gated message was refused;
+#: ``quire_fair_pick`` returns it as ``out_refused``.
+GATE_REFUSED = "gate_refused"
+
+
+def gate_supported() -> bool:
+    """Gated messages need the pick's advisory lock: Postgres only."""
+    return db.postgres()
+
+
+def pick_wait() -> None:
+    """Inside the caller's transaction: wait until no pick is in progress, and keep any from
+    starting until the caller commits (the pick's advisory lock, shared). SQLite: nothing (its
+    transactions hold the database's one write lock, and no gated message is sent there)."""
+    if db.postgres():
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock_shared(%s)", [PICK_LOCK])
+
+
+def pick_passed() -> None:
+    """Wait until a pick in progress has committed (the pick's lock taken shared and let go at
+    once, one statement): a gated claim's first step, so that it reads the pick's mark. SQLite:
+    nothing."""
+    if db.postgres():
+        with prepared_cursor() as cursor:
+            cursor.execute(PICK_PASSED, {"key": PICK_LOCK})
+
+
+#: :func:`pick_passed`'s statement: a barrier, not a lock held (a pick may start right after).
+PICK_PASSED = (
+    "SELECT pg_advisory_lock_shared(%(key)s::bigint), pg_advisory_unlock_shared(%(key)s::bigint)"
+)
+
+
+def gate_refuse(*, outbox_id: int, job_id: uuid.UUID, generation: int) -> int:
+    """Record on the unit's waiting row that its gated message was refused (no pick had marked
+    it): the pick that later chooses it says so, and its publisher sends the unit again. Row
+    count: 0 when the row is no longer waiting (a pick marked it meanwhile) or is another job's."""
+    return int(
+        ConversionOutbox.objects.filter(
+            id=outbox_id, job_id=job_id, generation=generation, published_at__isnull=True
+        ).update(last_error_code=GATE_REFUSED)
+    )
+
+
+# --- the pick ----------------------------------------------------------------------------------
+
+
+#: The pick as the commit fast path sends it: bound by the server and prepared once per
+#: connection (``prepared.prepared_cursor``), so Postgres neither parses nor plans the call
+#: again. The columns are named, not ``*``: a later version of the function that returns more
+#: columns leaves this statement's result type, and its prepared plan, valid.
+PICK = (
+    "SELECT out_id, out_job, out_generation, out_traceparent, out_tenant, out_cost,"
+    " out_range_first, out_range_generation, out_refused"
+    " FROM quire_fair_pick(%(limit)s::integer, %(capacity)s::integer,"
+    " %(lost)s::float8, %(ttl)s::float8)"
+)
+
+
+class Picked(NamedTuple):
+    """One unit a pick chose and marked sent (``services/fair.py`` makes its ``Unit`` of it)."""
+
+    outbox_id: int
+    job_id: uuid.UUID
+    generation: int
+    traceparent: str
+    tenant: str
+    cost: int
+    range_first: int | None
+    range_generation: int | None
+    refused: bool
+
+
+def pick(*, limit: int) -> list[Picked]:
+    """``PICK`` (SQLite: :func:`_pick_orm`): choose and mark sent at most ``limit`` units, fewer
+    when credits are short, in fair order. Commits before it returns when called outside a
+    transaction."""
+    q = settings.QUIRE
+    if not db.postgres():
+        return _pick_orm(limit=limit)
+    with prepared_cursor() as cursor:
+        cursor.execute(
+            PICK,
+            {
+                "limit": limit,
+                "capacity": q["FAIR_CAPACITY"],
+                "lost": float(q["FAIR_LOST_S"]),
+                "ttl": float(q["FAIR_SLOT_TTL_S"]),
+            },
+        )
+        rows = cursor.fetchall()
+    return [Picked(r[0], r[1], r[2], r[3] or "", r[4], r[5], r[6], r[7], r[8]) for r in rows]
+
+
+def capacity() -> int:
+    """Worker slots: ``QUIRE_FAIR_CAPACITY``, or those announced within the slot TTL."""
+    fixed = settings.QUIRE["FAIR_CAPACITY"]
+    if fixed > 0:
+        return int(fixed)
+    since = timezone.now() - timedelta(seconds=settings.QUIRE["FAIR_SLOT_TTL_S"])
+    return sum(WorkerSlot.objects.filter(seen_at__gt=since).values_list("slots", flat=True))
+
+
+def busy_by_tenant() -> dict[str, int]:
+    """Slots in use per tenant: running or cancelling jobs (not a fanned-out job whose ranges
+    are queued or running: they hold its slots), running ranges, plus jobs and ranges sent and
+    not claimed yet (within ``QUIRE_FAIR_LOST_S``). Read from rows."""
+    lost = timezone.now() - timedelta(seconds=settings.QUIRE["FAIR_LOST_S"])
+    busy: dict[str, int] = defaultdict(int)
+    live_ranges = JobRange.objects.filter(
+        job_id=OuterRef("id"),
+        job_generation=OuterRef("generation"),
+        state__in=[RangeState.QUEUED, RangeState.RUNNING],
+    )
+    leased = ConversionJob.objects.filter(state__in=LEASED_STATES).exclude(Exists(live_ranges))
+    sent = ConversionJob.objects.filter(
+        state=State.QUEUED,
+        dispatched_at__gt=lost,
+        dispatched_generation=F("generation"),
+    )
+    for query in (leased, sent):
+        for tenant, n in (
+            query.values_list("tenant").annotate(n=Count("id")).values_list("tenant", "n")
+        ):
+            busy[tenant] += n
+    ranges = JobRange.objects.filter(
+        job__state__in=LEASED_STATES, job__generation=F("job_generation")
+    ).filter(Q(state=RangeState.RUNNING) | Q(state=RangeState.QUEUED, dispatched_at__gt=lost))
+    for tenant, n in (
+        ranges.values_list("job__tenant").annotate(n=Count("id")).values_list("job__tenant", "n")
+    ):
+        busy[tenant] += n
+    return dict(busy)
+
+
+def waiting() -> QuerySet[ConversionOutbox]:
+    """Dispatch units: unpublished outbox rows whose job is queued in their generation, and
+    those of a range queued in their range generation while its job runs in theirs."""
+    queued_range = JobRange.objects.filter(
+        job_id=OuterRef("job_id"),
+        first_page=OuterRef("range_first"),
+        generation=OuterRef("range_generation"),
+        job_generation=OuterRef("generation"),
+        state=RangeState.QUEUED,
+    )
+    return ConversionOutbox.objects.filter(
+        published_at__isnull=True, job__generation=F("generation")
+    ).filter(
+        Q(range_first__isnull=True, job__state=State.QUEUED)
+        | Q(Exists(queued_range), range_first__isnull=False, job__state=State.RUNNING)
+    )
+
+
+def _pick_orm(*, limit: int) -> list[Picked]:
+    """``quire_fair_pick``'s twin for the standalone profile, the same algorithm in Python: every
+    transaction there is ``BEGIN IMMEDIATE``, so this one holds the database's write lock from
+    its first read, as the Postgres function holds its advisory lock."""
+    with transaction.atomic():
+        busy = busy_by_tenant()
+        credit = min(limit, capacity() - sum(busy.values()))
+        if credit <= 0:
+            return []
+        rows: list[tuple[Any, ...]] = list(
+            waiting()
+            .order_by("id")
+            .values_list(
+                "id",
+                "job_id",
+                "generation",
+                "traceparent",
+                "job__tenant",
+                "cost",
+                "job__dispatch_cost",
+                "range_first",
+                "range_generation",
+                "last_error_code",
+            )
+        )
+        shares = {s.tenant: s for s in TenantShare.objects.filter(tenant__in={r[4] for r in rows})}
+        clock = DispatchClock.objects.get_or_create(id=1)[0].vclock
+        per_tenant: dict[str, list[tuple[Any, ...]]] = defaultdict(list)
+        for row in rows:
+            per_tenant[row[4]].append(row)
+        candidates = []
+        for tenant, units in per_tenant.items():
+            share = shares.get(tenant)
+            weight = share.weight if share else 1
+            base = max(share.vtime if share else 0.0, clock)
+            room = credit
+            if share is not None and share.running_cap is not None:
+                room = min(room, share.running_cap - busy.get(tenant, 0))
+            upto = 0
+            for row in units[: max(0, room)]:
+                cost = max(row[5] if row[5] is not None else row[6], 1)
+                start = base + upto / weight
+                upto += cost
+                candidates.append((start, row[0], base + upto / weight, row, cost))
+        candidates.sort(key=lambda c: (c[0], c[1]))
+        chosen = candidates[:credit]
+        if not chosen:
+            return []
+        now = timezone.now()
+        ConversionOutbox.objects.filter(
+            id__in=[c[1] for c in chosen], published_at__isnull=True
+        ).update(published_at=now, publish_attempts=F("publish_attempts") + 1)
+        for _start, _id, _finish, row, _cost in chosen:
+            if row[7] is None:
+                ConversionJob.objects.filter(id=row[1]).update(
+                    dispatched_at=now, dispatched_generation=row[2]
+                )
+            else:
+                JobRange.objects.filter(
+                    job_id=row[1], first_page=row[7], generation=row[8], state=RangeState.QUEUED
+                ).update(dispatched_at=now)
+        finish: dict[str, float] = {}
+        for _start, _id, fin, row, _cost in chosen:
+            finish[row[4]] = max(finish.get(row[4], 0.0), fin)
+        for tenant, fin in finish.items():
+            TenantShare.objects.get_or_create(tenant=tenant)
+            TenantShare.objects.filter(tenant=tenant, vtime__lt=fin).update(vtime=fin)
+        DispatchClock.objects.filter(id=1, vclock__lt=chosen[-1][0]).update(vclock=chosen[-1][0])
+        return [
+            Picked(
+                row[0],
+                row[1],
+                row[2],
+                row[3] or "",
+                row[4],
+                cost,
+                row[7],
+                row[8],
+                row[9] == GATE_REFUSED,
+            )
+            for _s, _i, _f, row, cost in chosen
+        ]
+
+
+#: The broker confirmed these picked units: their row's ``published_at`` moves from the pick's
+#: time (which ``conversion_job.dispatched_at`` also holds) to now. Its own transaction, which
+#: does not wait for its WAL flush (a mark lost in a Postgres crash only makes the unit look
+#: unconfirmed: sent once more, a duplicate the claim's CAS ignores).
+CONFIRM = (
+    "UPDATE conversion_outbox"
+    " SET published_at = GREATEST(clock_timestamp(), published_at + interval '1 microsecond')"
+    " WHERE id = ANY(%(ids)s::bigint[]) AND published_at IS NOT NULL"
+    " AND set_config('synchronous_commit', 'off', true) IS NOT NULL"
+)
+
+
+def confirm(outbox_ids: list[int]) -> None:
+    """``CONFIRM`` (SQLite: its ORM twin): the broker confirmed these picked units' messages."""
+    if db.postgres():
+        with prepared_cursor() as cursor:
+            cursor.execute(CONFIRM, {"ids": Int8s(outbox_ids)})
+        return
+    ConversionOutbox.objects.filter(id__in=outbox_ids, published_at__isnull=False).update(
+        published_at=timezone.now()
+    )
+
+
+#: Jobs sent by a pick (``dispatched_at`` set in their generation), not claimed, whose outbox
+#: row still carries the pick's own time (never confirmed) past ``unconfirmed_after_s``: the
+#: picker died or stalled between its pick and its publish. Their rows go back to waiting and
+#: the jobs stop counting as busy, in one statement; the jobs' row locks first, skipping any a
+#: claim holds. A confirm that commits meanwhile changes ``published_at``, so the row no longer
+#: matches and nothing is returned for it.
+RETURN_UNCONFIRMED = """
+WITH lost AS (
+    SELECT j.id, j.generation, j.dispatched_at FROM conversion_job j
+    WHERE j.state = 'queued' AND j.dispatched_at IS NOT NULL
+      AND j.dispatched_generation = j.generation
+      AND j.dispatched_at < now() - make_interval(secs => %(after)s)
+    ORDER BY j.dispatched_at
+    LIMIT %(batch)s
+    FOR UPDATE OF j SKIP LOCKED
+), back AS (
+    UPDATE conversion_outbox o SET published_at = NULL, last_error_code = 'unconfirmed'
+    FROM lost l
+    WHERE o.job_id = l.id AND o.generation = l.generation AND o.published_at = l.dispatched_at
+      AND o.range_first IS NULL
+    RETURNING o.job_id
+)
+UPDATE conversion_job j SET dispatched_at = NULL
+FROM (SELECT DISTINCT b.job_id FROM back b) r WHERE j.id = r.job_id
+RETURNING j.id
+"""
+
+
+def return_unconfirmed(*, after_s: float, batch: int) -> int:
+    """``RETURN_UNCONFIRMED`` (SQLite: :func:`_return_unconfirmed_orm`): units picked and never
+    confirmed past ``after_s`` back to waiting, at most ``batch``; the count returned."""
+    if db.postgres():
+        with connection.cursor() as cursor:  # one statement, its own transaction
+            cursor.execute(RETURN_UNCONFIRMED, {"after": after_s, "batch": batch})
+            return len(cursor.fetchall())
+    return _return_unconfirmed_orm(after=after_s, batch=batch)
+
+
+def _return_unconfirmed_orm(*, after: float, batch: int) -> int:
+    cutoff = timezone.now() - timedelta(seconds=after)
+    with transaction.atomic():  # BEGIN IMMEDIATE: the database's write lock from here
+        rows = list(
+            ConversionOutbox.objects.filter(
+                range_first__isnull=True,
+                job__state=State.QUEUED,
+                job__generation=F("generation"),
+                job__dispatched_generation=F("generation"),
+                job__dispatched_at__lt=cutoff,
+                published_at=F("job__dispatched_at"),
+            ).values_list("id", "job_id")[:batch]
+        )
+        if not rows:
+            return 0
+        ConversionOutbox.objects.filter(id__in=[r[0] for r in rows]).update(
+            published_at=None, last_error_code="unconfirmed"
+        )
+        return ConversionJob.objects.filter(id__in={r[1] for r in rows}).update(dispatched_at=None)
