@@ -26,7 +26,11 @@ from pathlib import Path
 from typing import TypeVar
 
 ROOT = Path(__file__).resolve().parent.parent
+#: the checkout's environment, or the running interpreter's (a worktree shares one environment and
+#: has no ``.venv`` of its own: ``throughput.py`` starts ``VENV_BIN / "celery"``)
 VENV_BIN = ROOT / ".venv" / "bin"
+if not (VENV_BIN / "python").exists():
+    VENV_BIN = Path(sys.executable).parent
 PYTHON = str(VENV_BIN / "python") if (VENV_BIN / "python").exists() else sys.executable
 T = TypeVar("T")
 PG_ADMIN_URL = os.environ.get("BENCH_PG_ADMIN_URL", "postgres://postgres@127.0.0.1:5432/postgres")
