@@ -87,3 +87,79 @@ def test_yield__no_yield_when_no_other_tenant_waits(tmp_path, one_slot, no_broke
 
     assert execute(job) == "succeeded"
     assert not ExecutionAuditEvent.objects.filter(job_id=job.id, event_type="yielded").exists()
+
+
+@pytest.fixture
+def one_slot_no_slice(settings: Any) -> None:
+    """One slot, a slice too long to matter: only the preemption can end an attempt early."""
+    settings.QUIRE = {
+        **settings.QUIRE,
+        "FAIR_CAPACITY": 1,
+        "FAIR_SLICE_S": 3600.0,
+        "FAIR_PREEMPT_CHECK_S": 0.01,
+    }
+
+
+def test_preempt__a_tenant_that_was_idle_takes_the_slot_at_the_next_page(
+    tmp_path, one_slot_no_slice, no_broker_publish
+):
+    # a worked before: the clock is past b's virtual time (b banks nothing: it starts there)
+    warm = testdocs.make_pdf(tmp_path / "warm.pdf", pages=1, text_of=unique_text())
+    assert execute(submit(warm, output="text", tenant="tenant-a")) == "succeeded"
+    source = testdocs.make_pdf(tmp_path / "long.pdf", pages=40, text_of=unique_text())
+    long = submit(source, output="text", tenant="tenant-a", fault=SLOW)
+    other_src = testdocs.make_pdf(tmp_path / "short.pdf", pages=1, text_of=unique_text())
+    short = submit(other_src, output="text", tenant="tenant-b")
+    assert ConversionOutbox.objects.get(job=short).published_at is None  # no free slot
+
+    assert execute(long) == "yielded"  # at its second page boundary, not after a slice
+
+    done_first = PageCheckpoint.objects.filter(job=long, state="done").count()
+    assert 1 <= done_first <= 5
+    attempt = ConversionAttempt.objects.get(job=long, generation=1)
+    assert (attempt.outcome, attempt.pages_converted) == ("yielded", done_first)
+    event = ExecutionAuditEvent.objects.get(job_id=long.id, event_type="yielded")
+    assert event.details["cost"] == 40 - done_first
+    # the slot went to b; a's next generation waits for it
+    assert ConversionOutbox.objects.get(job=short).published_at is not None
+    assert ConversionOutbox.objects.get(job=long, generation=2).published_at is None
+    assert execute(short) == "succeeded"
+    dispatch.outbox_rows_publish_unpublished()
+    assert execute(long, generation=2) == "succeeded"
+    long.refresh_from_db()
+    assert (long.state, long.pages_done, long.attempts) == ("succeeded", 40, 1)
+    by_generation = dict(
+        ConversionAttempt.objects.filter(job=long).values_list("generation", "pages_converted")
+    )
+    assert by_generation == {1: done_first, 2: 40 - done_first}
+
+
+def test_preempt__a_tenant_that_kept_working_waits_its_turn(
+    tmp_path, one_slot_no_slice, no_broker_publish
+):
+    """b's last unit was sent after the clock's last start tag (its virtual time is ahead of the
+    clock): it has had its turn, so a's running job keeps its slot. Two backlogged tenants never
+    preempt each other; weights decide, one slot at a time."""
+    first = testdocs.make_pdf(tmp_path / "b1.pdf", pages=1, text_of=unique_text())
+    assert execute(submit(first, output="text", tenant="tenant-b")) == "succeeded"
+    source = testdocs.make_pdf(tmp_path / "long.pdf", pages=12, text_of=unique_text())
+    long = submit(source, output="text", tenant="tenant-a", fault=SLOW)
+    second = testdocs.make_pdf(tmp_path / "b2.pdf", pages=1, text_of=unique_text())
+    waiting = submit(second, output="text", tenant="tenant-b")
+
+    assert execute(long) == "succeeded"
+    assert not ExecutionAuditEvent.objects.filter(job_id=long.id, event_type="yielded").exists()
+    assert ConversionOutbox.objects.get(job=waiting).published_at is None
+
+
+def test_preempt__off_when_the_check_interval_is_zero(
+    tmp_path, settings, one_slot_no_slice, no_broker_publish
+):
+    settings.QUIRE = {**settings.QUIRE, "FAIR_PREEMPT_CHECK_S": 0.0}
+    warm = testdocs.make_pdf(tmp_path / "warm.pdf", pages=1, text_of=unique_text())
+    assert execute(submit(warm, output="text", tenant="tenant-a")) == "succeeded"
+    source = testdocs.make_pdf(tmp_path / "long.pdf", pages=8, text_of=unique_text())
+    long = submit(source, output="text", tenant="tenant-a", fault=SLOW)
+    other_src = testdocs.make_pdf(tmp_path / "short.pdf", pages=1, text_of=unique_text())
+    submit(other_src, output="text", tenant="tenant-b")
+    assert execute(long) == "succeeded"
