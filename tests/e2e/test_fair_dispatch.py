@@ -11,13 +11,7 @@ import time
 import pytest
 from django.db import connections
 
-from conversion_jobs.models import (
-    ConversionAttempt,
-    ConversionJob,
-    DispatchClock,
-    PageCheckpoint,
-    WorkerSlot,
-)
+from conversion_jobs.models import ConversionAttempt, ConversionJob, PageCheckpoint, WorkerSlot
 from conversion_jobs.services import fair
 from tests.e2e import harness
 
@@ -80,7 +74,6 @@ def test_fair__a_tenant_that_was_idle_preempts_one_running_job(start, submit):
     attempts gives its slot back at a page boundary (ADR 0021, "A tenant with nothing
     running"), never both; b runs before either of them could have finished; every one of a's
     pages is converted once."""
-    DispatchClock.objects.get_or_create(id=1)  # migration 0017's row (the tables were flushed)
     env = {"QUIRE_FAIR_CAPACITY": "0", "QUIRE_FAIR_SLICE_S": "3600"}
     start("worker", WORKER_CONCURRENCY="2", **env)
     start("sweeper", **env)

@@ -12,7 +12,6 @@ import pytest
 from conversion_jobs.models import (
     ConversionAttempt,
     ConversionOutbox,
-    DispatchClock,
     ExecutionAuditEvent,
     PageCheckpoint,
 )
@@ -92,10 +91,7 @@ def test_yield__no_yield_when_no_other_tenant_waits(tmp_path, one_slot, no_broke
 
 @pytest.fixture
 def one_slot_no_slice(settings: Any) -> None:
-    """One slot, a slice too long to matter: only the preemption can end an attempt early. The
-    dispatch clock's row, which migration 0017 writes, is written again (a transactional test
-    starts from flushed tables)."""
-    DispatchClock.objects.get_or_create(id=1)
+    """One slot, a slice too long to matter: only the preemption can end an attempt early."""
     settings.QUIRE = {
         **settings.QUIRE,
         "FAIR_CAPACITY": 1,
