@@ -610,23 +610,20 @@ WITH RECURSIVE k AS (
            OR (r.state = 'queued' AND r.dispatched_at IS NOT NULL
                AND r.dispatched_at > now() - make_interval(secs => %(lost)s)))
 )
-SELECT CASE WHEN (CASE WHEN %(capacity)s > 0 THEN %(capacity)s::bigint ELSE (
+SELECT (CASE WHEN %(capacity)s > 0 THEN %(capacity)s::bigint ELSE (
             SELECT COALESCE(sum(w.slots), 0) FROM worker_slot w
             WHERE w.seen_at > now() - make_interval(secs => %(ttl)s)) END)
-       > (SELECT count(*) FROM busy) THEN false
-ELSE EXISTS (
-    SELECT 1 FROM k WHERE k.tenant IS NOT NULL AND k.tenant <> %(tenant)s
-      AND NOT EXISTS (SELECT 1 FROM busy b WHERE b.tenant = k.tenant)
-      AND COALESCE((SELECT s.vtime FROM tenant_share s WHERE s.tenant = k.tenant), 0)
-          < (SELECT c.vclock FROM dispatch_clock c WHERE c.id = 1)
-      -- the tenant's first live unit, in the index's order (a subquery per tenant, never a
-      -- join over every waiting row)
-      AND (SELECT 1 FROM conversion_outbox o
-           JOIN conversion_job j ON j.id = o.job_id AND j.generation = o.generation
-           WHERE o.published_at IS NULL AND o.tenant = k.tenant
-             AND o.range_first IS NULL AND j.state = 'queued'
-           ORDER BY o.tenant, o.id LIMIT 1) IS NOT NULL)
-END
+       <= (SELECT count(*) FROM busy)
+   AND EXISTS (
+       SELECT 1 FROM k WHERE k.tenant IS NOT NULL AND k.tenant <> %(tenant)s
+         AND NOT EXISTS (SELECT 1 FROM busy b WHERE b.tenant = k.tenant)
+         AND COALESCE((SELECT s.vtime FROM tenant_share s WHERE s.tenant = k.tenant), 0)
+             < (SELECT c.vclock FROM dispatch_clock c WHERE c.id = 1)
+         AND EXISTS (
+             SELECT 1 FROM conversion_outbox o
+             JOIN conversion_job j ON j.id = o.job_id AND j.generation = o.generation
+             WHERE o.published_at IS NULL AND o.tenant = k.tenant
+               AND o.range_first IS NULL AND j.state = 'queued'))
 """
 
 
