@@ -412,10 +412,6 @@ QUIRE: dict[str, Any] = {
     # a running attempt yields at a checkpoint batch after this long when another tenant waits
     # with no free slot; 0: never
     "FAIR_SLICE_S": env_float("QUIRE_FAIR_SLICE_S", 30.0),
-    # a running attempt yields at a page boundary, whatever its slice, when a tenant with nothing
-    # running or sent has a unit waiting and no slot is free; it asks at most this often (and
-    # only after its first page); 0: never (ADR 0021, "A tenant with nothing running")
-    "FAIR_PREEMPT_CHECK_S": env_float("QUIRE_FAIR_PREEMPT_CHECK_S", 0.025),
     # the window of the per-tenant page-share gauge and admin page
     "FAIR_SHARE_WINDOW_S": env_float("QUIRE_FAIR_SHARE_WINDOW_S", 300.0),
     "SWEEP_INTERVAL_S": env_float("QUIRE_SWEEP_INTERVAL_S", 1.0),

@@ -12,12 +12,11 @@ import uuid
 from typing import Any
 
 from django.conf import settings
-from django.db import transaction
 from django.db.models.functions import Now
 
 from conversion_jobs.models import AttemptOutcome, PageCheckpoint
 from conversion_jobs.retry_policy import backoff_delay
-from conversion_jobs.services import fair, transitions
+from conversion_jobs.services import transitions
 from conversion_jobs.services.db_retry import db_retry
 from conversion_jobs.services.leases import Lease, LeaseLost, fenced
 from conversion_jobs.services.transitions import Claim, Result
@@ -120,17 +119,3 @@ def attempt_record_lease_lost(*, lease: Lease) -> None:
 def conversion_job_yield(*, lease: Lease, traceparent: str, cost: int) -> bool:
     """RUNNING -> QUEUED "yielded" (``transitions.yield_slice``). False: lost."""
     return transitions.yield_slice(lease=lease, traceparent=traceparent, cost=cost)
-
-
-def conversion_job_preempt(
-    *, lease: Lease, tenant: str, traceparent: str, cost: int
-) -> bool | None:
-    """The same yield, for a tenant with nothing running (``fair.idle_tenant_waits``): a second
-    look under the preemption lock, then the yield in the same transaction, so a second attempt
-    asking meanwhile sees the slot this one freed and keeps converting. None: no longer
-    wanted; False: lost; True: yielded."""
-    with transaction.atomic():
-        fair.preempt_lock()
-        if not fair.idle_tenant_waits(tenant=tenant):
-            return None
-        return transitions.yield_slice(lease=lease, traceparent=traceparent, cost=cost)

@@ -21,9 +21,8 @@ when a worker slot is free:
   ``max(vtime, clock) + (cost of the tenant's units before it) / weight``; the units with the
   smallest start tags are sent, ``dispatch_clock.vclock`` follows the last start tag sent, so a
   tenant that was idle starts again at the clock and banks nothing.
-* **one picker at a time**: Postgres runs the whole pick as ``quire_fair_pick`` (migration 0018;
-  since 0021 it reads each tenant's first waiting units, ``conversion_outbox.tenant``) under a
-  transaction-scoped advisory lock; SQLite's twin below runs under ``BEGIN IMMEDIATE``
+* **one picker at a time**: Postgres runs the whole pick as ``quire_fair_pick`` (migration 0018)
+  under a transaction-scoped advisory lock; SQLite's twin below runs under ``BEGIN IMMEDIATE``
   (the database's one write lock). Two relays never send one unit twice or exceed the credits.
 
 Every caller that may have freed or filled a slot runs a pick: the commit fast path (the web's
@@ -578,105 +577,6 @@ def others_waiting(*, tenant: str) -> bool:
     if not _waiting().exclude(job__tenant=tenant).exists():
         return False
     return capacity() - sum(busy_by_tenant().values()) <= 0
-
-
-#: A tenant that was idle (nothing running or sent, its virtual time behind the clock: its next
-#: unit is first in the fair order) has a unit waiting, no slot is free, and it is not
-#: ``tenant``: the pick's busy count and the skip scan of the waiting tenants (migration 0021),
-#: one statement whose cost follows the slots and the tenants waiting, never the backlog (ADR
-#: 0021, "A tenant with nothing running").
-_IDLE_TENANT_WAITS_SQL = """
-WITH RECURSIVE k AS (
-    (SELECT o.tenant FROM conversion_outbox o
-     WHERE o.published_at IS NULL AND o.tenant IS NOT NULL ORDER BY o.tenant LIMIT 1)
-    UNION ALL
-    SELECT (SELECT o.tenant FROM conversion_outbox o
-            WHERE o.published_at IS NULL AND o.tenant > k.tenant ORDER BY o.tenant LIMIT 1)
-    FROM k WHERE k.tenant IS NOT NULL
-), busy AS (
-    SELECT j.tenant FROM conversion_job j WHERE j.state IN ('running', 'cancelling')
-      AND NOT EXISTS (SELECT 1 FROM job_range r WHERE r.job_id = j.id
-                      AND r.job_generation = j.generation AND r.state IN ('queued', 'running'))
-    UNION ALL
-    SELECT j.tenant FROM conversion_job j
-    WHERE j.state = 'queued' AND j.dispatched_at IS NOT NULL
-      AND j.dispatched_generation = j.generation
-      AND j.dispatched_at > now() - make_interval(secs => %(lost)s)
-    UNION ALL
-    SELECT j.tenant FROM job_range r
-    JOIN conversion_job j ON j.id = r.job_id AND j.generation = r.job_generation
-    WHERE j.state IN ('running', 'cancelling') AND r.state IN ('queued', 'running')
-      AND (r.state = 'running'
-           OR (r.state = 'queued' AND r.dispatched_at IS NOT NULL
-               AND r.dispatched_at > now() - make_interval(secs => %(lost)s)))
-)
-SELECT (CASE WHEN %(capacity)s > 0 THEN %(capacity)s::bigint ELSE (
-            SELECT COALESCE(sum(w.slots), 0) FROM worker_slot w
-            WHERE w.seen_at > now() - make_interval(secs => %(ttl)s)) END)
-       <= (SELECT count(*) FROM busy)
-   AND EXISTS (
-       SELECT 1 FROM k WHERE k.tenant IS NOT NULL AND k.tenant <> %(tenant)s
-         AND NOT EXISTS (SELECT 1 FROM busy b WHERE b.tenant = k.tenant)
-         AND COALESCE((SELECT s.vtime FROM tenant_share s WHERE s.tenant = k.tenant), 0)
-             < (SELECT c.vclock FROM dispatch_clock c WHERE c.id = 1)
-         AND EXISTS (
-             SELECT 1 FROM conversion_outbox o
-             JOIN conversion_job j ON j.id = o.job_id AND j.generation = o.generation
-             WHERE o.published_at IS NULL AND o.tenant = k.tenant
-               AND o.range_first IS NULL AND j.state = 'queued'))
-"""
-
-
-def idle_tenant_waits(*, tenant: str) -> bool:
-    """A tenant other than ``tenant`` that was idle - nothing running or sent, and its virtual
-    time behind the clock (it banks nothing: its next unit starts at the clock, ahead of every
-    tenant that kept working) - has a unit waiting, and no slot is free: the condition under
-    which a running attempt gives its slot back at the next page boundary, whatever its slice
-    (docs/ARCHITECTURE.md §2b; ADR 0021, "A tenant with nothing running"). Two tenants that
-    both keep work waiting never preempt each other (their virtual times run ahead of the
-    clock), so weights are untouched. Only a whole job's unit counts."""
-    q = settings.QUIRE
-    if connection.vendor == "postgresql":
-        with prepared_cursor() as cursor:
-            cursor.execute(
-                _IDLE_TENANT_WAITS_SQL,
-                {
-                    "tenant": tenant,
-                    "capacity": int(q["FAIR_CAPACITY"]),
-                    "lost": float(q["FAIR_LOST_S"]),
-                    "ttl": float(q["FAIR_SLOT_TTL_S"]),
-                },
-            )
-            row = cursor.fetchone()
-        return bool(row and row[0])
-    busy = busy_by_tenant()
-    if capacity() - sum(busy.values()) > 0:
-        return False
-    clock = DispatchClock.objects.filter(id=1).values_list("vclock", flat=True).first()
-    if clock is None:
-        return False
-    waiting = set(
-        _waiting()
-        .filter(range_first__isnull=True)
-        .exclude(job__tenant=tenant)
-        .exclude(job__tenant__in=[t for t, n in busy.items() if n > 0])
-        .values_list("job__tenant", flat=True)
-    )
-    vtimes = dict(TenantShare.objects.filter(tenant__in=waiting).values_list("tenant", "vtime"))
-    return any(vtimes.get(t, 0.0) < clock for t in waiting)
-
-
-#: Serializes the preemption's second look and its yield, so two attempts never both give
-#: their slot back for one waiting unit (a key of its own, not the pick's).
-_PREEMPT_LOCK = 7102422
-
-
-def preempt_lock() -> None:
-    """Inside the caller's transaction: wait for any other preemption's second look and yield
-    to commit (Postgres; SQLite's ``BEGIN IMMEDIATE`` already serializes them)."""
-    if connection.vendor == "postgresql":
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_advisory_xact_lock(%s)", [_PREEMPT_LOCK])
 
 
 def outbox_rows_retire_superseded(*, batch: int) -> int:

@@ -539,7 +539,6 @@ def _convert_pages(run: PageRun) -> str:
     with CheckpointBatch(run.lease, run.checkpoints, range_lease=run.range_lease) as batch:
         local: dict[int, Path] = {}  # pages of this attempt: where their bytes are on this host
         slice_ = _Slice()
-        preempt = _Preempt()
         page_budget = settings.QUIRE["PAGE_MAX_ATTEMPTS"]
         for index, page in enumerate(run.todo):
             if run.request.should_stop():  # the heartbeat's stop flag
@@ -547,19 +546,11 @@ def _convert_pages(run: PageRun) -> str:
             batch.flush_if_due()
             # A page range (ADR 0023) never yields: it is already a bounded unit of work, and a
             # yield would move the whole fanned-out job (ADR 0021).
-            if run.range_lease is None and (
-                (
-                    slice_.due()
-                    and _yield_if_others_wait(
-                        lease=run.lease, job=run.job, batch=batch, left=len(run.todo) - index
-                    )
-                )
-                or (
-                    index > 0
-                    and preempt.due()
-                    and _yield_to_idle_tenant(
-                        lease=run.lease, job=run.job, batch=batch, left=len(run.todo) - index
-                    )
+            if (
+                run.range_lease is None
+                and slice_.due()
+                and _yield_if_others_wait(
+                    lease=run.lease, job=run.job, batch=batch, left=len(run.todo) - index
                 )
             ):
                 return "yielded"
@@ -703,57 +694,6 @@ def _yield_if_others_wait(
     if db_retry(
         execution.conversion_job_yield, lease=lease, traceparent=job.traceparent, cost=cost
     ):
-        return True
-    raise LeaseLost()
-
-
-class _Preempt:
-    """When this attempt next asks whether a tenant with nothing running waits for its slot:
-    at most every ``QUIRE_FAIR_PREEMPT_CHECK_S`` (0 or fair dispatch off: never), and never
-    before its first page (each attempt converts at least one page, so a job always moves)."""
-
-    def __init__(self) -> None:
-        self.every = settings.QUIRE["FAIR_PREEMPT_CHECK_S"] if fair.enabled() else 0.0
-        self.next_check = 0.0
-
-    def due(self) -> bool:
-        if self.every <= 0:
-            return False
-        now = time.monotonic()
-        if now < self.next_check:
-            return False
-        self.next_check = now + self.every
-        return True
-
-
-def _yield_to_idle_tenant(
-    *, lease: Lease, job: ConversionJob, batch: CheckpointBatch, left: int
-) -> bool:
-    """At a page boundary: a tenant with nothing running or sent has a unit waiting and no slot
-    is free (``fair.idle_tenant_waits``), so this attempt checkpoints the pages done so far and
-    yields, whatever its slice (ADR 0021, "A tenant with nothing running"); the job is queued
-    again at the cost of its ``left`` pages. False: keep converting. A yield that loses its
-    fence raises ``LeaseLost``."""
-    if not db_retry(fair.idle_tenant_waits, tenant=job.tenant):
-        return False
-    batch.flush()  # the next attempt skips every page done so far
-    cost = fair.dispatch_cost(
-        media_type=job.source_media_type,
-        size=job.source_size,
-        output=job.output,
-        options=job.options,
-        pages=left,
-    )
-    done = db_retry(
-        execution.conversion_job_preempt,
-        lease=lease,
-        tenant=job.tenant,
-        traceparent=job.traceparent,
-        cost=cost,
-    )
-    if done is None:
-        return False  # another attempt gave its slot first
-    if done:
         return True
     raise LeaseLost()
 
