@@ -21,8 +21,9 @@ when a worker slot is free:
   ``max(vtime, clock) + (cost of the tenant's units before it) / weight``; the units with the
   smallest start tags are sent, ``dispatch_clock.vclock`` follows the last start tag sent, so a
   tenant that was idle starts again at the clock and banks nothing.
-* **one picker at a time**: Postgres runs the whole pick as ``quire_fair_pick`` (migration 0018)
-  under a transaction-scoped advisory lock; SQLite's twin below runs under ``BEGIN IMMEDIATE``
+* **one picker at a time**: Postgres runs the whole pick as ``quire_fair_pick`` (migration 0018;
+  since 0021 it reads each tenant's first waiting units, ``conversion_outbox.tenant``) under a
+  transaction-scoped advisory lock; SQLite's twin below runs under ``BEGIN IMMEDIATE``
   (the database's one write lock). Two relays never send one unit twice or exceed the credits.
 
 Every caller that may have freed or filled a slot runs a pick: the commit fast path (the web's
