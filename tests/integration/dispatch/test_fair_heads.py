@@ -12,6 +12,8 @@ from django.db import connection, transaction
 
 from conversion_jobs.models import ConversionJob, ConversionOutbox
 from conversion_jobs.services import fair, transitions
+from tests import testdocs
+from tests.integration.execution.jobkit import submit, unique_text
 
 pytestmark = [pytest.mark.fair_credits, pytest.mark.django_db]
 
@@ -51,7 +53,14 @@ def _job(tenant: str, cost: int, i: int) -> ConversionJob:
 
 
 @postgres_only
-def test_outbox_tenant__is_the_jobs_on_every_insert_path(unit: Any) -> None:
+def test_outbox_tenant__is_the_jobs_on_every_insert_path(
+    unit: Any, tmp_path: Any, no_broker_publish: Any
+) -> None:
+    # the acceptance's one statement (the job and its outbox row in data-modifying CTEs of one
+    # INSERT), staged and inline: the trigger's lookup sees the job row the statement wrote
+    for inline in (False, True):
+        source = testdocs.make_pdf(tmp_path / f"a{inline}.pdf", pages=1, text_of=unique_text())
+        submit(source, output="text", tenant="tenant-accepted", inline=inline)
     orm = unit("tenant-orm")  # ConversionOutbox.objects.create
     bulk = _waiting("tenant-bulk", 2)  # bulk_create (the planner's range rows)
     with connection.cursor() as cursor:  # a raw insert naming no tenant (store/jobs.py's)
@@ -69,7 +78,7 @@ def test_outbox_tenant__is_the_jobs_on_every_insert_path(unit: Any) -> None:
     rows = dict(ConversionOutbox.objects.values_list("id", "tenant"))
     expected = {o.id: o.job.tenant for o in ConversionOutbox.objects.select_related("job").all()}
     assert rows == expected
-    assert set(rows.values()) == {"tenant-orm", "tenant-bulk"}
+    assert set(rows.values()) == {"tenant-accepted", "tenant-orm", "tenant-bulk"}
 
 
 def test_pick__a_long_backlog_hides_no_other_tenants_unit(capacity: Any, unit: Any) -> None:
