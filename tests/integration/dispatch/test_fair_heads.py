@@ -17,9 +17,10 @@ from tests.integration.execution.jobkit import submit, unique_text
 
 pytestmark = [pytest.mark.fair_credits, pytest.mark.django_db]
 
-postgres_only = pytest.mark.skipif(
-    "connection.vendor != 'postgresql'", reason="the outbox tenant trigger and the index"
-)
+
+def _needs_postgres() -> None:
+    if connection.vendor != "postgresql":
+        pytest.fail("this test needs the production profile (the trigger and the index)")
 
 
 def _waiting(tenant: str, n: int, *, cost: int = 10) -> list[ConversionJob]:
@@ -52,10 +53,11 @@ def _job(tenant: str, cost: int, i: int) -> ConversionJob:
     )
 
 
-@postgres_only
+@pytest.mark.postgres
 def test_outbox_tenant__is_the_jobs_on_every_insert_path(
     unit: Any, tmp_path: Any, no_broker_publish: Any
 ) -> None:
+    _needs_postgres()
     # the acceptance's one statement (the job and its outbox row in data-modifying CTEs of one
     # INSERT), staged and inline: the trigger's lookup sees the job row the statement wrote
     for inline in (False, True):
@@ -111,11 +113,12 @@ def test_pick__each_tenants_units_leave_in_id_order(capacity: Any, unit: Any) ->
     assert [u.job_id for u in picked if u.tenant == "b"] == [j.id for j in b]
 
 
-@postgres_only
+@pytest.mark.postgres
 def test_pick__reads_the_same_rows_whatever_the_backlog(capacity: Any, unit: Any) -> None:
     """The rows of ``conversion_job`` one pick reads (``pg_stat_xact_user_tables``: this
     transaction's own counts) with 20 and with 2,000 waiting units of A: the same few probes,
     where ordering every unit read every waiting job."""
+    _needs_postgres()
     capacity(1)
 
     def job_rows_read_by_one_pick() -> int:
