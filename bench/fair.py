@@ -92,9 +92,17 @@ def _finished(db_url: str, ids: list[str], *, timeout: float) -> dict[str, tuple
             time.sleep(0.05)
 
 
-def _b_burst(db_url: str, n: int, *, tenant: str = "tenant-b") -> list[float]:
-    """``n`` one-page jobs submitted back to back; sorted seconds submit -> finished."""
-    submitted = [_submit(tenant=tenant, pages=1, output="text") for _ in range(n)]
+def _b_burst(
+    db_url: str, n: int, *, tenant: str = "tenant-b", sent: list[tuple] | None = None
+) -> list[float]:
+    """``n`` one-page jobs submitted back to back; sorted seconds submit -> finished.
+    ``sent``: gets each (job id, submit epoch, accepted epoch)."""
+    submitted = []
+    for _ in range(n):
+        job_id, at = _submit(tenant=tenant, pages=1, output="text")
+        submitted.append((job_id, at))
+        if sent is not None:
+            sent.append((job_id, at, time.time()))
     done = _finished(db_url, [s[0] for s in submitted], timeout=600)
     return sorted(done[i][0] - at for i, at in submitted)
 
@@ -110,6 +118,44 @@ def _a_flood(n: int, *, dpi: int) -> list[tuple]:
     return [
         _submit(tenant="tenant-a", pages=10, output="png", options={"dpi": dpi}) for _ in range(n)
     ]
+
+
+def _flood_profile(db_url: str, out: str, b_sent: list[tuple], a_submitted: float) -> None:
+    """Where each of B's jobs spent its time in the flood (``--profile-out``): its rows' times
+    (commit -> picked -> confirmed -> claimed -> finished), the slot that freed before its
+    pick, and every attempt of the run, as JSON for bench/JOURNAL.md's analysis."""
+    import psycopg
+
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        b_rows = conn.execute(
+            "SELECT j.id::text, extract(epoch FROM j.created_at), extract(epoch FROM j.queued_at),"
+            " extract(epoch FROM j.dispatched_at), extract(epoch FROM o.created_at),"
+            " extract(epoch FROM o.published_at), o.publish_attempts, o.last_error_code,"
+            " extract(epoch FROM a.started_at), extract(epoch FROM a.finished_at),"
+            " extract(epoch FROM j.finished_at), a.worker"
+            " FROM conversion_job j JOIN conversion_outbox o ON o.job_id = j.id"
+            " JOIN conversion_attempt a ON a.job_id = j.id WHERE j.id = ANY(%s::uuid[])",
+            ([b[0] for b in b_sent],),
+        ).fetchall()
+        attempts = conn.execute(
+            "SELECT j.tenant, a.worker, extract(epoch FROM a.started_at),"
+            " extract(epoch FROM a.finished_at), a.outcome, a.pages_converted,"
+            " extract(epoch FROM j.created_at)"
+            " FROM conversion_attempt a JOIN conversion_job j ON j.id = a.job_id"
+            " ORDER BY a.started_at"
+        ).fetchall()
+    Path(out).write_text(
+        json.dumps(
+            {
+                "b_sent": b_sent,
+                "a_submitted": a_submitted,
+                "b_rows": [[float(x) if hasattr(x, "is_finite") else x for x in r] for r in b_rows],
+                "attempts": [
+                    [float(x) if hasattr(x, "is_finite") else x for x in r] for r in attempts
+                ],
+            }
+        )
+    )
 
 
 # --- the phases (each in its own stack, in a child process) ---------------------------------
@@ -208,19 +254,23 @@ def phase_flood(args: argparse.Namespace) -> dict:
         from django.db import connections
 
         b_lat: list[float] = []
+        b_sent: list[tuple] = []
 
         def b_side() -> None:
             try:
                 time.sleep(max(0.0, args.b_delay - (time.monotonic() - t0)))
-                b_lat.extend(_b_burst(stack.db_url, args.b_jobs))
+                b_lat.extend(_b_burst(stack.db_url, args.b_jobs, sent=b_sent))
             finally:
                 connections.close_all()
 
         b = threading.Thread(target=b_side)
         b.start()
         flood = _a_flood(args.a_jobs, dpi=args.dpi)
+        a_submitted = time.time()
         a_flood = _pages_per_s(stack.db_url, flood, 10)
         b.join()
+        if args.profile_out:
+            _flood_profile(stack.db_url, args.profile_out, b_sent, a_submitted)
         return {
             "b_alone_p95": c.percentile(b_alone, 95),
             "b_flood_p95": c.percentile(sorted(b_lat), 95),
@@ -359,6 +409,9 @@ def main() -> int:
     parser.add_argument("--weights-jobs", type=int, default=300)
     parser.add_argument("--long-pages", type=int, default=2000)
     parser.add_argument("--long-b-jobs", type=int, default=10)
+    parser.add_argument(
+        "--profile-out", default="", help="flood: write B's per-job timings here (JSON)"
+    )
     parser.add_argument("--slice-s", type=float, default=2.0, help="QUIRE_FAIR_SLICE_S (long)")
     args = parser.parse_args()
     if args.phase:

@@ -209,12 +209,22 @@ class ConversionOutbox(models.Model):
     #: this dispatch unit's cost in page units when it is not the job's whole ``dispatch_cost``
     #: (a page range's); NULL: the job's
     cost = models.PositiveIntegerField(null=True, blank=True)
+    #: the job's tenant, copied by a Postgres trigger on insert (migration 0020), so the fair
+    #: pick reads each tenant's first waiting units from ``outbox_waiting_tenant`` instead of
+    #: ordering every waiting unit (ADR 0021, "The pick's cost"). NULL on SQLite (its pick
+    #: reads the job's).
+    tenant = models.CharField(max_length=64, null=True, blank=True, editable=False)
 
     class Meta:
         db_table = "conversion_outbox"
         indexes = [
             models.Index(
                 name="outbox_unpublished", fields=["id"], condition=Q(published_at__isnull=True)
+            ),
+            models.Index(
+                name="outbox_waiting_tenant",
+                fields=["tenant", "id"],
+                condition=Q(published_at__isnull=True),
             ),
             models.Index(
                 name="outbox_published_at",

@@ -21,8 +21,9 @@ when a worker slot is free:
   ``max(vtime, clock) + (cost of the tenant's units before it) / weight``; the units with the
   smallest start tags are sent, ``dispatch_clock.vclock`` follows the last start tag sent, so a
   tenant that was idle starts again at the clock and banks nothing.
-* **one picker at a time**: Postgres runs the whole pick as ``quire_fair_pick`` (migration 0019)
-  under a transaction-scoped advisory lock; SQLite's twin runs under ``BEGIN IMMEDIATE`` (the
+* **one picker at a time**: Postgres runs the whole pick as ``quire_fair_pick`` (migration 0020:
+  it reads each tenant's first waiting units, ``conversion_outbox.tenant``) under a
+  transaction-scoped advisory lock; SQLite's twin runs under ``BEGIN IMMEDIATE`` (the
   database's one write lock). Both, and every statement of the relay, are ``store/fair.py``'s.
   Two relays never send one unit twice or exceed the credits.
 

@@ -30,7 +30,7 @@ from conversion_jobs.states import LEASED_STATES, State
 from conversion_jobs.store import db
 from conversion_jobs.store.prepared import Int8s, prepared_cursor
 
-#: The key of the advisory lock ``quire_fair_pick`` takes (migrations 0017-0019): one picker at
+#: The key of the advisory lock ``quire_fair_pick`` takes (migrations 0017-0020): one picker at
 #: a time; a gated claim takes it shared to wait for a pick in progress.
 PICK_LOCK = 7102421
 #: ``conversion_outbox.last_error_code`` of a waiting unit whose gated message was refused;
