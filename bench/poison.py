@@ -118,6 +118,62 @@ def _poison_attempts(url: str, job_ids: list[str]) -> tuple[int, float, str]:
     return int(n), float(held), codes
 
 
+def _timeline(url: str, office_ids: list[str], normal: list[str]) -> list[str]:
+    """Where the office attempts sat in the poison phase: each attempt's start and end in seconds
+    from the phase's first attempt start, the normal jobs finished by then, and the normal jobs'
+    rate before, during and after the first office attempt (one slot held)."""
+    ids = ",".join(f"'{i}'" for i in office_ids)
+    normal_ids = ",".join(f"'{i}'" for i in normal)
+    t0 = (
+        "(SELECT min(a.started_at) FROM conversion_attempt a JOIN conversion_job j"
+        " ON j.id = a.job_id WHERE j.tenant = 'poisoned')"
+    )
+    rows = str(
+        _scalar(
+            url,
+            "SELECT string_agg(round(extract(epoch FROM a.started_at - t0)::numeric, 2) || ' '"  # noqa: S608
+            " || round(extract(epoch FROM a.finished_at - t0)::numeric, 2), ',' ORDER BY"
+            f" a.started_at) FROM conversion_attempt a, {t0} AS t0(t0)"
+            f" WHERE a.job_id IN ({ids})",
+        )
+    )
+    last = float(
+        _scalar(  # type: ignore[arg-type]
+            url,
+            f"SELECT extract(epoch FROM max(finished_at) - {t0}) FROM conversion_job"  # noqa: S608
+            f" WHERE id IN ({normal_ids})",
+        )
+    )
+    lines = []
+    for n, pair in enumerate(rows.split(",")):
+        start, end = (float(x) for x in pair.split())
+        done_start, done_end = (
+            int(
+                _scalar(  # type: ignore[call-overload]
+                    url,
+                    f"SELECT count(*) FROM conversion_job WHERE id IN ({normal_ids})"  # noqa: S608
+                    f" AND finished_at <= {t0} + interval '{t} seconds'",
+                )
+            )
+            for t in (start, end)
+        )
+        lines.append(
+            f"office attempt {n + 1}: {start:.2f} -> {end:.2f} s (normal jobs done then:"
+            f" {done_start} -> {done_end}; last normal finish {last:.2f} s)"
+        )
+        if n == 0:
+            held = min(end, last) - start
+            during = done_end - done_start if end < last else len(normal) - done_start
+            rates = [
+                f"before {done_start / start:.1f}" if start > 0 else "before -",
+                f"while held {during / held:.1f}" if held > 0 else "while held -",
+            ]
+            if end < last:
+                rates.append(f"after {(len(normal) - done_end) / (last - end):.1f}")
+            lines.append(f"normal jobs/s around the first office attempt: {', '.join(rates)}")
+    return lines
+
+
 def _state(url: str, job_id: object) -> tuple[str, str]:
     row = _scalar(
         url,
@@ -135,6 +191,9 @@ def main() -> int:
     parser.add_argument("--prepare-timeout", type=float, default=5.0)
     parser.add_argument("--office-pages", type=int, default=6000)
     parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the database, storage and processes' logs"
+    )
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="poison-"))
     print(f"load before: {c.load_average()}")
@@ -154,7 +213,7 @@ def main() -> int:
         "QUIRE_PREPARE_TIMEOUT_S": str(args.prepare_timeout),
         "QUIRE_ENABLE_TEST_FAULTS": "1",
     }
-    with c.quire_stack(db_name=DB_NAME, **env) as stack:
+    with c.quire_stack(db_name=DB_NAME, keep=args.keep, **env) as stack:
         url = stack.db_url
         from conversion_jobs.exceptions import DocumentQuarantined
 
@@ -224,6 +283,7 @@ def main() -> int:
             "office": _poison_attempts(url, [str(j) for j in office_jobs]),
         }
         office_states = [_state(url, job_id) for job_id in office_jobs]
+        timeline = _timeline(url, [str(j) for j in office_jobs], normal)
         most_crashes = int(
             _scalar(url, "SELECT coalesce(max(crashes), 0) FROM document_quarantine")
         )  # type: ignore[call-overload]
@@ -274,6 +334,8 @@ def main() -> int:
             f"{name} attempts: {n}, holding a slot {seconds:.1f} s = {seconds / (2 * poison_s):.1%}"
             f" of the poison phase's 2 slots ({codes})"
         )
+    for line in timeline:
+        print(line)
     print(f"segv job: {_fmt(segv_state)}, attempts {segv_attempts}")
     print(f"office jobs: {', '.join(_fmt(s) for s in office_states)}")
     print(f"quarantine rows: {crashes}")
