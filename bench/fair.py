@@ -13,8 +13,8 @@ layer in the parent of the stack, as ``bench/latency.py`` does.
   at a time (``bench/latency.py``'s idle phase), fair dispatch off (the fast path as it was)
   and on, interleaved job by job on one stack (the switch is this process's, which runs every
   commit's fast path). ``--fast-path background`` (the default since session 15): the commit
-  hands its row to the web's background publisher thread, as a served web does (fair on, the
-  gated fast path, ADR 0021); ``inline``: the fast path on the committing thread.
+  hands its row to the web's background publisher thread, as a served web does; ``inline``:
+  the fast path on the committing thread.
 * **Flood** (one worker, ``WORKER_CONCURRENCY=2``: two worker processes): B alone first (the
   idle baseline: ``--b-jobs`` one-page jobs submitted at once, p95 of submit -> succeeded); A
   alone (``--a-jobs`` 10-page PNG jobs, pages/s from its first submit to its last finish); then
@@ -224,17 +224,6 @@ def phase_idle(args: argparse.Namespace) -> dict:
         for key, values in spent.items():
             values.sort()
             out["off"][f"{key}_ms_p50"] = c.percentile(values, 50) if values else float("nan")
-        from conversion_jobs.observability import metrics
-
-        out["on"]["gated"] = {
-            o: int(metrics.FAIR_GATED.labels(outcome=o)._value.get()) for o in ("sent", "not_sent")
-        }
-        out["on"]["gate_refused"] = int(
-            c.sql_retry(
-                stack.db_url,
-                "SELECT count(*) FROM conversion_outbox WHERE last_error_code = 'gate_refused'",
-            )
-        )
         return out
 
 
@@ -434,10 +423,7 @@ def main() -> int:
             "  in this process: pick p50 {pick_ms_p50:.2f} ms, publish p50 fair off"
             " {publish_off_ms_p50:.2f} / on {publish_on_ms_p50:.2f} ms".format(**off)
         )
-        print(
-            f"  fast path: {args.fast_path}; gated messages sent {on['gated']['sent']},"
-            f" not chosen {on['gated']['not_sent']}, refused by a claim {on['gate_refused']}"
-        )
+        print(f"  fast path: {args.fast_path}")
         for name, r in (("off", off), ("on", on)):
             print(
                 f"  fair {name}: commit -> marked sent p50 {r['published_p50']:.1f} /"

@@ -8,7 +8,6 @@ from celery import shared_task
 from celery.exceptions import Reject
 
 from conversion_jobs.observability import metrics, tracing
-from conversion_jobs.services.broker import GATE_HEADER
 from conversion_jobs.services.range_runner import conversion_execute, conversion_range_execute
 
 
@@ -40,11 +39,6 @@ def run_conversion(
                 _positive(range_first, "range_first"),
                 _positive(range_generation, "range_generation"),
             )
-        # A gated message (ADR 0021, "Idle latency: the gated fast path"): the outbox id of its
-        # unit, which a pick must have marked sent for the claim to run.
-        gate = getattr(getattr(self, "request", None), GATE_HEADER, None)
-        if gate is not None:
-            gate = _positive(gate, GATE_HEADER)
     except (ValueError, TypeError, AttributeError) as exc:
         # A poison message: dead-letter it instead of redelivering it forever.
         metrics.DEAD_LETTERS.inc()
@@ -63,4 +57,4 @@ def run_conversion(
                 range_first=page_range[0],
                 range_generation=page_range[1],
             )
-        return conversion_execute(job_id=parsed_id, generation=parsed_generation, gate=gate)
+        return conversion_execute(job_id=parsed_id, generation=parsed_generation)

@@ -25,15 +25,14 @@ SQLite's twin (``fair._pick_sqlite``) keeps reading the job's tenant; the column
 from django.db import migrations, models
 from django.db.models import Q
 
-#: The fair relay's pick (docs/ARCHITECTURE.md §2b, ADR 0021): as in migration 0019 (its gated
-#: messages' refusals returned as ``out_refused``), except that the waiting units are read per
-#: tenant (``keys``, ``waiting``).
+#: The fair relay's pick (docs/ARCHITECTURE.md §2b, ADR 0021): as in migration 0018, except
+#: that the waiting units are read per tenant (``keys``, ``waiting``).
 FAIR_PICK_SQL = """
 CREATE OR REPLACE FUNCTION quire_fair_pick(
     p_limit integer, p_capacity integer, p_lost_s double precision, p_slot_ttl_s double precision
 ) RETURNS TABLE (out_id bigint, out_job uuid, out_generation integer, out_traceparent text,
                  out_tenant text, out_cost integer, out_range_first integer,
-                 out_range_generation integer, out_refused boolean)
+                 out_range_generation integer)
 LANGUAGE plpgsql
 -- one plan per connection, kept: planning this statement afresh cost ≈ 2 ms a call, the generic
 -- plan ≈ 0.25 ms (docs/adr/0021-fair-dispatch.md)
@@ -103,8 +102,7 @@ BEGIN
             SELECT h.id, h.job_id, h.generation, h.traceparent, h.tenant,
                    GREATEST(COALESCE(h.cost, h.job_cost), 1) AS cost,
                    h.range_first::integer AS range_first,
-                   h.range_generation::integer AS range_generation,
-                   h.last_error_code IS NOT DISTINCT FROM 'gate_refused' AS refused
+                   h.range_generation::integer AS range_generation
             FROM (
                 SELECT o.*, (
                     SELECT CASE WHEN (o.range_first IS NULL AND j.state = 'queued')
@@ -170,7 +168,7 @@ BEGIN
         WHERE k.id = 1 AND m.start_tag IS NOT NULL
     )
     SELECT w.id, w.job_id, w.generation::integer, w.traceparent::text, w.tenant::text,
-           w.cost::integer, w.range_first, w.range_generation, w.refused
+           w.cost::integer, w.range_first, w.range_generation
     FROM went w
     ORDER BY w.start_tag, w.id;
 END
@@ -211,7 +209,7 @@ def _backwards(apps, schema_editor):  # type: ignore[no-untyped-def]
     if schema_editor.connection.vendor == "postgresql":
         from importlib import import_module
 
-        previous = import_module("conversion_jobs.migrations.0019_fair_pick_gate")
+        previous = import_module("conversion_jobs.migrations.0018_fair_pick_ranges")
         schema_editor.execute(previous.DROP_PICK)
         schema_editor.execute(previous.FAIR_PICK_SQL)
         schema_editor.execute(DROP_OUTBOX_TENANT_SQL)
@@ -219,7 +217,7 @@ def _backwards(apps, schema_editor):  # type: ignore[no-untyped-def]
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("conversion_jobs", "0019_fair_pick_gate"),
+        ("conversion_jobs", "0018_fair_pick_ranges"),
     ]
 
     operations = [

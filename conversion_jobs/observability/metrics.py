@@ -20,11 +20,6 @@ OUTBOX_PUBLISH_FAILURES = Counter(
 )
 FAIR_DISPATCHED = Counter("quire_fair_dispatched", "Dispatch units the fair relay sent")
 FAIR_YIELDS = Counter("quire_fair_yields", "Attempts that yielded their worker at a slice's end")
-FAIR_GATED = Counter(
-    "quire_fair_gated",
-    "Gated fast-path messages (sent before their pick): sent = the pick chose them",
-    ["outcome"],
-)
 REDISPATCHES = Counter("quire_redispatches", "Jobs dispatched again", ["reason"])
 DUPLICATE_DELIVERIES = Counter(
     "quire_duplicate_deliveries", "Deliveries acked without work", ["reason"]
@@ -145,8 +140,7 @@ KNOWN_SERIES: dict[Counter | Histogram, list[dict[str, str]]] = {
             "unconfirmed",
         )
     ],
-    DUPLICATE_DELIVERIES: [{"reason": "duplicate"}, {"reason": "stale"}, {"reason": "unpicked"}],
-    FAIR_GATED: [{"outcome": "sent"}, {"outcome": "not_sent"}],
+    DUPLICATE_DELIVERIES: [{"reason": "duplicate"}, {"reason": "stale"}],
     ATTEMPT_DURATION: [
         {"outcome": o}
         for o in (

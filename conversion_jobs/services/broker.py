@@ -74,25 +74,14 @@ def publish_conversion(
 _ORIGIN = f"gen{os.getpid()}@{socket.gethostname()}"
 
 
-#: The header of a gated message (ADR 0021, "Idle latency: the gated fast path"): the outbox id
-#: of its unit, which a fair pick must have marked sent before the worker's claim runs it.
-GATE_HEADER = "quire_gate"
-
-
 def conversion_message(
-    *,
-    job_id: uuid.UUID,
-    generation: int,
-    traceparent: str,
-    page_range: RangeRef | None = None,
-    gate: int | None = None,
+    *, job_id: uuid.UUID, generation: int, traceparent: str, page_range: RangeRef | None = None
 ) -> Any:
     """The message :func:`publish_conversion` sends, built directly (Celery task protocol 2,
     what ``app.send_task`` produces for ``run_conversion``: the same headers, properties and
     body; ``tests/unit/test_dispatch_message.py`` holds the two together). For the background
     publisher, which publishes batches on its own confirm-mode channel: ``send_task``'s routing,
-    signals and serializer lookups were two thirds of its CPU. ``gate``: the unit's outbox id,
-    for a message sent before its unit was picked (:data:`GATE_HEADER`)."""
+    signals and serializer lookups were two thirds of its CPU."""
     task_id = str(uuid.uuid4())
     args: list[Any] = [str(job_id), generation]
     if page_range is not None:
@@ -120,8 +109,6 @@ def conversion_message(
     }
     if traceparent:
         headers["traceparent"] = traceparent
-    if gate is not None:
-        headers[GATE_HEADER] = gate
     body = json.dumps(
         [args, {}, {"callbacks": None, "errbacks": None, "chain": None, "chord": None}]
     )

@@ -25,13 +25,10 @@ from conversion_jobs.states import State
 __all__ = ["Claim", "Result"]
 
 
-def conversion_job_claim(
-    *, job_id: uuid.UUID, generation: int, worker: str, gate: int | None = None
-) -> Claim | None:
+def conversion_job_claim(*, job_id: uuid.UUID, generation: int, worker: str) -> Claim | None:
     """QUEUED -> RUNNING for this generation (one statement on Postgres). None: a duplicate or
-    stale delivery, or a gated message whose unit no pick chose (counted; the caller acks it).
-    ``gate``: the outbox id a gated message carries (``transitions.claim``)."""
-    return transitions.claim(job_id=job_id, generation=generation, worker=worker, gate=gate)
+    stale delivery (counted; the caller acks it)."""
+    return transitions.claim(job_id=job_id, generation=generation, worker=worker)
 
 
 def conversion_job_record_page_count(*, lease: Lease, page_count: int) -> None:

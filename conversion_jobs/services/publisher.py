@@ -34,7 +34,6 @@ from django.db import connection
 from conversion_jobs import faults
 from conversion_jobs.observability import metrics, tracing
 from conversion_jobs.services import broker, fair
-from conversion_jobs.store import fair as fair_store
 from conversion_jobs.store import outbox
 
 log = logging.getLogger(__name__)
@@ -81,9 +80,6 @@ class BackgroundPublisher:
         self._nacked: set[int] = set()
         self._next_tag = 1
         self._last_used = 0.0
-        # The last pick chose exactly the rows handed to it: the next rows go out gated, before
-        # their pick (ADR 0021, "Idle latency: the gated fast path"). Off until a pick says so.
-        self._gate_open = False
 
     # --- the request side ------------------------------------------------------------------
 
@@ -135,7 +131,6 @@ class BackgroundPublisher:
                 self._queue = queue.Queue(maxsize=self.max_queue)
                 self._conn = self._channel = None
                 self._outstanding = 0
-                self._gate_open = False
             self._pid = os.getpid()
             self._thread = threading.Thread(
                 target=self._run, name="quire-outbox-publisher", daemon=True
@@ -190,12 +185,7 @@ class BackgroundPublisher:
         can be published at once; a broker that refuses or hangs leaves the units waiting for
         the sweep's pick, and the failure is recorded on the rows handed over. The units the
         broker confirms are marked so (``fair.confirm``); a unit this process picked and never
-        confirmed (killed before its publish) waits again after twice the confirm timeout.
-
-        While this process's last pick chose exactly the rows handed to it (an idle system), the
-        rows are sent first, as gated messages, and the pick runs while they travel (ADR 0021, "Idle
-        latency: the gated fast path"): a worker claims a gated message only once a pick marked
-        its unit sent, so the order and the credits stay the pick's."""
+        confirmed (killed before its publish) waits again after twice the confirm timeout."""
         if settings.AMQP_BROKER:
             try:
                 self._confirm_channel()
@@ -209,63 +199,18 @@ class BackgroundPublisher:
                 self._record_failure([p.outbox_id for p in handed], code)
                 metrics.OUTBOX_PUBLISH_FAILURES.labels(path="fast", code=code).inc(len(handed))
                 return
-        gated = self._gated_send(handed) if self._gate_open else []
         try:
             units = fair.pick(limit=self.max_batch)
         except Exception:
             _reset_db()
             raise
-        # Idle: the pick chose the handed rows and nothing else was waiting. A pick that also
-        # chose rows not handed yet (committed meanwhile) closes the gate, so those rows, handed
-        # next, are not sent a second time as gated messages.
-        chosen = {u.outbox_id for u in units}
-        self._gate_open = fair_store.gate_supported() and chosen == {p.outbox_id for p in handed}
         if units:
             faults.hit("fair.after_pick")
-        sent = self._gated_settle(gated, units) if gated else set()
-        rest = [u for u in units if u.outbox_id not in sent]
-        if rest:
             batch = [
                 Pending(u.outbox_id, u.job_id, u.generation, u.traceparent, u.page_range)
-                for u in rest
+                for u in units
             ]
-            self.publish_batch(batch, picked=rest)
-
-    def _gated_send(self, handed: list[Pending]) -> list[Pending]:
-        """Send the handed rows as gated messages, without waiting for their confirms (they come
-        while the pick runs). The rows sent; none when the channel fails (the pick's own
-        publish follows)."""
-        gated = [p for p in handed if p.page_range is None]
-        if not gated or not settings.AMQP_BROKER or not fair_store.gate_supported():
-            return []
-        try:
-            self._send(gated, gated=True)
-        except Exception as exc:
-            log.info("gated fast path send failed", extra={"error": type(exc).__name__})
-            self._drop_connection()
-            return []
-        return gated
-
-    def _gated_settle(self, gated: list[Pending], units: list[fair.Unit]) -> set[int]:
-        """After the pick: the gated messages whose unit it chose, and whose message the broker
-        confirmed and no worker refused, are sent (marked confirmed). The pick's other units,
-        and those whose gated message failed or was refused, are the caller's to publish; a
-        gated message whose unit was not chosen is refused by its claim (the unit waits)."""
-        try:
-            confirmed = set(self._confirmed(gated))
-        except Exception as exc:
-            log.info("gated fast path confirm failed", extra={"error": type(exc).__name__})
-            self._drop_connection()
-            confirmed = set()
-        sent = {u.outbox_id for u in units if u.outbox_id in confirmed and not u.refused}
-        if sent:
-            fair.confirm(sorted(sent))
-            metrics.OUTBOX_PUBLISHED.labels(path="fast").inc(len(sent))
-            metrics.FAIR_GATED.labels(outcome="sent").inc(len(sent))
-        skipped = len(gated) - len(sent)
-        if skipped:
-            metrics.FAIR_GATED.labels(outcome="not_sent").inc(skipped)
-        return sent
+            self.publish_batch(batch, picked=units)
 
     def publish_batch(self, batch: list[Pending], picked: list[fair.Unit] | None = None) -> None:
         """Publish ``batch`` and mark the confirmed rows; ``picked``: the rows were marked sent by
@@ -318,12 +263,6 @@ class BackgroundPublisher:
                     page_range=p.page_range,
                 )
             return [p.outbox_id for p in batch]
-        self._send(batch)
-        return self._confirmed(batch)
-
-    def _send(self, batch: list[Pending], *, gated: bool = False) -> None:
-        """Put ``batch`` on the confirm-mode channel (``gated``: each message carries its
-        outbox id as its gate, ADR 0021); the confirms are awaited by :meth:`_confirmed`."""
         channel = self._confirm_channel()
         exchange, routing_key = settings.CONVERSION_EXCHANGE, settings.CONVERSION_QUEUE
         self._unconfirmed.clear()
@@ -337,16 +276,10 @@ class BackgroundPublisher:
                     generation=p.generation,
                     traceparent=p.traceparent,
                     page_range=p.page_range,
-                    gate=p.outbox_id if gated else None,
                 )
                 channel.basic_publish(message, exchange=exchange, routing_key=routing_key)
             self._unconfirmed[self._next_tag] = index
             self._next_tag += 1
-
-    def _confirmed(self, batch: list[Pending]) -> list[int]:
-        """Wait (at most the confirm timeout) for the broker's confirms of the :meth:`_send`
-        just made; the outbox ids confirmed. Raises on a timeout; a nack leaves its row out."""
-        channel = self._channel
         deadline = time.monotonic() + self.confirm_timeout
         while self._unconfirmed:
             left = deadline - time.monotonic()

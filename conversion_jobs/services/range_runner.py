@@ -70,13 +70,12 @@ class _Beats:
         heartbeat.start()
 
 
-def conversion_execute(*, job_id: uuid.UUID, generation: int, gate: int | None = None) -> str:
-    """A job's message: its attempt (``runner.conversion_job_execute``; ``gate``: a gated
-    message's outbox id, ADR 0021); when the attempt fans the job out, the first range goes on
-    in this slot at once (claimed by the plan itself: no message, no wait for the relay, ADR
-    0023)."""
+def conversion_execute(*, job_id: uuid.UUID, generation: int) -> str:
+    """A job's message: its attempt (``runner.conversion_job_execute``); when the attempt fans
+    the job out, the first range goes on in this slot at once (claimed by the plan itself: no
+    message, no wait for the relay, ADR 0023)."""
     return runner.conversion_job_execute(
-        job_id=job_id, generation=generation, then=_planned_range_execute, gate=gate
+        job_id=job_id, generation=generation, then=_planned_range_execute
     )
 
 

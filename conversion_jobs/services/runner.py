@@ -94,14 +94,12 @@ def conversion_job_execute(
     job_id: uuid.UUID,
     generation: int,
     then: Callable[[fanout.RangeClaim], str] | None = None,
-    gate: int | None = None,
 ) -> str:
-    """Claim and run one delivery (``gate``: a gated message's outbox id, ADR 0021). Returns
-    what happened (for logs and tests): ``duplicate``, ``succeeded``, ``partial``, ``failed``,
-    ``retry_wait``, ``cancelled``, ``lost`` or ``fanned_out``. ``then``: when the attempt fans
-    the job out (ADR 0023), it keeps the first range, claimed in the plan, and ``then(claim)``
-    runs it in this slot once the attempt has ended (``range_runner``); without it every range
-    waits for a message."""
+    """Claim and run one delivery. Returns what happened (for logs and tests): ``duplicate``,
+    ``succeeded``, ``partial``, ``failed``, ``retry_wait``, ``cancelled``, ``lost`` or
+    ``fanned_out``. ``then``: when the attempt fans the job out (ADR 0023), it keeps the first
+    range, claimed in the plan, and ``then(claim)`` runs it in this slot once the attempt has
+    ended (``range_runner``); without it every range waits for a message."""
     connections_refresh()
     converters.sandbox.configure(work_dir=settings.QUIRE["WORK_DIR"])
     claim = db_retry_until(
@@ -110,7 +108,6 @@ def conversion_job_execute(
         job_id=job_id,
         generation=generation,
         worker=worker_identity(),
-        gate=gate,
     )
     if claim is None:
         return "duplicate"

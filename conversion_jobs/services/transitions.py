@@ -55,7 +55,6 @@ from conversion_jobs.states import (
     State,
 )
 from conversion_jobs.store import checkpoints as pages
-from conversion_jobs.store import fair as fair_store
 from conversion_jobs.store import jobs as store
 from conversion_jobs.store.leases import held, lease_delete
 from conversion_jobs.webhooks.outbox import EVENT_OF_STATE, messages_enqueue
@@ -330,65 +329,23 @@ class Claim:
 
 
 @edge(State.QUEUED, State.RUNNING)
-def claim(
-    *, job_id: uuid.UUID, generation: int, worker: str, gate: int | None = None
-) -> Claim | None:
+def claim(*, job_id: uuid.UUID, generation: int, worker: str) -> Claim | None:
     """QUEUED -> RUNNING for this generation: attempts + 1, the attempt, the lease, the audit
-    event. None: a duplicate or stale delivery (counted; the caller acks it).
-
-    ``gate``: the outbox id of a *gated* message, sent before its unit was picked (ADR 0021,
-    "Idle latency: the gated fast path"): it runs only if a pick marked the unit sent. Finding
-    no mark, the claim waits for any pick in progress (its lock, shared) and for any other holder
-    of the row, and tries again - its attempt starting after the waits; still none, it records
-    the refusal on the unit's waiting row, under that lock, so the pick that
-    later chooses the unit tells its publisher to send it again. Either the pick or the refusal
-    comes first, never both at once: the unit is never left sent with no message."""
+    event. None: a duplicate or stale delivery (counted; the caller acks it)."""
+    token = uuid.uuid4()
+    now = timezone.now()
+    expires = now + lease_ttl()
     worker = worker[:128]
-    gated = gate is not None
-    if gated:
-        # On an idle system the gated message often outruns its pick: wait for a pick in
-        # progress first, then claim without waiting on the row (a holder of the row is waited
-        # for below), so the attempt's start is taken after every wait.
-        fair_store.pick_passed()
-    won = _claimed(job_id=job_id, generation=generation, worker=worker, gated=gated, skip=gated)
-    if won is None and gate is not None:
-        with transaction.atomic():
-            fair_store.pick_wait()
-            row = store.lock_for_choice(job_id, None)  # and the row's other holder, if any
-            if row is not None and row[:2] == (State.QUEUED, generation):
-                won = _claimed(job_id=job_id, generation=generation, worker=worker, gated=True)
-                if won is None and fair_store.gate_refuse(
-                    outbox_id=gate, job_id=job_id, generation=generation
-                ):
-                    metrics.DUPLICATE_DELIVERIES.labels(reason="unpicked").inc()
-                    return None
+    won = store.claim(
+        job_id=job_id, generation=generation, worker=worker, token=token, now=now, expires=expires
+    )
     if won is None:
         current = store.generation_of(job_id)
         reason = "stale" if current is not None and current > generation else "duplicate"
         metrics.DUPLICATE_DELIVERIES.labels(reason=reason).inc()
         return None
-    metrics.CLAIMS.inc()
-    return won
-
-
-def _claimed(
-    *, job_id: uuid.UUID, generation: int, worker: str, gated: bool, skip: bool = False
-) -> Claim | None:
-    token = uuid.uuid4()
-    now = timezone.now()
-    won = store.claim(
-        job_id=job_id,
-        generation=generation,
-        worker=worker,
-        token=token,
-        now=now,
-        expires=now + lease_ttl(),
-        gated=gated,
-        skip_locked=skip,
-    )
-    if won is None:
-        return None
     job, attempt_id, source = won
+    metrics.CLAIMS.inc()
     lease = Lease(job_id, generation, token, attempt_id, job.attempts, now)
     return Claim(lease, job, source)
 

@@ -1,6 +1,6 @@
 """The fair relay's statements (docs/ARCHITECTURE.md §2b, ADR 0021): the pick, the confirm
-mark, the return of units never confirmed, and the gate of a gated message (ADR 0021, "Idle
-latency: the gated fast path"). Postgres runs the pick as ``quire_fair_pick`` (migration 0019)
+mark and the return of units never confirmed. Postgres runs the pick as ``quire_fair_pick``
+(migration 0020)
 under a transaction-scoped advisory lock; SQLite's twins run the same algorithm in Python under
 ``BEGIN IMMEDIATE`` (the database's one write lock). ``services/fair.py`` says what they are
 for: the cost of a unit, the relay, the slots, what operators see."""
@@ -30,54 +30,6 @@ from conversion_jobs.states import LEASED_STATES, State
 from conversion_jobs.store import db
 from conversion_jobs.store.prepared import Int8s, prepared_cursor
 
-#: The key of the advisory lock ``quire_fair_pick`` takes (migrations 0017-0020): one picker at
-#: a time; a gated claim takes it shared to wait for a pick in progress.
-PICK_LOCK = 7102421
-#: ``conversion_outbox.last_error_code`` of a waiting unit whose gated message was refused;
-#: ``quire_fair_pick`` returns it as ``out_refused``.
-GATE_REFUSED = "gate_refused"
-
-
-def gate_supported() -> bool:
-    """Gated messages need the pick's advisory lock: Postgres only."""
-    return db.postgres()
-
-
-def pick_wait() -> None:
-    """Inside the caller's transaction: wait until no pick is in progress, and keep any from
-    starting until the caller commits (the pick's advisory lock, shared). SQLite: nothing (its
-    transactions hold the database's one write lock, and no gated message is sent there)."""
-    if db.postgres():
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_advisory_xact_lock_shared(%s)", [PICK_LOCK])
-
-
-def pick_passed() -> None:
-    """Wait until a pick in progress has committed (the pick's lock taken shared and let go at
-    once, one statement): a gated claim's first step, so that it reads the pick's mark. SQLite:
-    nothing."""
-    if db.postgres():
-        with prepared_cursor() as cursor:
-            cursor.execute(PICK_PASSED, {"key": PICK_LOCK})
-
-
-#: :func:`pick_passed`'s statement: a barrier, not a lock held (a pick may start right after).
-PICK_PASSED = (
-    "SELECT pg_advisory_lock_shared(%(key)s::bigint), pg_advisory_unlock_shared(%(key)s::bigint)"
-)
-
-
-def gate_refuse(*, outbox_id: int, job_id: uuid.UUID, generation: int) -> int:
-    """Record on the unit's waiting row that its gated message was refused (no pick had marked
-    it): the pick that later chooses it says so, and its publisher sends the unit again. Row
-    count: 0 when the row is no longer waiting (a pick marked it meanwhile) or is another job's."""
-    return int(
-        ConversionOutbox.objects.filter(
-            id=outbox_id, job_id=job_id, generation=generation, published_at__isnull=True
-        ).update(last_error_code=GATE_REFUSED)
-    )
-
-
 # --- the pick ----------------------------------------------------------------------------------
 
 
@@ -87,7 +39,7 @@ def gate_refuse(*, outbox_id: int, job_id: uuid.UUID, generation: int) -> int:
 #: columns leaves this statement's result type, and its prepared plan, valid.
 PICK = (
     "SELECT out_id, out_job, out_generation, out_traceparent, out_tenant, out_cost,"
-    " out_range_first, out_range_generation, out_refused"
+    " out_range_first, out_range_generation"
     " FROM quire_fair_pick(%(limit)s::integer, %(capacity)s::integer,"
     " %(lost)s::float8, %(ttl)s::float8)"
 )
@@ -104,9 +56,6 @@ class Picked(NamedTuple):
     cost: int
     range_first: int | None = None
     range_generation: int | None = None
-    #: a gated message of this unit was refused before this pick chose it (ADR 0021, "Idle
-    #: latency: the gated fast path"): a publisher that sent it first sends it again
-    refused: bool = False
 
 
 def pick(*, limit: int) -> list[Picked]:
@@ -127,7 +76,7 @@ def pick(*, limit: int) -> list[Picked]:
             },
         )
         rows = cursor.fetchall()
-    return [Picked(r[0], r[1], r[2], r[3] or "", r[4], r[5], r[6], r[7], r[8]) for r in rows]
+    return [Picked(r[0], r[1], r[2], r[3] or "", r[4], r[5], r[6], r[7]) for r in rows]
 
 
 def capacity() -> int:
@@ -211,7 +160,6 @@ def _pick_orm(*, limit: int) -> list[Picked]:
                 "job__dispatch_cost",
                 "range_first",
                 "range_generation",
-                "last_error_code",
             )
         )
         shares = {s.tenant: s for s in TenantShare.objects.filter(tenant__in={r[4] for r in rows})}
@@ -267,7 +215,6 @@ def _pick_orm(*, limit: int) -> list[Picked]:
                 cost,
                 row[7],
                 row[8],
-                row[9] == GATE_REFUSED,
             )
             for _s, _i, _f, row, cost in chosen
         ]

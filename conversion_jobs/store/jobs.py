@@ -382,9 +382,7 @@ CLAIM = """
 WITH locked AS (
     SELECT id, attempts, audit_seq, audit_head FROM conversion_job
     WHERE id = %(job)s AND state = 'queued' AND generation = %(generation)s
-      AND (NOT %(gated)s::boolean
-           OR (dispatched_at IS NOT NULL AND dispatched_generation = generation))
-    FOR UPDATE{skip_locked}
+    FOR UPDATE
 ), att AS (
     SELECT nextval(pg_get_serial_sequence('conversion_attempt', 'id')) AS id FROM locked
 ), moved AS (
@@ -437,14 +435,8 @@ def claim(
     token: uuid.UUID,
     now: datetime,
     expires: datetime,
-    gated: bool = False,
-    skip_locked: bool = False,
 ) -> Claimed | None:
-    """``CLAIM`` (SQLite: :func:`_claim_orm`). None: the guard matched nothing (written nothing).
-    ``gated``: the message was sent before its unit was picked (ADR 0021, "Idle latency: the
-    gated fast path"), so the job must also carry a pick's sent mark in its generation.
-    ``skip_locked``: a row another transaction holds (a pick marking it) matches nothing instead
-    of being waited for (SQLite has no row locks: its twin ignores it)."""
+    """``CLAIM`` (SQLite: :func:`_claim_orm`). None: the guard matched nothing (written nothing)."""
     params: dict[str, Any] = {
         "job": job_id,
         "generation": generation,
@@ -452,14 +444,12 @@ def claim(
         "now": now,
         "expires": expires,
         "worker": worker,
-        "gated": gated,
     }
     if not db.postgres():
         return _claim_orm(params)
     details = canonical_json({"attempt": audit.slot("attempt_number")})
     exprs = {"attempt": "att.id", "attempt_number": "l.attempts + 1"}
     sql = CLAIM.format(
-        skip_locked=" SKIP LOCKED" if skip_locked else "",
         columns=_job_columns(),
         commit=CLAIM_ASYNC_COMMIT if settings.QUIRE["CLAIM_ASYNC_COMMIT"] else "",
         hash=audit.chain_sql(
@@ -545,12 +535,9 @@ def _job_from_row(names: tuple[str, ...], row: tuple[Any, ...]) -> tuple[Convers
 def _claim_orm(params: dict[str, Any]) -> Claimed | None:
     """``CLAIM``'s twin (its ``params``): the same rows in one transaction."""
     job_id, generation, now = params["job"], params["generation"], params["now"]
-    guard = ConversionJob.objects.filter(id=job_id, generation=generation)
-    if params["gated"]:
-        guard = guard.filter(dispatched_at__isnull=False, dispatched_generation=generation)
     with transaction.atomic():
         won = move(
-            guard,
+            ConversionJob.objects.filter(id=job_id, generation=generation),
             State.QUEUED,
             State.RUNNING,
             attempts=F("attempts") + 1,

@@ -11,7 +11,6 @@ store is named nowhere in this file."""
 from __future__ import annotations
 
 import ast
-import functools
 import inspect
 import uuid
 from collections.abc import Callable
@@ -702,7 +701,7 @@ def test_fair_pick__marks_each_unit_sent_once_within_the_credits(path, make_job,
     units = [_unit(make_job) for _ in range(4)]
     assert fair.capacity() == 3 and fair.waiting().count() == 4
     picked = fair.pick(limit=10)
-    assert [(p.job_id, p.refused) for p in picked] == [(j.id, False) for j, _ in units[:3]]
+    assert [p.job_id for p in picked] == [j.id for j, _ in units[:3]]
     assert fair.pick(limit=10) == []  # three sent, unclaimed: no credit left
     assert fair.busy_by_tenant() == {"t": 3} and fair.waiting().count() == 1
     job = ConversionJob.objects.get(id=units[0][0].id)
@@ -730,39 +729,6 @@ def test_fair_confirm_and_return_unconfirmed__an_unconfirmed_unit_waits_again(
     assert (outbox_row.published_at, outbox_row.last_error_code) == (None, "unconfirmed")
     assert ConversionJob.objects.get(id=job.id).dispatched_at is None
     assert fair.return_unconfirmed(after_s=1.0, batch=10) == 0
-
-
-def test_fair_gate__a_refusal_on_a_waiting_unit_the_pick_reports(path, make_job, fair_slots):
-    assert fair.gate_supported() is (path == "statement")
-    job, row = _unit(make_job)
-    fair.pick_passed()  # no pick in progress: at once (fair.PICK_PASSED, a barrier)
-    with transaction.atomic():
-        fair.pick_wait()  # no pick in progress: at once (the pick's lock, fair.PICK_LOCK, shared)
-        assert fair.gate_refuse(outbox_id=row, job_id=job.id, generation=1) == 1
-    assert ConversionOutbox.objects.get(id=row).last_error_code == fair.GATE_REFUSED
-    assert fair.gate_refuse(outbox_id=row, job_id=job.id, generation=2) == 0  # another generation
-    assert [p.refused for p in fair.pick(limit=10)] == [True]
-    assert (
-        fair.gate_refuse(outbox_id=row, job_id=job.id, generation=1) == 0
-    )  # sent: no longer waiting
-
-
-def test_claim__gated_runs_only_a_unit_a_pick_marked(path, make_job, fair_slots):
-    job, _row = _unit(make_job)
-    now = timezone.now()
-    claim = functools.partial(
-        jobs.claim,
-        job_id=job.id,
-        generation=1,
-        worker="w",
-        token=uuid.uuid4(),
-        now=now,
-        expires=now + timedelta(minutes=5),
-        gated=True,
-    )
-    assert claim() is None and ConversionJob.objects.get(id=job.id).state == State.QUEUED
-    fair.pick(limit=10)
-    assert claim() is not None and ConversionJob.objects.get(id=job.id).state == State.RUNNING
 
 
 def test_every_statement_is_driven_here():
