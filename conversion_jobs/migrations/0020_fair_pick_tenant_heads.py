@@ -19,7 +19,7 @@ reads just those:
   credits). The credits, the busy count, the tags, the marks and the lock are unchanged, and so
   is the function's signature and result (``CREATE OR REPLACE``).
 
-SQLite's twin (``fair._pick_sqlite``) keeps reading the job's tenant; the column stays NULL there.
+SQLite's twin (``store.fair._pick_orm``) keeps reading the job's tenant; the column stays NULL there.
 """
 
 from django.db import migrations, models
