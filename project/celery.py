@@ -73,6 +73,23 @@ def _instrument_worker_process(**_: object) -> None:
 
 
 @celeryd_after_setup.connect
+def _instrument_threaded_worker(sender: str, instance: object, **_: object) -> None:
+    """A worker whose pool forks no process (the sweeper's threads pool: no
+    ``worker_process_init``) is instrumented in its own process, before it consumes."""
+    if any(kind in _pool_name(instance) for kind in ("prefork", "solo")):
+        return  # instrumented by worker_process_init, in each pool process
+    from conversion_jobs.observability import tracing
+
+    tracing.instrument_worker()
+
+
+def _pool_name(instance: object) -> str:
+    """The worker's pool as named on its command line, or the pool class's module."""
+    pool = getattr(instance, "pool_cls", "prefork")
+    return pool if isinstance(pool, str) else getattr(pool, "__module__", "")
+
+
+@celeryd_after_setup.connect
 def _check_converter_sandbox(sender: str, instance: object, **_: object) -> None:
     """A worker that would consume conversions checks the converter sandbox (ADR 0013)
     before it consumes anything. Off by the operator's switch: logged loudly, then it works
@@ -101,9 +118,7 @@ def _conversion_slots(sender: str, instance: object, **_: object) -> None:
     if settings.CONVERSION_QUEUE not in queues.consume_from:
         return
     _CONVERSION_SLOTS = True
-    pool = getattr(instance, "pool_cls", "prefork")
-    name = pool if isinstance(pool, str) else getattr(pool, "__module__", "")
-    if "prefork" not in name:
+    if "prefork" not in _pool_name(instance):
         # No forked pool processes to announce themselves: this process has all the slots.
         from conversion_jobs.services import fair
 

@@ -439,6 +439,42 @@ def range_finish(*, range_lease: RangeLease, lease: Lease) -> bool:
     return True
 
 
+def range_yield(*, range_lease: RangeLease, lease: Lease, pages_left: int) -> bool:
+    """Range RUNNING -> QUEUED "yielded" (ADR 0021, "A range yields"): it used its fair slice
+    while another tenant's unit waits with no free slot. Fenced on the job (running) and the
+    range: range generation + 1, ``attempts`` back down (a yield is not an attempt), a new outbox
+    row costing the ``pages_left``; the job stays RUNNING and its other ranges go on. The pages
+    done so far are checkpointed (the caller flushed its batch): the next claim of the range
+    skips them. False: lost, nothing written."""
+    next_generation = range_lease.generation + 1
+    with transaction.atomic():
+        if not (job_row_lock(lease, State.RUNNING) and range_row_lock(range_lease)):
+            metrics.FENCED_WRITES_REFUSED.labels(statement="range_yield").inc()
+            return False
+        JobRange.objects.filter(id=range_lease.range_id).update(
+            state=RangeState.QUEUED,
+            generation=next_generation,
+            attempts=F("attempts") - 1,
+            lease_token=None,
+            expires_at=None,
+            dispatched_at=None,
+            worker="",
+            updated_at=Now(),
+        )
+        cost = _range_outbox(
+            lease=lease, first=range_lease.first_page, generation=next_generation, pages=pages_left
+        )
+        audit_event_append(
+            job_id=lease.job_id,
+            event_type="range_yielded",
+            generation=lease.generation,
+            attempt_id=lease.attempt_id,
+            details={"first_page": range_lease.first_page, "cost": cost},
+        )
+        transaction.on_commit(metrics.FAIR_YIELDS.inc)
+    return True
+
+
 def range_stop(*, range_lease: RangeLease | None, lease: Lease) -> str:
     """A range's worker stops (its heartbeat or a fenced write said so). If the job is being
     cancelled: this range and every queued one end ``cancelled``, and the last range to stop
@@ -624,7 +660,9 @@ def _recover_range(*, range_id: int, job_id: uuid.UUID, now: datetime) -> str | 
     return "requeued"
 
 
-def _range_outbox(*, lease: Lease, first: int, generation: int) -> None:
+def _range_outbox(*, lease: Lease, first: int, generation: int, pages: int | None = None) -> int:
+    """A new outbox row for the range at ``first`` in range generation ``generation``, costing
+    ``pages`` (default: the whole range), published after commit; returns its cost."""
     job = ConversionJob.objects.only(
         "traceparent", "source_media_type", "source_size", "output", "options"
     ).get(id=lease.job_id)
@@ -635,13 +673,16 @@ def _range_outbox(*, lease: Lease, first: int, generation: int) -> None:
     )
     last, document_key = span if span is not None else (first, None)
     traceparent = job.traceparent
+    cost = range_cost(
+        job=job, pages=last - first + 1 if pages is None else pages, document_key=document_key
+    )
     row = ConversionOutbox.objects.create(
         job_id=lease.job_id,
         generation=lease.generation,
         traceparent=traceparent,
         range_first=first,
         range_generation=generation,
-        cost=range_cost(job=job, pages=last - first + 1, document_key=document_key),
+        cost=cost,
     )
     outbox_publish_after_commit(
         outbox_id=row.id,
@@ -650,6 +691,7 @@ def _range_outbox(*, lease: Lease, first: int, generation: int) -> None:
         traceparent=traceparent,
         page_range=RangeRef(first, generation),
     )
+    return cost
 
 
 def _ranges_republish_if_dispatch_stale(*, batch: int) -> int:

@@ -518,12 +518,9 @@ def _convert_pages(run: PageRun) -> str:
             if run.request.should_stop():  # the heartbeat's stop flag
                 raise ConversionStopped()
             batch.flush_if_due()
-            # A page range (ADR 0023) never yields: it is already a bounded unit of work, and a
-            # yield would move the whole fanned-out job (ADR 0021).
-            if (
-                batch.range_lease is None
-                and slice_.due()
-                and _yield_if_others_wait(job=run.job, batch=batch, left=len(run.todo) - index)
+            # A page range yields alone: its job and its other ranges go on (ADR 0021).
+            if slice_.due() and _yield_if_others_wait(
+                job=run.job, batch=batch, left=len(run.todo) - index
             ):
                 return "yielded"
             lookahead = run.todo[index + 1 : index + 2 * converters.READ_AHEAD_PAGES]
@@ -639,11 +636,18 @@ class _Slice:
 def _yield_if_others_wait(*, job: ConversionJob, batch: CheckpointBatch, left: int) -> bool:
     """At a page boundary past the slice: when another tenant's work waits with no free slot,
     checkpoint the pages done so far and end the attempt ``yielded`` (docs/ARCHITECTURE.md
-    §2b); the job is queued again at the cost of its ``left`` pages. False: keep converting.
-    A yield that loses its fence (a cancel, a lost lease) raises ``LeaseLost``."""
+    §2b); the job is queued again at the cost of its ``left`` pages. A page range yields alone
+    (``fanout.range_yield``). False: keep converting. A yield that loses its fence (a cancel, a
+    lost lease) raises ``LeaseLost``."""
     if not db_retry(fair.others_waiting, tenant=job.tenant):
         return False
     batch.flush()  # the next attempt skips every page done so far
+    if batch.range_lease is not None:
+        if db_retry(
+            fanout.range_yield, range_lease=batch.range_lease, lease=batch.lease, pages_left=left
+        ):
+            return True
+        raise LeaseLost()
     cost = fair.dispatch_cost(
         media_type=job.source_media_type,
         size=job.source_size,

@@ -516,6 +516,25 @@ class Cluster:
         return "\n".join(f"----- {p.name} ({p.log}) -----\n{p.tail()}" for p in self.procs)
 
 
+def _stamped(log: Path, *markers: str) -> list[float]:
+    """The times (seconds of the day) of the log lines that contain every one of ``markers``."""
+    times = []
+    for line in log.read_text(errors="replace").splitlines():
+        if line[:2] == "20" and all(m in line for m in markers):
+            hours, minutes, seconds = line.split()[1].replace(",", ".").split(":")
+            times.append(int(hours) * 3600 + int(minutes) * 60 + float(seconds))
+    return times
+
+
+def sweep_lags(beat: Proc, sweeper: Proc, task: str) -> list[float]:
+    """For each ``task`` beat sent before the sweeper's last receipt of one, the seconds until
+    the sweeper next received one (both log it at INFO, with the time). A sweeper that stops
+    receiving while beat sends shows as a lag as long as the stop (ADR 0002, "The pool")."""
+    sent = _stamped(beat.log, "Sending due task", f"({task})")
+    received = _stamped(sweeper.log, f"Task {task}[", "received")
+    return [next(r for r in received if r >= t) - t for t in sent if received and t <= received[-1]]
+
+
 def free_port() -> int:
     import socket
 

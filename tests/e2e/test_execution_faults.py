@@ -38,8 +38,8 @@ def test_worker_killed__job_completes_elsewhere_without_redoing_checkpointed_pag
     start, submit, cluster
 ):
     workers = [start("worker"), start("worker")]
-    start("sweeper")
-    start("beat")
+    sweeper = start("sweeper")
+    beat = start("beat")
     job = submit(pages=8, options={"_test_fault": SLOW})
     harness.wait_until(lambda: pages_done(job.id) >= 2, timeout=30, what="two pages checkpointed")
     attempt = running_attempt(job.id)
@@ -76,6 +76,11 @@ def test_worker_killed__job_completes_elsewhere_without_redoing_checkpointed_pag
             "generation", "created_at", "published_at", "publish_attempts", "last_error_code"
         )
     )
+    # Each lease sweep beat sent reached the sweeper within three intervals: its event loop
+    # never slept on an unsent ack (the solo pool did, up to a heartbeat tick of 3.3 s, twice
+    # in a row in one CI run: ADR 0002, "The pool").
+    lags = harness.sweep_lags(beat, sweeper, "tasks.sweeps.recover_expired_leases")
+    assert lags and max(lags) <= 3 * SWEEP_S, sorted(lags)[-5:]
     assert claim_delay <= LEASE_S + 2 * SWEEP_S + 3, (claim_delay, outbox)
     # Pages checkpointed before the kill keep the first generation: never redone.
     final = dict(
