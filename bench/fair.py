@@ -344,7 +344,13 @@ def phase_long(args: argparse.Namespace) -> dict:
                 " WHERE job_id = %s GROUP BY outcome",
                 (long_id,),
             ).fetchall()
+            range_yields = conn.execute(
+                "SELECT count(*) FROM execution_audit_event WHERE job_id = %s"
+                " AND event_type = 'range_yielded'",
+                (long_id,),
+            ).fetchone()[0]
         return {
+            "range_yields": range_yields,
             "b_alone_p95": c.percentile(b_alone, 95),
             "b_during_p95": c.percentile(b_during, 95),
             "long_state": done[long_id][1],
@@ -473,7 +479,8 @@ def main() -> int:
             f"One long job ({args.long_pages} PNG pages, 1 worker, concurrency 1, slice"
             f" {args.slice_s:g} s): B p95 alone {r['b_alone_p95']:.2f} s, during"
             f" {r['b_during_p95']:.2f} s; A {r['long_state']}, {r['done_pages']} pages done"
-            f" ({r['distinct_pages']} distinct), attempts {r['attempts']}"
+            f" ({r['distinct_pages']} distinct), attempts {r['attempts']},"
+            f" range yields {r['range_yields']}"
         )
         print(le_line("long B p95 / B alone", ratio, 3.0))
         print(f"every page converted once: {c.verdict(once and r['long_state'] == 'succeeded')}")

@@ -412,6 +412,9 @@ QUIRE: dict[str, Any] = {
     # a running attempt yields at a checkpoint batch after this long when another tenant waits
     # with no free slot; 0: never
     "FAIR_SLICE_S": env_float("QUIRE_FAIR_SLICE_S", 30.0),
+    # past its slice, how often a running unit asks whether another tenant waits (at a page
+    # boundary): the longest another tenant waits for a yield, beyond the page in progress
+    "FAIR_CHECK_S": env_float("QUIRE_FAIR_CHECK_S", 0.1),
     # the window of the per-tenant page-share gauge and admin page
     "FAIR_SHARE_WINDOW_S": env_float("QUIRE_FAIR_SHARE_WINDOW_S", 300.0),
     "SWEEP_INTERVAL_S": env_float("QUIRE_SWEEP_INTERVAL_S", 1.0),

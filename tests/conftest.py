@@ -58,6 +58,15 @@ def _fair_capacity(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
     monkeypatch.setitem(settings.QUIRE, "FAIR_CAPACITY", 10_000)
 
 
+@pytest.fixture(autouse=True)
+def _slot_clock_fresh() -> None:
+    """Each test's units start this thread's slot clock afresh (ADR 0021, "A range yields"):
+    the previous test's last unit, of the same tenant a moment ago, does not count."""
+    from conversion_jobs.services import runner
+
+    runner._slot.__dict__.clear()
+
+
 def storage_kind() -> str:
     return os.environ.get("QUIRE_STORAGE", "filesystem")
 

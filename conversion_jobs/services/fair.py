@@ -343,7 +343,10 @@ def relay_quietly(*, path: str) -> int:
 
 def others_waiting(*, tenant: str) -> bool:
     """Another tenant has a unit waiting and no slot is free for it: the condition under which
-    a running attempt that used its slice yields (docs/ARCHITECTURE.md §2b)."""
+    a running attempt that used its slice yields (docs/ARCHITECTURE.md §2b). Asked every
+    ``QUIRE_FAIR_CHECK_S`` past the slice: the cheap question first."""
+    if not fair_store.others_unsent(tenant=tenant):
+        return False
     if not fair_store.waiting().exclude(job__tenant=tenant).exists():
         return False
     return capacity() - sum(busy_by_tenant().values()) <= 0

@@ -9,14 +9,16 @@ a ``CheckpointBatch`` (``checkpoints.py``); database calls are retried across a 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
 import os
 import shutil
+import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -510,9 +512,8 @@ def _convert_pages(run: PageRun) -> str:
     """Convert ``run.todo`` page by page (each page up to ``PAGE_MAX_ATTEMPTS`` tries) into
     the run's checkpoint batch, yield the worker at a page boundary past the fair slice, then
     finalize (or ``run.finish``)."""
-    with run.batch as batch:
+    with run.batch as batch, _slot_held(run.job.tenant) as slice_:
         local: dict[int, Path] = {}  # pages of this attempt: where their bytes are on this host
-        slice_ = _Slice()
         page_budget = settings.QUIRE["PAGE_MAX_ATTEMPTS"]
         for index, page in enumerate(run.todo):
             if run.request.should_stop():  # the heartbeat's stop flag
@@ -614,14 +615,36 @@ def _page_stored(
         batch.add(done(artifact_key=key), put)
 
 
-class _Slice:
-    """When this attempt may give its worker back (``QUIRE_FAIR_SLICE_S`` after it began
-    converting pages; 0 or fair dispatch off: never). Past the slice, it asks at most once a
-    second whether another tenant waits."""
+#: The slot clock (ADR 0021, "A range yields") of the slot this thread is (a pool process, or a
+#: thread of a threads pool): the tenant whose work it runs, since when without a break, and
+#: when its last unit ended (None: a unit is running).
+_slot = threading.local()
 
-    def __init__(self) -> None:
-        self.seconds = settings.QUIRE["FAIR_SLICE_S"] if fair.enabled() else 0.0
-        self.next_check = time.monotonic() + self.seconds
+#: A slot idle this long between two units of one tenant held nothing in between: the clock
+#: starts again.
+SLOT_IDLE_RESET_S = 1.0
+
+
+class _Slice:
+    """When this unit (an attempt, a page range) may give its worker back:
+    ``QUIRE_FAIR_SLICE_S`` after its slot began running this tenant's work without a break
+    (0 or fair dispatch off: never). Consecutive units of one tenant share the slot's clock: a
+    fanned-out job's ranges, each shorter than the slice, add up like one long attempt. Past
+    the slice, it asks every ``QUIRE_FAIR_CHECK_S`` whether another tenant waits."""
+
+    def __init__(self, tenant: str) -> None:
+        q = settings.QUIRE
+        self.seconds = q["FAIR_SLICE_S"] if fair.enabled() else 0.0
+        self.check_s = q["FAIR_CHECK_S"]
+        now = time.monotonic()
+        ended = getattr(_slot, "ended", None)
+        held = (
+            getattr(_slot, "tenant", None) == tenant
+            and ended is not None
+            and now - ended < SLOT_IDLE_RESET_S
+        )
+        _slot.tenant, _slot.since, _slot.ended = tenant, _slot.since if held else now, None
+        self.next_check = _slot.since + self.seconds
 
     def due(self) -> bool:
         if self.seconds <= 0:
@@ -629,8 +652,22 @@ class _Slice:
         now = time.monotonic()
         if now < self.next_check:
             return False
-        self.next_check = now + 1.0
+        self.next_check = now + self.check_s
         return True
+
+    @staticmethod
+    def end() -> None:
+        """The unit left the slot (finished, yielded, failed or lost)."""
+        _slot.ended = time.monotonic()
+
+
+@contextlib.contextmanager
+def _slot_held(tenant: str) -> Iterator[_Slice]:
+    """The slice of a unit that runs in this slot while the block runs."""
+    try:
+        yield _Slice(tenant)
+    finally:
+        _Slice.end()
 
 
 def _yield_if_others_wait(*, job: ConversionJob, batch: CheckpointBatch, left: int) -> bool:

@@ -120,6 +120,18 @@ def busy_by_tenant() -> dict[str, int]:
     return dict(busy)
 
 
+def others_unsent(*, tenant: str) -> bool:
+    """Another tenant has an outbox row not sent yet: the cheap first question of a running
+    unit past its slice, false while no other tenant waits (true does not yet mean a unit
+    waits: ``waiting``). Two range reads of the partial index ``outbox_waiting_tenant``, the
+    tenants below and above this one, each stopping at its first row: however long this
+    tenant's own backlog, it is never read. SQLite (no trigger fills ``tenant``): the job's."""
+    unsent = ConversionOutbox.objects.filter(published_at__isnull=True)
+    if not db.postgres():
+        return unsent.exclude(job__tenant=tenant).exists()
+    return unsent.filter(tenant__lt=tenant).exists() or unsent.filter(tenant__gt=tenant).exists()
+
+
 def waiting() -> QuerySet[ConversionOutbox]:
     """Dispatch units: unpublished outbox rows whose job is queued in their generation, and
     those of a range queued in their range generation while its job runs in theirs."""

@@ -97,6 +97,26 @@ def test_range_yield__the_slot_goes_to_the_waiting_tenant_and_the_range_resumes(
     assert set(pages.filter(page_number__lte=done).values_list("attempts", flat=True)) == {1}
 
 
+def test_range_yield__consecutive_ranges_of_one_tenant_share_the_slots_clock(
+    tmp_path: Path, one_slot_ranges: None
+) -> None:
+    """The slot ran the tenant's first range
+    (0.5 s, past the 0.3 s slice) right before the second: the second yields at its first
+    check, before a page, once another tenant waits."""
+    job = _fanned_out(tmp_path, tenant="tenant-a")
+    first, second = ranges_of(job.id)[:2]
+    assert run_range(job, first) == "range_done"  # nobody waits: the slice passes unused
+    fair.pick(limit=1)  # the second range's unit takes the slot
+    _other_waits(tmp_path)
+
+    assert run_range(job, second) == "yielded"
+
+    row = JobRange.objects.get(id=second.id)
+    assert (row.state, row.generation) == ("queued", 2)
+    event = ExecutionAuditEvent.objects.get(job_id=job.id, event_type="range_yielded")
+    assert event.details["first_page"] == second.first_page and event.details["cost"] >= 9
+
+
 def test_range_yield__not_while_only_the_same_tenant_waits(
     tmp_path: Path, one_slot_ranges: None
 ) -> None:

@@ -754,3 +754,16 @@ def _statements_and_functions(module: Any) -> list[str]:
         targets += node.targets if isinstance(node, ast.Assign) else []
         names += [t.id for t in targets if isinstance(t, ast.Name) and t.id.isupper()]
     return [name for name in names if not name.startswith("_")]
+
+
+def test_fair_others_unsent__sees_other_tenants_rows_on_both_sides_never_the_askers(
+    path, make_job, fair_slots
+):
+    _unit(make_job, tenant="m")
+    assert not fair.others_unsent(tenant="m")  # its own backlog is not another's
+    _, below = _unit(make_job, tenant="a")
+    assert fair.others_unsent(tenant="m") and fair.others_unsent(tenant="a")
+    ConversionOutbox.objects.filter(id=below).update(published_at=timezone.now())
+    assert not fair.others_unsent(tenant="m")  # sent: not waiting
+    _unit(make_job, tenant="z")
+    assert fair.others_unsent(tenant="m")
