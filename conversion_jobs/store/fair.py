@@ -28,7 +28,7 @@ from conversion_jobs.models import (
 )
 from conversion_jobs.states import LEASED_STATES, State
 from conversion_jobs.store import db
-from conversion_jobs.store.prepared import Int8s, prepared_cursor
+from conversion_jobs.store.prepared import id_batch, prepared_cursor
 
 # --- the pick ----------------------------------------------------------------------------------
 
@@ -246,12 +246,12 @@ CONFIRM = (
 
 def confirm(outbox_ids: list[int]) -> None:
     """``CONFIRM`` (SQLite: its ORM twin): the broker confirmed these picked units' messages."""
-    if db.postgres():
-        with prepared_cursor() as cursor:
-            cursor.execute(CONFIRM, {"ids": Int8s(outbox_ids)})
-        return
-    ConversionOutbox.objects.filter(id__in=outbox_ids, published_at__isnull=False).update(
-        published_at=timezone.now()
+    id_batch(
+        CONFIRM,
+        outbox_ids,
+        twin=lambda: ConversionOutbox.objects.filter(
+            id__in=outbox_ids, published_at__isnull=False
+        ).update(published_at=timezone.now()),
     )
 
 

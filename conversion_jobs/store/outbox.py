@@ -7,8 +7,7 @@ from django.db.models import F
 from django.db.models.functions import Now
 
 from conversion_jobs.models import ConversionOutbox
-from conversion_jobs.store import db
-from conversion_jobs.store.prepared import prepared_cursor
+from conversion_jobs.store.prepared import id_batch
 
 #: The rows whose messages the broker confirmed, marked published (a row already marked stays as
 #: it is). Server-bound and prepared once per connection (``prepared.prepared_cursor``): the
@@ -28,14 +27,12 @@ MARK_PUBLISHED = (
 
 def mark_published(ids: list[int]) -> int:
     """``MARK_PUBLISHED`` (SQLite: its ORM twin). Row count: the rows this call marked."""
-    if db.postgres():
-        with prepared_cursor() as cursor:
-            cursor.execute(MARK_PUBLISHED, {"ids": ids})
-            return int(cursor.rowcount)
-    return int(
-        ConversionOutbox.objects.filter(id__in=ids, published_at__isnull=True).update(
+    return id_batch(
+        MARK_PUBLISHED,
+        ids,
+        twin=lambda: ConversionOutbox.objects.filter(id__in=ids, published_at__isnull=True).update(
             published_at=Now(), publish_attempts=F("publish_attempts") + 1
-        )
+        ),
     )
 
 

@@ -229,3 +229,13 @@ def _array_dumpers() -> dict[type, Any]:
         Texts: dumper(Texts, "text", _text),
         Byteas: dumper(Byteas, "bytea", _bytea),
     }
+
+
+def id_batch(statement: str, ids: list[int], *, twin: Callable[[], int]) -> int:
+    """``statement`` over the batch of row ids it binds as ``%(ids)s`` (an ``int8[]``), on a
+    prepared cursor; on another database its ORM ``twin()``. Row count."""
+    if connections[DEFAULT_DB_ALIAS].vendor != "postgresql":
+        return twin()
+    with prepared_cursor() as cursor:
+        cursor.execute(statement, {"ids": Int8s(ids)})
+        return int(cursor.rowcount)
