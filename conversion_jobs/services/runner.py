@@ -519,9 +519,15 @@ def _convert_pages(run: PageRun) -> str:
             if run.request.should_stop():  # the heartbeat's stop flag
                 raise ConversionStopped()
             batch.flush_if_due()
+            # A unit converts a page before it may yield (the fair order just gave it the
+            # slot), and one with a page left finishes it: a one- or two-page job never asks.
             # A page range yields alone: its job and its other ranges go on (ADR 0021).
-            if slice_.due() and _yield_if_others_wait(
-                job=run.job, batch=batch, left=len(run.todo) - index
+            left = len(run.todo) - index
+            if (
+                index > 0
+                and left > 1
+                and slice_.due()
+                and _yield_if_others_wait(job=run.job, batch=batch, left=left)
             ):
                 return "yielded"
             lookahead = run.todo[index + 1 : index + 2 * converters.READ_AHEAD_PAGES]

@@ -87,3 +87,28 @@ def test_yield__no_yield_when_no_other_tenant_waits(tmp_path, one_slot, no_broke
 
     assert execute(job) == "succeeded"
     assert not ExecutionAuditEvent.objects.filter(job_id=job.id, event_type="yielded").exists()
+
+
+def test_yield__a_one_or_two_page_job_never_asks(
+    tmp_path, one_slot, no_broker_publish, monkeypatch
+):
+    """Even on a slot whose clock is long past the slice, with another tenant waiting: a unit
+    converts a page before it may yield, and finishes its last page (no query, no churn)."""
+    import time
+
+    from conversion_jobs.services import runner
+
+    asked: list[str] = []
+    real = fair.others_waiting
+    monkeypatch.setattr(
+        fair, "others_waiting", lambda *, tenant: asked.append(tenant) or real(tenant=tenant)
+    )
+    for pages in (1, 2):
+        source = testdocs.make_pdf(tmp_path / f"p{pages}.pdf", pages=pages, text_of=unique_text())
+        job = submit(source, output="text", tenant="tenant-a")
+        other = testdocs.make_pdf(tmp_path / f"o{pages}.pdf", pages=1, text_of=unique_text())
+        submit(other, output="text", tenant="tenant-b")
+        runner._slot.tenant, runner._slot.since = "tenant-a", time.monotonic() - 3600
+        runner._slot.ended = time.monotonic()
+        assert execute(job) == "succeeded"
+    assert asked == []

@@ -100,9 +100,8 @@ def test_range_yield__the_slot_goes_to_the_waiting_tenant_and_the_range_resumes(
 def test_range_yield__consecutive_ranges_of_one_tenant_share_the_slots_clock(
     tmp_path: Path, one_slot_ranges: None
 ) -> None:
-    """The slot ran the tenant's first range
-    (0.5 s, past the 0.3 s slice) right before the second: the second yields at its first
-    check, before a page, once another tenant waits."""
+    """The slot ran the tenant's first range (0.5 s, past the 0.3 s slice) right before the
+    second: the second yields at its first check, after one page, once another tenant waits."""
     job = _fanned_out(tmp_path, tenant="tenant-a")
     first, second = ranges_of(job.id)[:2]
     assert run_range(job, first) == "range_done"  # nobody waits: the slice passes unused
@@ -114,7 +113,8 @@ def test_range_yield__consecutive_ranges_of_one_tenant_share_the_slots_clock(
     row = JobRange.objects.get(id=second.id)
     assert (row.state, row.generation) == ("queued", 2)
     event = ExecutionAuditEvent.objects.get(job_id=job.id, event_type="range_yielded")
-    assert event.details["first_page"] == second.first_page and event.details["cost"] >= 9
+    assert event.details == {"first_page": second.first_page, "cost": 9}
+    assert PageCheckpoint.objects.filter(job=job, page_number=second.first_page).exists()
 
 
 def test_range_yield__not_while_only_the_same_tenant_waits(
