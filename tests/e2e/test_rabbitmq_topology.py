@@ -102,7 +102,9 @@ def connect(role: str) -> amqp.Connection:
 
 
 def queue_depths() -> dict[str, int]:
-    """Live message counts (ready + unacked), straight from the node."""
+    """Message counts (ready + unacked) from the node: live for the classic queues, up to 5 s
+    old for the quorum queue ``conversion.v1`` (``harness.queue_depths``; live:
+    ``harness.ready_now``)."""
     return harness.queue_depths(VHOST)
 
 
@@ -110,6 +112,25 @@ def mgmt_get(path: str, auth=ADMIN):
     resp = requests.get(f"{MGMT}/api/{path}", auth=auth, timeout=5)
     resp.raise_for_status()
     return resp.json()
+
+
+def stray_bodies(queue: str) -> list[bytes]:
+    """For an assertion's message (evaluated only when it fails): the bodies of the ready
+    messages in ``queue`` (up to 10, fetched as the worker user and requeued when its
+    connection closes)."""
+    conn = connect("worker")
+    try:
+        ch = conn.channel()
+        bodies: list[bytes] = []
+        while len(bodies) < 10 and (msg := ch.basic_get(queue, no_ack=False)) is not None:
+            bodies.append(msg.body)
+    finally:
+        conn.close()  # unacked: every fetched message goes back
+    return bodies
+
+
+def ready_now_sweeps() -> int:
+    return harness.ready_now("quire.sweeps", vhost=VHOST)
 
 
 def delayed_delivery_objects() -> list[str]:
@@ -288,6 +309,7 @@ def test_publisher_publishes_persistent_messages_with_confirms(publisher, worker
         assert msg.properties["delivery_mode"] == 2
         ch.basic_ack(msg.delivery_tag)
         ch.close()
+    assert (harness.ready_now("conversion.v1", vhost=VHOST), ready_now_sweeps()) == (0, 0)
 
 
 def test_publisher_cannot_consume_configure_or_reach_other_exchanges(publisher):
@@ -317,7 +339,9 @@ def test_publisher_cannot_consume_configure_or_reach_other_exchanges(publisher):
     ch = publisher.channel()
     assert ch.queue_declare("conversion.v1", passive=True).queue == "conversion.v1"
     ch.close()
-    assert queue_depths()["conversion.v1"] == 0
+    # nothing a refused publish sent is in the queue: read live (list_queues' count of a quorum
+    # queue is up to 5 s old: it failed here once with the previous message counted)
+    assert harness.ready_now("conversion.v1", vhost=VHOST) == 0, stray_bodies("conversion.v1")
 
 
 # --------------------------------------------------------------------------- worker
@@ -358,7 +382,9 @@ def test_worker_consumes_but_cannot_publish_jobs_or_delete_queues(publisher, wor
     ]
     for check in checks:
         refused(check)(worker)
-    assert queue_depths()["conversion.v1"] == 0
+    # nothing a refused publish sent is in the queue: read live (list_queues' count of a quorum
+    # queue is up to 5 s old: it failed here once with the previous message counted)
+    assert harness.ready_now("conversion.v1", vhost=VHOST) == 0, stray_bodies("conversion.v1")
 
 
 def test_rejected_message_is_dead_lettered(publisher, worker):
@@ -367,7 +393,8 @@ def test_rejected_message_is_dead_lettered(publisher, worker):
     ch.basic_reject(msg.delivery_tag, requeue=False)
     ch.close()
     wait_for(lambda: queue_depths().get("conversion.v1.dead") == 1, 10, what="dead letter")
-    assert queue_depths()["conversion.v1"] == 0
+    assert harness.ready_now("conversion.v1", vhost=VHOST) == 0  # live: a quorum queue's
+    # list_queues count is up to 5 s old
 
 
 def test_message_redelivered_past_the_delivery_limit_is_dead_lettered(publisher, worker):
@@ -386,8 +413,8 @@ def test_message_redelivered_past_the_delivery_limit_is_dead_lettered(publisher,
         assert msg.body == b"crash-loop"
         ch.basic_reject(msg.delivery_tag, requeue=True)  # e.g. worker lost mid-job
     ch.close()
-    depths = queue_depths()
-    assert (depths["conversion.v1"], depths["conversion.v1.dead"]) == (0, 1)
+    ready = harness.ready_now("conversion.v1", vhost=VHOST)  # live (list_queues: ≤ 5 s old)
+    assert (ready, queue_depths()["conversion.v1.dead"]) == (0, 1)
     # x-delivery-limit 5: the first delivery plus 5 returns, then dead-lettered
     # (x-delivery-count 0..5 on the deliveries).
     assert deliveries == 6, deliveries
