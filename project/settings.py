@@ -524,7 +524,7 @@ CELERY_TASK_ACKS_ON_FAILURE_OR_TIMEOUT = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 # The sweeper's pool (the Procfile sets QUIRE_SWEEPER=1 on its line; ADR 0002, "The pool"): one
 # thread on RabbitMQ, where the solo pool's acks could wait for a heartbeat tick; solo on the
-# server-less broker, where the threads pool ran only some of the sweeps it received.
+# server-less broker, where the threads pool ran one sweep per polling interval (1 s).
 if env_bool("QUIRE_SWEEPER", False):
     CELERY_WORKER_POOL = "threads" if AMQP_BROKER else "solo"
 CELERY_TASK_IGNORE_RESULT = True
