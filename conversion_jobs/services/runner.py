@@ -632,25 +632,16 @@ SLOT_IDLE_RESET_S = 1.0
 
 
 class _Slice:
-    """When this unit (an attempt, a page range) may give its worker back:
-    ``QUIRE_FAIR_SLICE_S`` after its slot began running this tenant's work without a break
-    (0 or fair dispatch off: never). Consecutive units of one tenant share the slot's clock: a
-    fanned-out job's ranges, each shorter than the slice, add up like one long attempt. Past
-    the slice, it asks every ``QUIRE_FAIR_CHECK_S`` whether another tenant waits."""
+    """When a unit (an attempt, a page range) may give its worker back: ``QUIRE_FAIR_SLICE_S``
+    after ``since``, when its slot began running this tenant's work without a break (0 or fair
+    dispatch off: never). Past the slice, it asks every ``QUIRE_FAIR_CHECK_S`` whether another
+    tenant waits."""
 
-    def __init__(self, tenant: str) -> None:
+    def __init__(self, since: float) -> None:
         q = settings.QUIRE
         self.seconds = q["FAIR_SLICE_S"] if fair.enabled() else 0.0
         self.check_s = q["FAIR_CHECK_S"]
-        now = time.monotonic()
-        ended = getattr(_slot, "ended", None)
-        held = (
-            getattr(_slot, "tenant", None) == tenant
-            and ended is not None
-            and now - ended < SLOT_IDLE_RESET_S
-        )
-        _slot.tenant, _slot.since, _slot.ended = tenant, _slot.since if held else now, None
-        self.next_check = _slot.since + self.seconds
+        self.next_check = since + self.seconds
 
     def due(self) -> bool:
         if self.seconds <= 0:
@@ -661,19 +652,25 @@ class _Slice:
         self.next_check = now + self.check_s
         return True
 
-    @staticmethod
-    def end() -> None:
-        """The unit left the slot (finished, yielded, failed or lost)."""
-        _slot.ended = time.monotonic()
-
 
 @contextlib.contextmanager
 def _slot_held(tenant: str) -> Iterator[_Slice]:
-    """The slice of a unit that runs in this slot while the block runs."""
+    """A unit of ``tenant`` runs in this slot while the block runs; its slice counts on the
+    slot's clock. Consecutive units of one tenant share the clock (a fanned-out job's ranges,
+    each shorter than the slice, add up like one long attempt); another tenant's unit, or the
+    slot idle for ``SLOT_IDLE_RESET_S``, starts it again."""
+    now = time.monotonic()
+    ended = getattr(_slot, "ended", None)
+    held = (
+        getattr(_slot, "tenant", None) == tenant
+        and ended is not None
+        and now - ended < SLOT_IDLE_RESET_S
+    )
+    _slot.tenant, _slot.since, _slot.ended = tenant, _slot.since if held else now, None
     try:
-        yield _Slice(tenant)
+        yield _Slice(_slot.since)
     finally:
-        _Slice.end()
+        _slot.ended = time.monotonic()
 
 
 def _yield_if_others_wait(*, job: ConversionJob, batch: CheckpointBatch, left: int) -> bool:

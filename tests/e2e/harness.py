@@ -103,13 +103,13 @@ def wait_until(
 # --- RabbitMQ -----------------------------------------------------------------------------------
 
 
-def amqp_connection(role: str, *, port: int | None = None) -> amqp.Connection:
+def amqp_connection(role: str, *, port: int | None = None, vhost: str = VHOST) -> amqp.Connection:
     user, password = USERS[role]
     conn = amqp.Connection(
         host=f"{RMQ_HOST}:{port or RMQ_PORT}",
         userid=user,
         password=password,
-        virtual_host=VHOST,
+        virtual_host=vhost,
         connect_timeout=5,
         confirm_publish=True,
     )
@@ -175,15 +175,7 @@ def queue_depth(name: str) -> int:
 def ready_now(name: str, *, vhost: str = VHOST) -> int:
     """The messages ready in queue ``name`` now (a passive declare, which needs no permission:
     the queue answers it itself, quorum queues included). Unacknowledged ones not counted."""
-    user, password = USERS["publisher"]
-    conn = amqp.Connection(
-        host=f"{RMQ_HOST}:{RMQ_PORT}",
-        userid=user,
-        password=password,
-        virtual_host=vhost,
-        connect_timeout=5,
-    )
-    conn.connect()
+    conn = amqp_connection("publisher", vhost=vhost)
     try:
         return int(conn.channel().queue_declare(name, passive=True).message_count)
     finally:

@@ -129,10 +129,6 @@ def stray_bodies(queue: str) -> list[bytes]:
     return bodies
 
 
-def ready_now_sweeps() -> int:
-    return harness.ready_now("quire.sweeps", vhost=VHOST)
-
-
 def delayed_delivery_objects() -> list[str]:
     names = [e["name"] for e in mgmt_get(f"exchanges/{VHOST}?columns=name")]
     names += [q["name"] for q in mgmt_get(f"queues/{VHOST}?columns=name")]
@@ -309,7 +305,8 @@ def test_publisher_publishes_persistent_messages_with_confirms(publisher, worker
         assert msg.properties["delivery_mode"] == 2
         ch.basic_ack(msg.delivery_tag)
         ch.close()
-    assert (harness.ready_now("conversion.v1", vhost=VHOST), ready_now_sweeps()) == (0, 0)
+    left = [harness.ready_now(q, vhost=VHOST) for q in ("conversion.v1", "quire.sweeps")]
+    assert left == [0, 0]
 
 
 def test_publisher_cannot_consume_configure_or_reach_other_exchanges(publisher):
