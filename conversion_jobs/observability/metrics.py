@@ -19,6 +19,10 @@ OUTBOX_PUBLISH_FAILURES = Counter(
     "quire_outbox_publish_failures", "Outbox publish failures", ["path", "code"]
 )
 FAIR_DISPATCHED = Counter("quire_fair_dispatched", "Dispatch units the fair relay sent")
+FAIR_SENT_AT_ACCEPTANCE = Counter(
+    "quire_fair_sent_at_acceptance",
+    "Jobs whose acceptance sent their unit itself (an idle system: no pick before the publish)",
+)
 FAIR_YIELDS = Counter("quire_fair_yields", "Attempts that yielded their worker at a slice's end")
 REDISPATCHES = Counter("quire_redispatches", "Jobs dispatched again", ["reason"])
 DUPLICATE_DELIVERIES = Counter(

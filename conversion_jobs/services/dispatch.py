@@ -38,14 +38,18 @@ def outbox_publish_after_commit(
     generation: int,
     traceparent: str,
     page_range: RangeRef | None = None,
+    sent: bool = False,
 ) -> None:
     """Register the fast path: publish right after the surrounding transaction commits. In a
     web process the row is handed to the background publisher (``services/publisher.py``),
     elsewhere it is published inline (a page range's row is always made by a worker or a
-    sweep: inline)."""
+    sweep: inline). ``sent``: the acceptance's statement marked the unit sent itself (fair
+    dispatch on an idle system, ``store.fair.ADMIT``): it is published without a pick."""
+    if sent:
+        transaction.on_commit(lambda: metrics.FAIR_SENT_AT_ACCEPTANCE.inc())
     background = publisher.current() if page_range is None else None
     if background is not None:
-        item = publisher.Pending(outbox_id, job_id, generation, traceparent)
+        item = publisher.Pending(outbox_id, job_id, generation, traceparent, sent=sent)
         transaction.on_commit(lambda: background.submit(item))
         return
     transaction.on_commit(
@@ -55,21 +59,9 @@ def outbox_publish_after_commit(
             generation=generation,
             traceparent=traceparent,
             page_range=page_range,
+            sent=sent,
         )
     )
-
-
-def outbox_publish_committed_in_background(
-    *, outbox_id: int, job_id: uuid.UUID, generation: int, traceparent: str
-) -> None:
-    """The fast path for a row already committed outside Django's transactions (the
-    acceptance on the event loop): handed to the web's background publisher, as
-    :func:`outbox_publish_after_commit` hands it after a commit. Never blocks; a full queue or
-    no publisher leaves the row to the outbox sweep (the caller checks ``publisher.current()``
-    before it writes, so the latter does not happen in a serving web)."""
-    background = publisher.current()
-    if background is not None:
-        background.submit(publisher.Pending(outbox_id, job_id, generation, traceparent))
 
 
 def outbox_publish_fast(
@@ -79,11 +71,16 @@ def outbox_publish_fast(
     generation: int,
     traceparent: str,
     page_range: RangeRef | None = None,
+    sent: bool = False,
 ) -> bool:
     """Publish one freshly committed row. Never raises: a failure leaves the row unpublished
     for the sweeper, so the request that committed it is never failed or delayed past the
     confirm timeout. With fair dispatch the commit runs a fair pick instead, which on an idle
-    system sends this very row (``fair.py``)."""
+    system sends this very row (``fair.py``), unless the acceptance sent it already (``sent``:
+    published as the pick's units are)."""
+    if sent:
+        unit = fair.Unit.sent_at_acceptance(outbox_id, job_id, generation, traceparent)
+        return fair.publish_quietly([unit], path="fast") > 0
     if fair.enabled():
         return fair.relay_quietly(path="fast") > 0
     try:
@@ -129,7 +126,7 @@ def outbox_rows_publish_unpublished(*, batch: int | None = None) -> SweepResult:
         # Units picked and never confirmed (their picker died before its publish) wait again,
         # so this very pick can send them (ADR 0021, "A unit picked and lost").
         fair.units_return_unconfirmed(batch=batch)
-        sent = fair.relay(limit=batch, path="sweep")
+        sent = fair.relay_if_waiting(limit=batch, path="sweep")
         return SweepResult(published=sent)
     return _rows_publish_in_order(batch=batch, ranges_only=False)
 
@@ -141,7 +138,7 @@ def outbox_rows_publish_woken(*, batch: int | None = None) -> int:
     published."""
     batch = batch or settings.QUIRE["SWEEP_BATCH"]
     if fair.enabled():
-        return fair.relay(limit=batch, path="wake")
+        return fair.relay_if_waiting(limit=batch, path="wake")
     return _rows_publish_in_order(batch=batch, ranges_only=True).published
 
 

@@ -43,6 +43,7 @@ import os
 import re
 import socket
 import threading
+import uuid
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -195,6 +196,14 @@ class Unit(fair_store.Picked):
             return None
         return broker.RangeRef(self.range_first, self.range_generation)
 
+    @classmethod
+    def sent_at_acceptance(
+        cls, outbox_id: int, job_id: uuid.UUID, generation: int, traceparent: str
+    ) -> Unit:
+        """A job's unit its acceptance's statement sent (``store.fair.ADMIT``): what the publish
+        and its failure need (the tenant and the cost were spent in the statement)."""
+        return cls(outbox_id, job_id, generation, traceparent, tenant="", cost=0)
+
 
 def pick(*, limit: int) -> list[Unit]:
     """Choose and mark sent at most ``limit`` units, fewer when credits are short, in fair order
@@ -258,9 +267,25 @@ def wake() -> None:
 
 
 def relay(*, limit: int, path: str) -> int:
-    """Pick and publish; units the broker did not take go back to waiting, the ones it
-    confirmed are marked so (:func:`confirm`). The count sent."""
-    units = pick(limit=limit)
+    """Pick and publish (:func:`publish`). The count sent."""
+    return publish(pick(limit=limit), path=path)
+
+
+def relay_if_waiting(*, limit: int, path: str) -> int:
+    """:func:`relay` when a row waits to be sent (``store.fair.anything_unsent``), else nothing:
+    the woken relay and the sweep's tick (a slot freed, nothing waiting: the idle case) no
+    longer take the pick's lock, which an idle system's acceptance then finds free and sends
+    its own unit (ADR 0021, "Sent at acceptance"). A row written after the look has its own
+    way out: its commit's fast path, or the wake-up its writer sends."""
+    if not fair_store.anything_unsent():
+        return 0
+    return relay(limit=limit, path=path)
+
+
+def publish(units: list[Unit], *, path: str) -> int:
+    """Publish units marked sent (by a pick, or by their acceptance); units the broker did not
+    take go back to waiting, the ones it confirmed are marked so (:func:`confirm`). The count
+    sent."""
     if units:
         faults.hit("fair.after_pick")
     for index, unit in enumerate(units):
@@ -338,6 +363,17 @@ def relay_quietly(*, path: str) -> int:
         log.warning(
             "fair relay pass failed; the sweep retries", extra={"error": type(exc).__name__}
         )
+        return 0
+
+
+def publish_quietly(units: list[Unit], *, path: str) -> int:
+    """:func:`publish` for a hook that must never fail its caller (after an acceptance's commit
+    that sent its unit): an error leaves the units to the outbox sweep, which returns a unit
+    never confirmed to waiting (:func:`units_return_unconfirmed`)."""
+    try:
+        return publish(units, path=path)
+    except Exception as exc:
+        log.warning("fair publish failed; the sweep retries", extra={"error": type(exc).__name__})
         return 0
 
 

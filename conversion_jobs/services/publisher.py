@@ -51,6 +51,8 @@ class Pending(NamedTuple):
     traceparent: str
     #: a page range's message (a fair pick may choose one, ADR 0023)
     page_range: broker.RangeRef | None = None
+    #: the acceptance's statement marked the unit sent (``store.fair.ADMIT``): no pick for it
+    sent: bool = False
 
 
 class ConfirmTimeout(TimeoutError):
@@ -185,7 +187,14 @@ class BackgroundPublisher:
         can be published at once; a broker that refuses or hangs leaves the units waiting for
         the sweep's pick, and the failure is recorded on the rows handed over. The units the
         broker confirms are marked so (``fair.confirm``); a unit this process picked and never
-        confirmed (killed before its publish) waits again after twice the confirm timeout."""
+        confirmed (killed before its publish) waits again after twice the confirm timeout.
+        Rows their acceptance sent itself (``Pending.sent``: an idle system) are published as
+        picked units, first; a pick follows only for the others."""
+        sent = [
+            fair.Unit.sent_at_acceptance(p.outbox_id, p.job_id, p.generation, p.traceparent)
+            for p in handed
+            if p.sent
+        ]
         if settings.AMQP_BROKER:
             try:
                 self._confirm_channel()
@@ -196,8 +205,14 @@ class BackgroundPublisher:
                     "outbox fast path publish failed; the sweeper will retry",
                     extra={"code": code, "error": type(exc).__name__},
                 )
-                self._record_failure([p.outbox_id for p in handed], code)
+                self._record_failure([p.outbox_id for p in handed if not p.sent], code)
+                self._unsend(sent, code)
                 metrics.OUTBOX_PUBLISH_FAILURES.labels(path="fast", code=code).inc(len(handed))
+                return
+        if sent:
+            faults.hit("fair.after_pick")
+            self.publish_batch([p for p in handed if p.sent], picked=sent)
+            if len(sent) == len(handed):
                 return
         try:
             units = fair.pick(limit=self.max_batch)
@@ -246,11 +261,15 @@ class BackgroundPublisher:
                 self._record_failure(failed, code)
             else:
                 lost = set(failed)
-                try:
-                    fair.unsend([u for u in picked if u.outbox_id in lost], code=code)
-                except Exception:  # the database is away: they count as lost, then are resent
-                    log.warning("could not return unpublished units", exc_info=False)
-                    _reset_db()
+                self._unsend([u for u in picked if u.outbox_id in lost], code)
+
+    def _unsend(self, units: list[fair.Unit], code: str) -> None:
+        """Units marked sent and not published: back to waiting (``fair.unsend``)."""
+        try:
+            fair.unsend(units, code=code)
+        except Exception:  # the database is away: they count as unconfirmed, then are resent
+            log.warning("could not return unpublished units", exc_info=False)
+            _reset_db()
 
     def _publish(self, batch: list[Pending]) -> list[int]:
         """Publish ``batch``; the outbox ids the broker confirmed."""

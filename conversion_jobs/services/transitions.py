@@ -42,6 +42,7 @@ from conversion_jobs.models import (
     PageCheckpoint,
 )
 from conversion_jobs.observability import metrics
+from conversion_jobs.services import fair
 from conversion_jobs.services.audit import SYSTEM_ACTOR, audit_event_append
 from conversion_jobs.services.checkpoints import checkpoints_upsert
 from conversion_jobs.services.dispatch import outbox_publish_after_commit
@@ -304,13 +305,19 @@ def job_insert_queued(new: NewJob) -> bool:
     NOTHING``: the acceptance runs no pre-check read for it, so the conflict is its common
     duplicate case, answered without an error) - and that any job whose document the tenant
     has quarantined (``services/quarantine.py``) writes nothing and returns False. True:
-    inserted; registers the fast-path publish for after commit."""
-    outbox_id = store.insert_queued(new)
-    if outbox_id is None:  # quarantined, or the inline statement met a job's content identity
+    inserted; registers the fast-path publish for after commit. With fair dispatch an idle
+    system's statement also sends the unit (``store.fair.ADMIT``), and the fast path publishes it
+    without a pick."""
+    inserted = store.insert_queued(new, send_if_idle=fair.enabled())
+    if inserted is None:  # quarantined, or the inline statement met a job's content identity
         return False
     job = new.job
     outbox_publish_after_commit(
-        outbox_id=outbox_id, job_id=job.id, generation=1, traceparent=job.traceparent
+        outbox_id=inserted.outbox_id,
+        job_id=job.id,
+        generation=1,
+        traceparent=job.traceparent,
+        sent=inserted.sent,
     )
     return True
 

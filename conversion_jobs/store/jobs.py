@@ -19,7 +19,7 @@ import re
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 from django.conf import settings
 from django.db import connection, models, transaction
@@ -41,7 +41,7 @@ from conversion_jobs.models import (
     WorkerLease,
 )
 from conversion_jobs.states import TERMINAL_EFFECTS, TRANSITIONS, State
-from conversion_jobs.store import audit, db
+from conversion_jobs.store import audit, db, fair
 from conversion_jobs.store.checkpoints import (
     UPSERT_DONE_PAGES,
     done_pages_params,
@@ -199,9 +199,12 @@ def insert_alone() -> bool:
 #: and ``{inline}`` filled in) also writes the source's bytes, and a content-identity conflict
 #: of the job row writes nothing and returns no row: every other part selects from ``job``.
 #: (Postgres waits for an uncommitted conflicting row's transaction first, so "no row" means a
-#: committed job holds the identity.) The key's own conflict still aborts the statement.
+#: committed job holds the identity.) The key's own conflict still aborts the statement. With
+#: fair dispatch (``{admit}`` and ``{admit_share}``: ``store.fair.ADMIT``) an idle system's
+#: acceptance sends its own unit: the job and its outbox row are written sent, and the second
+#: column says so.
 ACCEPT = """
-WITH job AS (
+WITH {admit}job AS (
     INSERT INTO conversion_job ({columns})
     SELECT {values}
     WHERE NOT EXISTS (
@@ -210,9 +213,10 @@ WITH job AS (
           AND engine_version = %(q_engine)s AND quarantined_at IS NOT NULL
     ){conflict}
     RETURNING id, traceparent, audit_head
-){inline}, outbox AS (
-    INSERT INTO conversion_outbox (job_id, generation, traceparent, created_at, publish_attempts)
-    SELECT id, 1, traceparent, %(now)s, 0 FROM job RETURNING id
+){inline}{admit_share}, outbox AS (
+    INSERT INTO conversion_outbox
+        (job_id, generation, traceparent, created_at, publish_attempts, published_at)
+    SELECT id, 1, traceparent, %(now)s, {attempts}, {sent_at} FROM job RETURNING id
 ), idempotency AS (
     INSERT INTO idempotency_record (tenant, key, fingerprint, job_id, created_at)
     SELECT %(j_tenant)s, %(key)s::text, %(fingerprint)s, id, %(now)s FROM job
@@ -225,7 +229,7 @@ WITH job AS (
            audit_head
     FROM job
 )
-SELECT id FROM outbox
+SELECT id, {sent} FROM outbox
 """
 
 ACCEPT_INLINE = """, inline AS (
@@ -248,12 +252,22 @@ class NewJob:
     engine_version: str = ""
 
 
-def insert_queued(new: NewJob) -> int | None:
+class Inserted(NamedTuple):
+    """What ``ACCEPT`` wrote: the outbox row, and whether it was written sent."""
+
+    outbox_id: int
+    #: the acceptance sent its own unit (fair dispatch on an idle system, ``store.fair.ADMIT``):
+    #: the caller publishes it without a pick
+    sent: bool = False
+
+
+def insert_queued(new: NewJob, *, send_if_idle: bool = False) -> Inserted | None:
     """``ACCEPT`` (SQLite: its twin, in the caller's transaction): the job (its timestamps and
     audit head set here), its outbox row, idempotency record, inline source and first audit event
-    (``accepted``). The new outbox row's id; None: the statement wrote nothing (a quarantined
-    document, or the inline form met the content identity of a committed job). A unique
-    violation propagates."""
+    (``accepted``); ``send_if_idle`` (fair dispatch): on Postgres, the unit written sent when
+    the pick would send it now (``store.fair.ADMIT``; SQLite: never, the pick sends it). None:
+    the statement wrote nothing (a quarantined document, or the inline form met the content
+    identity of a committed job). A unique violation propagates."""
     job, first_event = new.job, _first_event(new)
     if not db.postgres():
         job.save(force_insert=True)
@@ -267,7 +281,7 @@ def insert_queued(new: NewJob) -> int | None:
         ExecutionAuditEvent.objects.create(
             **first_event, prev_hash=audit.GENESIS, hash=job.audit_head
         )
-        return outbox_id
+        return Inserted(outbox_id)
     params = job_insert_params(job)
     params.update(
         now=first_event["created_at"],
@@ -280,10 +294,12 @@ def insert_queued(new: NewJob) -> int | None:
     )
     if new.inline_content is not None:
         params["inline"] = new.inline_content
+    if send_if_idle:
+        params.update(fair.admit_params())
     with prepared_cursor() as cursor:  # prepared: parsed and planned once per connection
-        cursor.execute(accept_sql(new.inline_content is not None), params)
+        cursor.execute(accept_sql(new.inline_content is not None, send_if_idle), params)
         row = cursor.fetchone()
-    return None if row is None else int(row[0])
+    return None if row is None else Inserted(int(row[0]), bool(row[1]))
 
 
 def _first_event(new: NewJob) -> dict[str, Any]:
@@ -355,20 +371,37 @@ def _insert_fields() -> tuple[tuple[str, str, type | None, Any, Any], ...]:
     return tuple(fields)
 
 
+#: The job's columns an acceptance that sends its own unit fills from ``ADMIT``'s gate.
+_SENT_COLUMNS = {
+    "dispatched_at": "(SELECT now() FROM gate)",
+    "dispatched_generation": "(SELECT 1 FROM gate)",
+}
+
+
 @functools.cache
-def accept_sql(inline: bool) -> str:
-    """``ACCEPT`` with the job's columns filled in (inline form or not): built once."""
+def accept_sql(inline: bool, send_if_idle: bool = False) -> str:
+    """``ACCEPT`` with the job's columns filled in (inline form or not, sent when idle or
+    not): built once each."""
     fields = ConversionJob._meta.concrete_fields
+    sent = _SENT_COLUMNS if send_if_idle else {}
     return ACCEPT.format(
+        admit=fair.ADMIT if send_if_idle else "",
         columns=", ".join(str(f.column) for f in fields),
         # typed as their columns (without a length: too long is an error, not a truncation):
         # a SELECT list does not take its parameters' types from the INSERT's columns
         values=", ".join(
-            f"%(j_{f.column})s::{re.sub(r'[(].*[)]', '', str(f.db_type(connection)))}"
+            sent.get(
+                str(f.column),
+                f"%(j_{f.column})s::{re.sub(r'[(].*[)]', '', str(f.db_type(connection)))}",
+            )
             for f in fields
         ),
         conflict=" ON CONFLICT DO NOTHING" if inline else "",
         inline=ACCEPT_INLINE if inline else "",
+        admit_share=fair.ADMIT_SHARE if send_if_idle else "",
+        attempts="(SELECT count(*) FROM gate)::integer" if send_if_idle else "0",
+        sent_at="(SELECT now() FROM gate)" if send_if_idle else "NULL::timestamptz",
+        sent="EXISTS (SELECT 1 FROM gate)" if send_if_idle else "false",
     )
 
 

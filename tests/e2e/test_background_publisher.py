@@ -141,9 +141,10 @@ def test_background_publisher__web_killed_after_the_202_before_publishing__the_s
 def test_background_publisher__web_killed_between_its_pick_and_its_publish__sent_within_seconds(
     start: Callable[..., harness.Proc],
 ) -> None:
-    """The web's publisher dies (SIGKILL, the fault point ``fair.after_pick``) right after its
-    fair pick marked the unit sent, on a live broker: nothing was published and nothing given
-    back. The unit waits again after twice the confirm timeout and the next sweep sends it
+    """The web's publisher dies (SIGKILL, the fault point ``fair.after_pick``) right after the
+    unit was marked sent (on this idle stack by the acceptance's own statement, ADR 0021 "Sent
+    at acceptance"; else by its fair pick), on a live broker: nothing was published and nothing
+    given back. The unit waits again after twice the confirm timeout and the next sweep sends it
     (ADR 0021, "A unit picked and lost"), long before QUIRE_FAIR_LOST_S."""
     lost_s = "120"  # the older recovery (a lost unit's slot, the stale-dispatch sweep): far off
     start("worker", QUIRE_FAIR_LOST_S=lost_s)

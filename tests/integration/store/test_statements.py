@@ -11,6 +11,7 @@ store is named nowhere in this file."""
 from __future__ import annotations
 
 import ast
+import importlib
 import inspect
 import uuid
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from conversion_jobs.models import (
     ConversionAttempt,
     ConversionJob,
     ConversionOutbox,
+    DispatchClock,
     DocumentQuarantine,
     ExecutionAuditEvent,
     IdempotencyRecord,
@@ -37,6 +39,7 @@ from conversion_jobs.models import (
     PageCheckpoint,
     PageState,
     RangeState,
+    TenantShare,
     WebhookEndpoint,
     WebhookMessage,
     WorkerLease,
@@ -238,17 +241,25 @@ def _new_job(make_job: Callable[..., ConversionJob], **fields: Any) -> Conversio
     return template
 
 
-def _insert(job: ConversionJob, *, key: str | None = None, inline: bytes | None = None) -> Any:
+def _insert(
+    job: ConversionJob,
+    *,
+    key: str | None = None,
+    inline: bytes | None = None,
+    send_if_idle: bool = False,
+) -> Any:
     details = {"size": 1}
     return jobs.insert_queued(
-        jobs.NewJob(job, "tester", key, "f" * 64, details, inline, engine_version="pdfium 1")
+        jobs.NewJob(job, "tester", key, "f" * 64, details, inline, engine_version="pdfium 1"),
+        send_if_idle=send_if_idle,
     )
 
 
 def test_insert_queued__every_row_or_a_unique_violation(path, make_job):
     job = _new_job(make_job)
-    outbox_id = _insert(job, key="k1", inline=b"bytes")
-    assert ConversionOutbox.objects.get(id=outbox_id).job_id == job.id
+    inserted = _insert(job, key="k1", inline=b"bytes")
+    assert not inserted.sent
+    assert ConversionOutbox.objects.get(id=inserted.outbox_id).job_id == job.id
     assert ConversionJob.objects.get(id=job.id).state == State.QUEUED
     assert IdempotencyRecord.objects.get(tenant=job.tenant, key="k1").job_id == job.id
     assert bytes(InlineSource.objects.get(job_id=job.id).content) == b"bytes"
@@ -279,6 +290,39 @@ def test_insert_queued__the_statement_writes_nothing_for_a_quarantined_or_known_
     twin.source_sha256, twin.options_digest = known.source_sha256, known.options_digest
     assert _insert(twin, inline=b"x") is None  # the inline form: ON CONFLICT DO NOTHING
     assert not ConversionJob.objects.filter(id=twin.id).exists()
+
+
+@pytest.mark.parametrize("inline", [None, b"bytes"])
+def test_insert_queued__sent_when_idle_by_the_statement_never_by_the_twin(
+    path, make_job, settings, inline
+):
+    """``fair.ADMIT`` (with ``fair.ADMIT_SHARE`` and ``fair.admit_params``): an idle system's
+    acceptance writes its unit sent, as the pick would (under ``fair.PICK_LOCK``); the twin
+    leaves it to the pick. Not idle (a credit short): written waiting."""
+    settings.QUIRE = {**settings.QUIRE, "FAIR_CAPACITY": 1}
+    assert set(fair.admit_params()) == {"f_capacity", "f_lost", "f_ttl"}
+    assert f"pg_try_advisory_xact_lock({fair.PICK_LOCK})" in fair.ADMIT
+    pick_sql = importlib.import_module("conversion_jobs.migrations.0020_fair_pick_tenant_heads")
+    assert f"pg_advisory_xact_lock({fair.PICK_LOCK})" in pick_sql.FAIR_PICK_SQL
+    assert fair.ADMIT in jobs.accept_sql(False, True)
+    assert fair.ADMIT_SHARE in jobs.accept_sql(True, True)
+    assert fair.ADMIT not in jobs.accept_sql(False)
+    job = _new_job(make_job, dispatch_cost=3)
+    inserted = _insert(job, inline=inline, send_if_idle=True)
+    row = ConversionOutbox.objects.get(id=inserted.outbox_id)
+    fresh = ConversionJob.objects.get(id=job.id)
+    if path == "twin":
+        assert not inserted.sent
+        assert (row.published_at, fresh.dispatched_at) == (None, None)
+        return
+    assert inserted.sent
+    assert row.published_at == fresh.dispatched_at is not None
+    assert (row.publish_attempts, fresh.dispatched_generation) == (1, 1)
+    clock = DispatchClock.objects.get(id=1).vclock
+    assert TenantShare.objects.get(tenant=job.tenant).vtime == pytest.approx(clock + 3)
+    second = _insert(_new_job(make_job), inline=inline, send_if_idle=True)
+    assert not second.sent  # the one slot is held by the first, sent and not claimed
+    assert ConversionOutbox.objects.get(id=second.outbox_id).published_at is None
 
 
 def test_insert_alone__only_where_the_insert_is_one_statement(path):
@@ -759,7 +803,9 @@ def _statements_and_functions(module: Any) -> list[str]:
 def test_fair_others_unsent__sees_other_tenants_rows_on_both_sides_never_the_askers(
     path, make_job, fair_slots
 ):
+    assert not fair.anything_unsent()
     _unit(make_job, tenant="m")
+    assert fair.anything_unsent()
     assert not fair.others_unsent(tenant="m")  # its own backlog is not another's
     _, below = _unit(make_job, tenant="a")
     assert fair.others_unsent(tenant="m") and fair.others_unsent(tenant="a")
