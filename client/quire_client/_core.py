@@ -1,7 +1,7 @@
-"""What the sync and the async client share: retry policy and the retry decisions of a call
-and of an event stream, ``Retry-After`` parsing, the requests' parts, turning an answer into a
-model or a typed error, the idempotency key, and digest checks. No I/O here: each client only
-sends, sleeps and reads, in its own colour."""
+"""What the sync and the async client share: their httpx settings, the calls' requests, retry
+policy and the retry decisions of a call, of an event stream and of a download, ``Retry-After``
+parsing, turning an answer into a model or a typed error, the idempotency key, and digest checks.
+No network I/O here: each client only sends, sleeps and reads, in its own colour."""
 
 from __future__ import annotations
 
@@ -11,15 +11,17 @@ import json
 import os
 import random
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
 
 import httpx
+import httpx_sse
 
 from quire_client import errors
-from quire_client.models import OUTPUTS, Job, JobList, Problem, Progress
+from quire_client.models import OUTPUTS, Job, JobList, Page, Problem, Progress
 
 API = "/api/v1"
 #: statuses retried (honouring Retry-After): too many live jobs, capacity, a store or the
@@ -30,7 +32,26 @@ TRANSPORT_ERRORS = (httpx.TransportError,)
 USER_AGENT = "quire-client/0.1"
 #: an event stream's timeouts: the server sends a keep-alive comment well within ``read``
 EVENTS_TIMEOUT = httpx.Timeout(30.0, read=120.0)
+#: seconds a long-poll asks the server to hold the request (the server caps it at 30)
+LONG_POLL_S = 25
+#: a download's failures worth another try from the start (any other one is final)
+DOWNLOAD_RETRIED = (errors.ConnectionFailed, errors.ServiceUnavailable, errors.RateLimited)
 Upload = str | os.PathLike[str] | bytes | IO[bytes]
+
+
+def http_settings(base_url: str, token: str | None, timeout: float) -> dict[str, Any]:
+    """The httpx client settings both clients share: the server, the User-Agent and bearer
+    token, reads that outlast a long-poll, and redirects not followed (a download asks for
+    them)."""
+    headers = {"User-Agent": USER_AGENT}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    return {
+        "base_url": base_url.rstrip("/"),
+        "headers": headers,
+        "timeout": httpx.Timeout(timeout, read=max(timeout, LONG_POLL_S + 15.0)),
+        "follow_redirects": False,
+    }
 
 
 @dataclass(frozen=True)
@@ -65,6 +86,15 @@ class Tries:
         self.policy, self.idempotent, self.expect = policy, idempotent, expect
         self.attempt = 1
 
+    def after(self, outcome: httpx.Response | Exception) -> httpx.Response | float:
+        """What follows a try, given its answer or the connection error that ended it: that
+        answer when it is the call's, else the seconds to wait before the next try (see
+        :meth:`after_answer` and :meth:`after_error` for what raises)."""
+        if isinstance(outcome, httpx.Response):
+            wait = self.after_answer(outcome)
+            return outcome if wait is None else wait
+        return self.after_error(outcome)
+
     def after_error(self, exc: Exception) -> float:
         """A connection error: the wait before the next try; ConnectionFailed when the tries
         are spent or the call may not be repeated."""
@@ -89,17 +119,37 @@ class Tries:
 
 
 class EventFollow:
-    """Following a job's event stream (SSE) under ``policy``: the ``Last-Event-ID`` to resume
-    from, the snapshot an event carries, and the waits after a refusal or a lost connection
-    (the tries count from the last event received)."""
+    """Following a job's event stream (SSE) under ``policy``: where to connect and the
+    ``Last-Event-ID`` to resume from, what an answer that opens no stream means, the snapshot an
+    event carries, and the waits after a refusal or a lost connection (the tries count from the
+    last event received). ``streaming`` turns False when the server has no event stream to
+    give: the client follows the job by long-polls from there."""
 
-    def __init__(self, policy: RetryPolicy) -> None:
+    def __init__(self, policy: RetryPolicy, job_id: str) -> None:
         self.policy = policy
+        self.path = f"{API}/jobs/{job_id}/events"
         self.last_id: str | None = None
         self.failures = 0
+        self.streaming = True
+
+    def options(self) -> dict[str, Any]:
+        """The next connection's request arguments, fresh each time (httpx_sse adds its own
+        headers to the dict it is given)."""
+        return {"headers": self.headers(), "timeout": EVENTS_TIMEOUT}
 
     def headers(self) -> dict[str, str]:
         return {"Last-Event-ID": self.last_id} if self.last_id else {}
+
+    def after_opening(self, response: httpx.Response) -> float | None:
+        """An answer other than 200 to a connection (its body read): the wait before connecting
+        again after a 429 / 503; the answer's typed error for any other error status (or when
+        the tries are spent); None for a 2xx / 3xx that is no stream (``streaming`` turns
+        False: long-polls from here)."""
+        if response.status_code in RETRY_STATUSES:
+            return self.after_refusal(response)
+        raise_for_problem(response)
+        self.streaming = False
+        return None
 
     def after_refusal(self, response: httpx.Response) -> float:
         """A 429 / 503 (its body read): the wait before connecting again; its typed error when
@@ -109,9 +159,13 @@ class EventFollow:
             raise_for_problem(response)
         return self.policy.delay(self.failures, retry_after_of(response))
 
-    def after_error(self, exc: Exception) -> float:
+    def after_error(self, exc: Exception) -> float | None:
         """A connection error: the wait before connecting again; ConnectionFailed when the
-        tries are spent."""
+        tries are spent. None for an answer that is no event stream (an older server, a proxy:
+        ``streaming`` turns False, long-polls from here)."""
+        if isinstance(exc, httpx_sse.SSEError):
+            self.streaming = False
+            return None
         self.failures += 1
         if self.failures >= self.policy.connection_attempts:
             raise errors.ConnectionFailed(f"{type(exc).__name__}: {exc}") from exc
@@ -124,6 +178,79 @@ class EventFollow:
         self.last_id = event.id or self.last_id
         self.failures = 0
         return Progress.from_dict(json.loads(event.data))
+
+
+class Download:
+    """One download to ``dest`` under ``policy``: written to ``part`` (created here with its
+    folder's parents), tried again from the start after a lost connection or a 429 / 503, then
+    verified and renamed (:meth:`finish`)."""
+
+    def __init__(self, policy: RetryPolicy, dest: Path) -> None:
+        self.policy, self.dest = policy, dest
+        self.part = part_path(dest)
+        self.attempt = 1
+        dest.parent.mkdir(parents=True, exist_ok=True)
+
+    def after_failure(self, exc: BaseException) -> float | None:
+        """A try that raised ``exc``: its ``.part`` file is deleted (a retry starts afresh, and a
+        failed download leaves nothing behind). The wait before the next try; None when ``exc``
+        is final (not worth a retry, or the tries are spent): the client re-raises it."""
+        self.part.unlink(missing_ok=True)
+        if not isinstance(exc, DOWNLOAD_RETRIED) or self.attempt >= self.policy.connection_attempts:
+            return None
+        wait = self.policy.delay(self.attempt, None)
+        self.attempt += 1
+        return wait
+
+    def finish(self, digests: tuple[str | None, str]) -> Path:
+        """``part`` renamed to ``dest`` once its (expected, actual) digests agree."""
+        return finish_download(self.part, self.dest, digests)
+
+
+@dataclass(slots=True)
+class Call:
+    """One API call before any I/O: its request (method, path, httpx arguments), the statuses
+    that are its answers, and ``build``, which makes arguments afresh for each try (an upload's
+    body, re-read from its start)."""
+
+    method: str
+    path: str
+    args: dict[str, Any] = field(default_factory=dict)
+    expect: tuple[int, ...] = (200,)
+    build: Callable[[], dict[str, Any]] | None = None
+
+    def arguments(self) -> dict[str, Any]:
+        """The next try's httpx arguments (``args`` itself when nothing is built per try)."""
+        return self.args if self.build is None else {**self.args, **self.build()}
+
+
+def submit_call(
+    file_part: Callable[[], dict[str, Any]],
+    *,
+    output: str,
+    options: dict[str, Any] | None,
+    metadata: dict[str, Any] | None,
+    idempotency_key: str | None,
+) -> Call:
+    """A submit (``POST /api/v1/jobs``): its headers and form fields (see :func:`submit_parts`),
+    and ``file_part``, which makes the document's part (``files``) afresh for each try."""
+    headers, data = submit_parts(
+        output=output, options=options, metadata=metadata, idempotency_key=idempotency_key
+    )
+    args = {"headers": headers, "data": data}
+    return Call("POST", f"{API}/jobs", args, expect=(200, 202), build=file_part)
+
+
+def poll_call(job_id: str, etag: str | None, wait: float) -> Call:
+    """A conditional long-poll of the job (``If-None-Match: etag``, held up to ``wait``
+    seconds): 304 is one of its answers (nothing changed)."""
+    args = {"params": {"wait": str(wait)}, "headers": {"If-None-Match": etag} if etag else {}}
+    return Call("GET", f"{API}/jobs/{job_id}", args, expect=(200, 304))
+
+
+def poll_result(response: httpx.Response) -> Job | None:
+    """A long-poll's job; None when nothing changed (304)."""
+    return None if response.status_code == 304 else job_of(response)
 
 
 def submit_parts(
@@ -149,13 +276,21 @@ def job_of(response: httpx.Response) -> Job:
     return Job.from_dict(response.json(), etag=response.headers.get("ETag"))
 
 
-def list_params(*, state: str | None, cursor: str | None, limit: int | None) -> dict[str, str]:
-    """The query of one page of jobs (``GET /api/v1/jobs``)."""
-    return {k: str(v) for k, v in (("state", state), ("cursor", cursor), ("limit", limit)) if v}
+def list_call(*, state: str | None, cursor: str | None, limit: int | None) -> Call:
+    """One page of jobs (``GET /api/v1/jobs``)."""
+    query = {k: str(v) for k, v in (("state", state), ("cursor", cursor), ("limit", limit)) if v}
+    return Call("GET", f"{API}/jobs", {"params": query})
 
 
-def job_list(body: dict[str, Any]) -> JobList:
+def job_list(response: httpx.Response) -> JobList:
+    """The page of jobs an answer carries."""
+    body = response.json()
     return JobList(jobs=[Job.from_dict(j) for j in body["jobs"]], next_cursor=body["next_cursor"])
+
+
+def page_list(response: httpx.Response) -> list[Page]:
+    """The page checkpoints an answer carries."""
+    return [Page.from_dict(p) for p in response.json()["pages"]]
 
 
 def parse_retry_after(value: str | None, *, now: datetime | None = None) -> float | None:

@@ -17,8 +17,7 @@ import httpx
 import httpx_sse
 
 from quire_client import _core, errors
-from quire_client._core import API, RETRY_STATUSES, RetryPolicy, Upload
-from quire_client.client import LONG_POLL_S
+from quire_client._core import API, LONG_POLL_S
 from quire_client.models import Job, JobList, Page, Progress
 
 
@@ -36,21 +35,15 @@ class AsyncClient:
         token: str | None = None,
         *,
         timeout: float = 30.0,
-        retry: RetryPolicy | None = None,
+        retry: _core.RetryPolicy | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
         max_connections: int = 100,
         lanes: int = 1,
     ) -> None:
-        headers = {"User-Agent": _core.USER_AGENT}
-        if token:
-            headers["Authorization"] = f"Bearer {token}"
-        self.retry = retry or RetryPolicy()
+        self.retry = retry or _core.RetryPolicy()
         config: dict[str, Any] = {
-            "base_url": base_url.rstrip("/"),
-            "headers": headers,
-            "timeout": httpx.Timeout(timeout, read=max(timeout, LONG_POLL_S + 15.0)),
+            **_core.http_settings(base_url, token, timeout),
             "transport": transport,
-            "follow_redirects": False,
             # one TLS context for every pool (loading the CA bundle costs ~30 ms a context)
             "verify": httpx.create_ssl_context(),
             "limits": httpx.Limits(
@@ -82,44 +75,36 @@ class AsyncClient:
         for lane in self._lane_clients:
             await lane.aclose()
 
-    async def _request(
-        self,
-        method: str,
-        path: str,
-        *,
-        idempotent: bool = True,
-        expect: tuple[int, ...] = (200,),
-        build: Callable[[], dict[str, Any]] | None = None,
-        **kwargs: Any,
-    ) -> httpx.Response:
-        tries = _core.Tries(self.retry, idempotent=idempotent, expect=expect)
+    async def _request(self, call: _core.Call) -> httpx.Response:
+        """One call with retries; see :meth:`quire_client.Client._request`."""
+        tries = _core.Tries(self.retry, expect=call.expect)
         while True:
-            try:
-                response = await self._send(method, path, {**kwargs, **(build() if build else {})})
-            except _core.TRANSPORT_ERRORS as exc:
-                await self._sleep(tries.after_error(exc))
-                continue
-            wait = tries.after_answer(response)
-            if wait is None:
-                return response
-            await self._sleep(wait)
+            step = tries.after(await self._attempt(call))
+            if isinstance(step, httpx.Response):
+                return step
+            await self._sleep(step)
 
-    async def _send(self, method: str, path: str, kwargs: dict[str, Any]) -> httpx.Response:
-        request = self._http.build_request(method, path, **kwargs)
-        # A multipart body is a stream of small parts, one socket write each; read into one
-        # buffer it goes in one write (a submission is in memory already: see submit).
-        request.read()
-        if not self._lane_clients:
-            return await self._http.send(request)
-        lane = await self._lanes.get()
+    async def _attempt(self, call: _core.Call) -> httpx.Response | httpx.TransportError:
+        """One try (on a lane when there are lanes): its answer, or the connection error that
+        ended it."""
         try:
-            return await lane.send(request)
-        finally:
-            self._lanes.put_nowait(lane)
+            request = self._http.build_request(call.method, call.path, **call.arguments())
+            # A multipart body is a stream of small parts, one socket write each; read into one
+            # buffer it goes in one write (a submission is in memory already: see submit).
+            request.read()
+            if not self._lane_clients:
+                return await self._http.send(request)
+            lane = await self._lanes.get()
+            try:
+                return await lane.send(request)
+            finally:
+                self._lanes.put_nowait(lane)
+        except _core.TRANSPORT_ERRORS as exc:
+            return exc
 
     async def submit(
         self,
-        file: Upload,
+        file: _core.Upload,
         *,
         output: str,
         options: dict[str, Any] | None = None,
@@ -128,74 +113,49 @@ class AsyncClient:
     ) -> Job:
         """Submit a document for conversion; see :meth:`quire_client.Client.submit`. A path
         is read into memory once per try (the sync client streams it)."""
-        headers, data = _core.submit_parts(
-            output=output, options=options, metadata=metadata, idempotency_key=idempotency_key
-        )
 
-        def build() -> dict[str, Any]:
+        def part() -> dict[str, Any]:
             name, body, owned = _core.open_upload(file)
             if owned:
                 with body:  # type: ignore[union-attr]
                     body = body.read()  # type: ignore[union-attr]
             elif not isinstance(body, bytes):
                 body = body.read()
-            return {"files": {"file": (name, body, "application/octet-stream")}, "data": data}
+            return {"files": {"file": (name, body, "application/octet-stream")}}
 
-        response = await self._request(
-            "POST", f"{API}/jobs", expect=(200, 202), headers=headers, build=build
+        call = _core.submit_call(
+            part, output=output, options=options, metadata=metadata, idempotency_key=idempotency_key
         )
-        return _core.job_of(response)
+        return _core.job_of(await self._request(call))
 
     async def get(self, job_id: str) -> Job:
         """The job now; see :meth:`quire_client.Client.get`."""
-        return _core.job_of(await self._request("GET", f"{API}/jobs/{job_id}"))
+        return _core.job_of(await self._request(_core.Call("GET", f"{API}/jobs/{job_id}")))
 
     async def poll(self, job_id: str, *, etag: str | None, wait: float = LONG_POLL_S) -> Job | None:
         """A conditional long-poll; see :meth:`quire_client.Client.poll`."""
-        headers = {"If-None-Match": etag} if etag else {}
-        response = await self._request(
-            "GET",
-            f"{API}/jobs/{job_id}",
-            params={"wait": str(wait)},
-            headers=headers,
-            expect=(200, 304),
-        )
-        if response.status_code == 304:
-            return None
-        return _core.job_of(response)
+        return _core.poll_result(await self._request(_core.poll_call(job_id, etag, wait)))
 
     async def watch(self, job_id: str) -> AsyncIterator[Progress]:
         """Progress snapshots until terminal, over SSE with long-poll fallback; see
         :meth:`quire_client.Client.watch`."""
-        follow = _core.EventFollow(self.retry)
-        while True:
+        follow = _core.EventFollow(self.retry, job_id)
+        while follow.streaming:
             try:
                 async with httpx_sse.aconnect_sse(
-                    self._streams,
-                    "GET",
-                    f"{API}/jobs/{job_id}/events",
-                    headers=follow.headers(),
-                    timeout=_core.EVENTS_TIMEOUT,
-                ) as source:
-                    status = source.response.status_code
-                    if status in RETRY_STATUSES:
-                        await source.response.aread()
-                        await self._sleep(follow.after_refusal(source.response))
+                    self._streams, "GET", follow.path, **follow.options()
+                ) as sse:
+                    if sse.response.status_code != 200:
+                        await sse.response.aread()
+                        await self._pause(follow.after_opening(sse.response))
                         continue
-                    if status != 200:
-                        await source.response.aread()
-                        _core.raise_for_problem(source.response)
-                        break
-                    async for event in source.aiter_sse():
-                        snapshot = follow.snapshot(event)
-                        if snapshot is not None:
+                    async for event in sse.aiter_sse():
+                        if (snapshot := follow.snapshot(event)) is not None:
                             yield snapshot
                             if snapshot.terminal:
                                 return
-            except httpx_sse.SSEError:
-                break
-            except _core.TRANSPORT_ERRORS as exc:
-                await self._sleep(follow.after_error(exc))
+            except _core.TRANSPORT_ERRORS as exc:  # an SSEError too: no event stream here
+                await self._pause(follow.after_error(exc))
         job = await self.get(job_id)
         yield Progress.of(job)
         while not job.terminal:
@@ -203,6 +163,11 @@ class AsyncClient:
             if changed is not None:
                 job = changed
                 yield Progress.of(job)
+
+    async def _pause(self, wait: float | None) -> None:
+        """Sleep ``wait`` seconds before connecting again (None: go on at once)."""
+        if wait is not None:
+            await self._sleep(wait)
 
     async def wait(
         self,
@@ -232,8 +197,8 @@ class AsyncClient:
         self, *, state: str | None = None, cursor: str | None = None, limit: int | None = None
     ) -> JobList:
         """One page of the tenant's jobs; see :meth:`quire_client.Client.list_page`."""
-        params = _core.list_params(state=state, cursor=cursor, limit=limit)
-        return _core.job_list((await self._request("GET", f"{API}/jobs", params=params)).json())
+        call = _core.list_call(state=state, cursor=cursor, limit=limit)
+        return _core.job_list(await self._request(call))
 
     async def list(self, *, state: str | None = None, page_size: int = 100) -> AsyncIterator[Job]:
         """Every job of the tenant, newest first, following the cursor."""
@@ -248,18 +213,17 @@ class AsyncClient:
 
     async def cancel(self, job_id: str) -> Job:
         """Cancel the job; see :meth:`quire_client.Client.cancel`."""
-        return _core.job_of(
-            await self._request("POST", f"{API}/jobs/{job_id}/cancel", expect=(200, 202))
-        )
+        cancel = _core.Call("POST", f"{API}/jobs/{job_id}/cancel", expect=(200, 202))
+        return _core.job_of(await self._request(cancel))
 
     async def pages(self, job_id: str) -> builtins.list[Page]:
         """The job's page checkpoints."""
-        body = (await self._request("GET", f"{API}/jobs/{job_id}/pages")).json()
-        return [Page.from_dict(p) for p in body["pages"]]
+        call = _core.Call("GET", f"{API}/jobs/{job_id}/pages")
+        return _core.page_list(await self._request(call))
 
     async def capabilities(self) -> dict[str, Any]:
         """What this installation converts, and its limits."""
-        return dict((await self._request("GET", f"{API}/capabilities")).json())
+        return dict((await self._request(_core.Call("GET", f"{API}/capabilities"))).json())
 
     async def download(
         self, job_id: str, dest: str | os.PathLike[str], *, sha256: str | None = None
@@ -274,23 +238,16 @@ class AsyncClient:
         return await self._download(f"{API}/jobs/{job_id}/pages/{page}", Path(dest), sha256)
 
     async def _download(self, path: str, dest: Path, sha256: str | None) -> Path:
-        part = _core.part_path(dest)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        attempt = 0
+        download = _core.Download(self.retry, dest)
         while True:
-            attempt += 1
             try:
-                digests = await self._stream_to(path, part, sha256)
+                digests = await self._stream_to(path, download.part, sha256)
                 break
-            except (errors.ConnectionFailed, errors.ServiceUnavailable, errors.RateLimited):
-                part.unlink(missing_ok=True)
-                if attempt >= self.retry.connection_attempts:
+            except BaseException as exc:  # a cancellation too: no .part file is left behind
+                if (wait := download.after_failure(exc)) is None:
                     raise
-                await self._sleep(self.retry.delay(attempt, None))
-            except BaseException:
-                part.unlink(missing_ok=True)
-                raise
-        return _core.finish_download(part, dest, digests)
+                await self._sleep(wait)
+        return download.finish(digests)
 
     async def _stream_to(self, path: str, part: Path, sha256: str | None) -> tuple[str | None, str]:
         try:

@@ -15,11 +15,8 @@ import httpx
 import httpx_sse
 
 from quire_client import _core, errors
-from quire_client._core import API, RetryPolicy, Upload
+from quire_client._core import API, LONG_POLL_S, RetryPolicy, Upload
 from quire_client.models import Job, JobList, Page, Progress
-
-#: seconds a long-poll asks the server to hold the request (the server caps it at 30)
-LONG_POLL_S = 25
 
 
 class Client:
@@ -41,16 +38,9 @@ class Client:
         retry: RetryPolicy | None = None,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
-        headers = {"User-Agent": _core.USER_AGENT}
-        if token:
-            headers["Authorization"] = f"Bearer {token}"
         self.retry = retry or RetryPolicy()
         self._http = httpx.Client(
-            base_url=base_url.rstrip("/"),
-            headers=headers,
-            timeout=httpx.Timeout(timeout, read=max(timeout, LONG_POLL_S + 15.0)),
-            transport=transport,
-            follow_redirects=False,
+            **_core.http_settings(base_url, token, timeout), transport=transport
         )
         self._sleep: Callable[[float], None] = time.sleep
 
@@ -66,31 +56,22 @@ class Client:
 
     # -- transport ------------------------------------------------------------------------------
 
-    def _request(
-        self,
-        method: str,
-        path: str,
-        *,
-        idempotent: bool = True,
-        expect: tuple[int, ...] = (200,),
-        build: Callable[[], dict[str, Any]] | None = None,
-        **kwargs: Any,
-    ) -> httpx.Response:
-        """One call with retries (``_core.Tries``); ``build`` makes fresh request arguments for
-        each try (a file body is re-read from its start)."""
-        tries = _core.Tries(self.retry, idempotent=idempotent, expect=expect)
+    def _request(self, call: _core.Call) -> httpx.Response:
+        """One call with retries (``_core.Tries`` decides after each try; the call's arguments
+        are made afresh for each, so a file body is re-read from its start)."""
+        tries = _core.Tries(self.retry, expect=call.expect)
         while True:
-            try:
-                response = self._http.request(
-                    method, path, **{**kwargs, **(build() if build else {})}
-                )
-            except _core.TRANSPORT_ERRORS as exc:
-                self._sleep(tries.after_error(exc))
-                continue
-            wait = tries.after_answer(response)
-            if wait is None:
-                return response
-            self._sleep(wait)
+            step = tries.after(self._attempt(call))
+            if isinstance(step, httpx.Response):
+                return step
+            self._sleep(step)
+
+    def _attempt(self, call: _core.Call) -> httpx.Response | httpx.TransportError:
+        """One try: its answer, or the connection error that ended it (for ``Tries`` to judge)."""
+        try:
+            return self._http.request(call.method, call.path, **call.arguments())
+        except _core.TRANSPORT_ERRORS as exc:
+            return exc
 
     # -- jobs -----------------------------------------------------------------------------------
 
@@ -115,21 +96,19 @@ class Client:
         Raises :class:`~quire_client.errors.UnsupportedMediaType`,
         :class:`~quire_client.errors.InvalidOptions`,
         :class:`~quire_client.errors.IdempotencyKeyReused`, … (API_CONTRACT §2.1)."""
-        headers, data = _core.submit_parts(
-            output=output, options=options, metadata=metadata, idempotency_key=idempotency_key
-        )
         opened: list[Any] = []
 
-        def build() -> dict[str, Any]:
+        def part() -> dict[str, Any]:
             name, body, owned = _core.open_upload(file)
             if owned:
-                opened.append(body)
-            return {"files": {"file": (name, body, "application/octet-stream")}, "data": data}
+                opened.append(body)  # closed once the call is over, whichever try it ends on
+            return {"files": {"file": (name, body, "application/octet-stream")}}
 
+        call = _core.submit_call(
+            part, output=output, options=options, metadata=metadata, idempotency_key=idempotency_key
+        )
         try:
-            response = self._request(
-                "POST", f"{API}/jobs", expect=(200, 202), headers=headers, build=build
-            )
+            response = self._request(call)
         finally:
             for fh in opened:
                 fh.close()
@@ -138,58 +117,42 @@ class Client:
     def get(self, job_id: str) -> Job:
         """The job now (``GET /api/v1/jobs/{id}``). Raises
         :class:`~quire_client.errors.NotFound` for an unknown job or one of another tenant."""
-        return _core.job_of(self._request("GET", f"{API}/jobs/{job_id}"))
+        return _core.job_of(self._request(_core.Call("GET", f"{API}/jobs/{job_id}")))
 
     def poll(self, job_id: str, *, etag: str | None, wait: float = LONG_POLL_S) -> Job | None:
         """A conditional long-poll: the job once its ETag differs from ``etag`` (or at once if
         it already does, or the job is terminal); None when nothing changed within ``wait``
         seconds (304)."""
-        headers = {"If-None-Match": etag} if etag else {}
-        response = self._request(
-            "GET",
-            f"{API}/jobs/{job_id}",
-            params={"wait": str(wait)},
-            headers=headers,
-            expect=(200, 304),
-        )
-        if response.status_code == 304:
-            return None
-        return _core.job_of(response)
+        return _core.poll_result(self._request(_core.poll_call(job_id, etag, wait)))
 
     def watch(self, job_id: str) -> Iterator[Progress]:
         """Snapshots of the job's progress (state and page counters) until it is terminal:
         the server's event stream (SSE, ``GET /jobs/{id}/events``), reconnected with
         ``Last-Event-ID`` when it ends early; long-polls when the stream is not available.
         The last snapshot yielded is terminal."""
-        follow = _core.EventFollow(self.retry)
-        while True:
+        follow = _core.EventFollow(self.retry, job_id)
+        while follow.streaming:
             try:
                 with httpx_sse.connect_sse(
-                    self._http,
-                    "GET",
-                    f"{API}/jobs/{job_id}/events",
-                    headers=follow.headers(),
-                    timeout=_core.EVENTS_TIMEOUT,
-                ) as source:
-                    if source.response.status_code in RETRY:
-                        source.response.read()
-                        self._sleep(follow.after_refusal(source.response))
+                    self._http, "GET", follow.path, **follow.options()
+                ) as sse:
+                    if sse.response.status_code != 200:
+                        sse.response.read()
+                        self._pause(follow.after_opening(sse.response))
                         continue
-                    if source.response.status_code != 200:
-                        source.response.read()
-                        _core.raise_for_problem(source.response)
-                        break  # a 2xx/3xx that is not a stream: use long-polls
-                    for event in source.iter_sse():
-                        snapshot = follow.snapshot(event)
-                        if snapshot is not None:
+                    for event in sse.iter_sse():
+                        if (snapshot := follow.snapshot(event)) is not None:
                             yield snapshot
                             if snapshot.terminal:
                                 return
-            except httpx_sse.SSEError:
-                break  # not an event stream (an older server, a proxy): long-polls
-            except _core.TRANSPORT_ERRORS as exc:
-                self._sleep(follow.after_error(exc))
+            except _core.TRANSPORT_ERRORS as exc:  # an SSEError too: no event stream here
+                self._pause(follow.after_error(exc))
         yield from self._watch_polling(job_id)
+
+    def _pause(self, wait: float | None) -> None:
+        """Sleep ``wait`` seconds before connecting again (None: go on at once)."""
+        if wait is not None:
+            self._sleep(wait)
 
     def _watch_polling(self, job_id: str) -> Iterator[Progress]:
         job = self.get(job_id)
@@ -221,8 +184,9 @@ class Client:
         self, *, state: str | None = None, cursor: str | None = None, limit: int | None = None
     ) -> JobList:
         """One page of the tenant's jobs, newest first (``GET /api/v1/jobs``)."""
-        params = _core.list_params(state=state, cursor=cursor, limit=limit)
-        return _core.job_list(self._request("GET", f"{API}/jobs", params=params).json())
+        return _core.job_list(
+            self._request(_core.list_call(state=state, cursor=cursor, limit=limit))
+        )
 
     def list(self, *, state: str | None = None, page_size: int = 100) -> Iterator[Job]:
         """Every job of the tenant (optionally in ``state``), newest first, following
@@ -239,16 +203,16 @@ class Client:
         """Cancel the job (``POST /jobs/{id}/cancel``): the job is ``cancelled`` or
         ``cancelling`` afterwards. Raises :class:`~quire_client.errors.TooLate` when it had
         already finished."""
-        return _core.job_of(self._request("POST", f"{API}/jobs/{job_id}/cancel", expect=(200, 202)))
+        cancel = _core.Call("POST", f"{API}/jobs/{job_id}/cancel", expect=(200, 202))
+        return _core.job_of(self._request(cancel))
 
     def pages(self, job_id: str) -> builtins.list[Page]:
         """The job's page checkpoints (any state)."""
-        body = self._request("GET", f"{API}/jobs/{job_id}/pages").json()
-        return [Page.from_dict(p) for p in body["pages"]]
+        return _core.page_list(self._request(_core.Call("GET", f"{API}/jobs/{job_id}/pages")))
 
     def capabilities(self) -> dict[str, Any]:
         """What this installation converts, and its limits (no token needed)."""
-        return dict(self._request("GET", f"{API}/capabilities").json())
+        return dict(self._request(_core.Call("GET", f"{API}/capabilities")).json())
 
     # -- downloads ------------------------------------------------------------------------------
 
@@ -269,23 +233,16 @@ class Client:
         return self._download(f"{API}/jobs/{job_id}/pages/{page}", Path(dest), sha256)
 
     def _download(self, path: str, dest: Path, sha256: str | None) -> Path:
-        part = _core.part_path(dest)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        attempt = 0
+        download = _core.Download(self.retry, dest)
         while True:
-            attempt += 1
             try:
-                digest = self._stream_to(path, part, sha256)
+                digests = self._stream_to(path, download.part, sha256)
                 break
-            except (errors.ConnectionFailed, errors.ServiceUnavailable, errors.RateLimited):
-                part.unlink(missing_ok=True)
-                if attempt >= self.retry.connection_attempts:
+            except BaseException as exc:  # an interrupt too: no .part file is left behind
+                if (wait := download.after_failure(exc)) is None:
                     raise
-                self._sleep(self.retry.delay(attempt, None))
-            except BaseException:
-                part.unlink(missing_ok=True)
-                raise
-        return _core.finish_download(part, dest, digest)
+                self._sleep(wait)
+        return download.finish(digests)
 
     def _stream_to(self, path: str, part: Path, sha256: str | None) -> tuple[str | None, str]:
         """(expected, actual) digests of the bytes written to ``part``."""
@@ -305,6 +262,3 @@ class Client:
         except _core.TRANSPORT_ERRORS as exc:
             raise errors.ConnectionFailed(f"{type(exc).__name__}: {exc}") from exc
         return expected, digest.hexdigest()
-
-
-RETRY = _core.RETRY_STATUSES
