@@ -39,17 +39,22 @@ def outbox_publish_after_commit(
     traceparent: str,
     page_range: RangeRef | None = None,
     sent: bool = False,
+    no_credit: bool = False,
 ) -> None:
     """Register the fast path: publish right after the surrounding transaction commits. In a
     web process the row is handed to the background publisher (``services/publisher.py``),
     elsewhere it is published inline (a page range's row is always made by a worker or a
     sweep: inline). ``sent``: the acceptance's statement marked the unit sent itself (fair
-    dispatch on an idle system, ``store.fair.ADMIT``): it is published without a pick."""
+    dispatch on an idle system, ``store.fair.ADMIT``): it is published without a pick.
+    ``no_credit``: the statement found no free credit, so a pick could send nothing: none runs,
+    and the unit goes with the pick that the next slot freed wakes (``relay_wake.py``)."""
     if sent:
         transaction.on_commit(lambda: metrics.FAIR_SENT_AT_ACCEPTANCE.inc())
     background = publisher.current() if page_range is None else None
     if background is not None:
-        item = publisher.Pending(outbox_id, job_id, generation, traceparent, sent=sent)
+        item = publisher.Pending(
+            outbox_id, job_id, generation, traceparent, sent=sent, no_credit=no_credit
+        )
         transaction.on_commit(lambda: background.submit(item))
         return
     transaction.on_commit(
@@ -60,6 +65,7 @@ def outbox_publish_after_commit(
             traceparent=traceparent,
             page_range=page_range,
             sent=sent,
+            no_credit=no_credit,
         )
     )
 
@@ -72,15 +78,18 @@ def outbox_publish_fast(
     traceparent: str,
     page_range: RangeRef | None = None,
     sent: bool = False,
+    no_credit: bool = False,
 ) -> bool:
     """Publish one freshly committed row. Never raises: a failure leaves the row unpublished
     for the sweeper, so the request that committed it is never failed or delayed past the
     confirm timeout. With fair dispatch the commit runs a fair pick instead, which on an idle
     system sends this very row (``fair.py``), unless the acceptance sent it already (``sent``:
-    published as the pick's units are)."""
+    published as the pick's units are) or found no free credit (``no_credit``: nothing)."""
     if sent:
         unit = fair.Unit.sent_at_acceptance(outbox_id, job_id, generation, traceparent)
         return fair.publish_quietly([unit], path="fast") > 0
+    if no_credit:
+        return False
     if fair.enabled():
         return fair.relay_quietly(path="fast") > 0
     try:

@@ -53,6 +53,8 @@ class Pending(NamedTuple):
     page_range: broker.RangeRef | None = None
     #: the acceptance's statement marked the unit sent (``store.fair.ADMIT``): no pick for it
     sent: bool = False
+    #: the acceptance's statement found no free credit: a pick for it would send nothing
+    no_credit: bool = False
 
 
 class ConfirmTimeout(TimeoutError):
@@ -189,12 +191,16 @@ class BackgroundPublisher:
         broker confirms are marked so (``fair.confirm``); a unit this process picked and never
         confirmed (killed before its publish) waits again after twice the confirm timeout.
         Rows their acceptance sent itself (``Pending.sent``: an idle system) are published as
-        picked units, first; a pick follows only for the others."""
+        picked units, first; a pick follows only for the others, unless none of them found a
+        free credit (``Pending.no_credit``: the relay's wake-up picks when a slot frees)."""
         sent = [
             fair.Unit.sent_at_acceptance(p.outbox_id, p.job_id, p.generation, p.traceparent)
             for p in handed
             if p.sent
         ]
+        pick = any(not p.sent and not p.no_credit for p in handed)
+        if not sent and not pick:
+            return
         if settings.AMQP_BROKER:
             try:
                 self._confirm_channel()
@@ -212,8 +218,8 @@ class BackgroundPublisher:
         if sent:
             faults.hit("fair.after_pick")
             self.publish_batch([p for p in handed if p.sent], picked=sent)
-            if len(sent) == len(handed):
-                return
+        if not pick:
+            return
         try:
             units = fair.pick(limit=self.max_batch)
         except Exception:

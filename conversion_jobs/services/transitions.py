@@ -307,7 +307,7 @@ def job_insert_queued(new: NewJob) -> bool:
     has quarantined (``services/quarantine.py``) writes nothing and returns False. True:
     inserted; registers the fast-path publish for after commit. With fair dispatch an idle
     system's statement also sends the unit (``store.fair.ADMIT``), and the fast path publishes it
-    without a pick."""
+    without a pick; one that found no free credit runs no pick (the relay's wake-up does)."""
     inserted = store.insert_queued(new, send_if_idle=fair.enabled())
     if inserted is None:  # quarantined, or the inline statement met a job's content identity
         return False
@@ -318,6 +318,7 @@ def job_insert_queued(new: NewJob) -> bool:
         generation=1,
         traceparent=job.traceparent,
         sent=inserted.sent,
+        no_credit=inserted.no_credit,
     )
     return True
 

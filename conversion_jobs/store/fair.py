@@ -51,43 +51,51 @@ PICK_LOCK = 7102421
 
 #: Sent at acceptance (ADR 0021, "Sent at acceptance"): CTEs that ``store.jobs.ACCEPT`` runs
 #: before its inserts when fair dispatch is on, so that on an idle system the acceptance's own
-#: statement is the pick and its commit is followed by the publish alone. ``idle`` has a row
-#: when no unit waits (nothing unpublished), a credit is free (slots > busy, counted as the pick
-#: counts them) and the tenant has no running cap: the pick would choose this very unit.
-#: ``gate`` then takes the pick's lock without waiting and moves the clock, but only if no
-#: sender committed since this statement's snapshot: every sender (a pick that sent, another
-#: acceptance's gate) writes ``dispatch_clock``, and ``k.xmin = seen.x`` is checked again
-#: against the newest row when the row changed meanwhile (READ COMMITTED's re-check of an
-#: updated row), so a snapshot taken before the lock never spends a credit a sender spent. A
-#: row in ``gate``: the job and its outbox row are written sent (``dispatched_at`` and
-#: ``published_at`` the same time, as a pick writes them), and the tenant's virtual time
-#: advances by the unit's cost. No row: the unit waits for a pick, as before. Parameters:
-#: ``j_tenant``, ``j_dispatch_cost`` (the job's) and ``f_capacity``, ``f_lost``, ``f_ttl``.
+#: statement is the pick and its commit is followed by the publish alone. ``credit``: a slot is
+#: free (slots > busy, counted as the pick counts them); without one a pick after the commit
+#: could send nothing, and the fast path runs none (the next slot freed wakes the relay).
+#: ``idle`` has a row when a credit is free, no unit waits (nothing unpublished) and the tenant
+#: has no running cap: the pick would choose this very unit. ``gate`` then takes the pick's lock
+#: without waiting and moves the clock, but only if no sender committed since this statement's
+#: snapshot: every sender (a pick that sent, another acceptance's gate) writes
+#: ``dispatch_clock``, and ``k.xmin = seen.x`` is checked again against the newest row when the
+#: row changed meanwhile (READ COMMITTED's re-check of an updated row), so a snapshot taken
+#: before the lock never spends a credit a sender spent. A row in ``gate``: the job and its
+#: outbox row are written sent (``dispatched_at`` and ``published_at`` the same time, as a pick
+#: writes them), and the tenant's virtual time advances by the unit's cost. No row: the unit
+#: waits for a pick, as before. Parameters: ``j_tenant``, ``j_dispatch_cost`` (the job's) and
+#: ``f_capacity``, ``f_lost``, ``f_ttl``.
 ADMIT = """
 seen AS (
     SELECT c.xmin AS x, c.vclock FROM dispatch_clock c WHERE c.id = 1
-), idle AS (
-    SELECT GREATEST(COALESCE(s.vtime, 0), seen.vclock) AS base, COALESCE(s.weight, 1) AS weight
-    FROM seen LEFT JOIN tenant_share s ON s.tenant = %(j_tenant)s
-    WHERE s.running_cap IS NULL
-      AND NOT EXISTS (SELECT 1 FROM conversion_outbox o WHERE o.published_at IS NULL)
-      AND (CASE WHEN %(f_capacity)s::integer > 0 THEN %(f_capacity)s::integer::bigint ELSE (
+), credit AS (
+    SELECT (CASE WHEN %(f_capacity)s::integer > 0 THEN %(f_capacity)s::integer::bigint ELSE (
                SELECT COALESCE(sum(w.slots), 0) FROM worker_slot w
                WHERE w.seen_at > now() - make_interval(secs => %(f_ttl)s::float8)) END)
         > (SELECT count(*) FROM conversion_job j WHERE j.state IN ('running', 'cancelling')
              AND NOT EXISTS (SELECT 1 FROM job_range r WHERE r.job_id = j.id
                              AND r.job_generation = j.generation
                              AND r.state IN ('queued', 'running')))
-        + (SELECT count(*) FROM conversion_job j
-           WHERE j.state = 'queued' AND j.dispatched_at IS NOT NULL
-             AND j.dispatched_generation = j.generation
-             AND j.dispatched_at > now() - make_interval(secs => %(f_lost)s::float8))
+        -- sent, not claimed: read in job_dispatched_queued's order, so that a plan made while
+        -- the table had no statistics (a new deployment: the acceptance is prepared once per
+        -- connection) still reads that index and not job_queued_since, every queued job
+        + (SELECT count(*) FROM (
+               SELECT j.dispatched_at FROM conversion_job j
+               WHERE j.state = 'queued' AND j.dispatched_generation = j.generation
+                 AND j.dispatched_at > now() - make_interval(secs => %(f_lost)s::float8)
+               ORDER BY j.dispatched_at) sent)
         + (SELECT count(*) FROM job_range r
            JOIN conversion_job j ON j.id = r.job_id AND j.generation = r.job_generation
            WHERE j.state IN ('running', 'cancelling') AND r.state IN ('queued', 'running')
              AND (r.state = 'running'
                   OR (r.dispatched_at IS NOT NULL
                       AND r.dispatched_at > now() - make_interval(secs => %(f_lost)s::float8))))
+        AS free
+), idle AS (
+    SELECT GREATEST(COALESCE(s.vtime, 0), seen.vclock) AS base, COALESCE(s.weight, 1) AS weight
+    FROM credit, seen LEFT JOIN tenant_share s ON s.tenant = %(j_tenant)s
+    WHERE credit.free AND s.running_cap IS NULL
+      AND NOT EXISTS (SELECT 1 FROM conversion_outbox o WHERE o.published_at IS NULL)
 ), gate AS (
     UPDATE dispatch_clock k SET vclock = GREATEST(k.vclock, i.base)
     FROM seen, idle i

@@ -202,7 +202,8 @@ def insert_alone() -> bool:
 #: committed job holds the identity.) The key's own conflict still aborts the statement. With
 #: fair dispatch (``{admit}`` and ``{admit_share}``: ``store.fair.ADMIT``) an idle system's
 #: acceptance sends its own unit: the job and its outbox row are written sent, and the second
-#: column says so.
+#: column says so; the third says whether a credit was free (without one, a pick after the
+#: commit could send nothing).
 ACCEPT = """
 WITH {admit}job AS (
     INSERT INTO conversion_job ({columns})
@@ -229,7 +230,7 @@ WITH {admit}job AS (
            audit_head
     FROM job
 )
-SELECT id, {sent} FROM outbox
+SELECT id, {sent}, {free} FROM outbox
 """
 
 ACCEPT_INLINE = """, inline AS (
@@ -253,12 +254,16 @@ class NewJob:
 
 
 class Inserted(NamedTuple):
-    """What ``ACCEPT`` wrote: the outbox row, and whether it was written sent."""
+    """What ``ACCEPT`` wrote: the outbox row, whether it was written sent, and whether a pick
+    after the commit could send anything."""
 
     outbox_id: int
     #: the acceptance sent its own unit (fair dispatch on an idle system, ``store.fair.ADMIT``):
     #: the caller publishes it without a pick
     sent: bool = False
+    #: no credit was free at the statement's snapshot (``store.fair.ADMIT``'s ``credit``): a
+    #: pick would send nothing, the next slot freed wakes the relay (False: not known)
+    no_credit: bool = False
 
 
 def insert_queued(new: NewJob, *, send_if_idle: bool = False) -> Inserted | None:
@@ -299,7 +304,7 @@ def insert_queued(new: NewJob, *, send_if_idle: bool = False) -> Inserted | None
     with prepared_cursor() as cursor:  # prepared: parsed and planned once per connection
         cursor.execute(accept_sql(new.inline_content is not None, send_if_idle), params)
         row = cursor.fetchone()
-    return None if row is None else Inserted(int(row[0]), bool(row[1]))
+    return None if row is None else Inserted(int(row[0]), bool(row[1]), not row[2])
 
 
 def _first_event(new: NewJob) -> dict[str, Any]:
@@ -402,6 +407,7 @@ def accept_sql(inline: bool, send_if_idle: bool = False) -> str:
         attempts="(SELECT count(*) FROM gate)::integer" if send_if_idle else "0",
         sent_at="(SELECT now() FROM gate)" if send_if_idle else "NULL::timestamptz",
         sent="EXISTS (SELECT 1 FROM gate)" if send_if_idle else "false",
+        free="(SELECT free FROM credit)" if send_if_idle else "true",
     )
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from django.db import connection, connections
+from django.utils import timezone
 
 from conversion_jobs.models import (
     ConversionJob,
@@ -108,20 +109,39 @@ def test_accept__an_idle_system_sends_its_own_unit_without_a_pick(
 
 @pytest.mark.django_db(transaction=True)
 def test_accept__the_unit_waits_for_the_pick_when_another_waits_or_no_credit_is_free(
-    capacity: Any, tmp_path: Path, no_broker_publish: Any, unit: Any, handed: Any
+    capacity: Any,
+    tmp_path: Path,
+    no_broker_publish: Any,
+    unit: Any,
+    handed: Any,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     _needs_postgres()
     capacity(2)
+    picks: list[int] = []
+    real_pick = fair.pick
+    monkeypatch.setattr(
+        fair, "pick", lambda *, limit: picks.append(limit) or real_pick(limit=limit)
+    )
     # another tenant's unit waits (a pick would weigh both): left to the pick, which sends both
     other = unit("b")
     first = _accept(tmp_path)
     assert not _sent(first, handed)
     assert sorted(p[0] for p in no_broker_publish) == sorted([str(other.id), str(first.id)])
-    # both credits are now held by sent units: nothing free, nothing sent
+    assert len(picks) == 1
+    # both credits are now held by sent units: nothing free, nothing sent, and no pick runs
+    # (it could send nothing: the next slot freed wakes the relay)
     blocked = _accept(tmp_path)
     assert not _sent(blocked, handed)
     assert ConversionOutbox.objects.get(job=blocked).published_at is None
     assert len(no_broker_publish) == 2
+    assert len(picks) == 1
+    # a slot frees: the relay's pick (what the worker's wake-up runs) sends the waiting unit
+    ConversionJob.objects.filter(id=other.id).update(
+        state=State.FAILED, error_code="invalid_input", finished_at=timezone.now()
+    )
+    assert fair.relay_if_waiting(limit=10, path="wake") == 1
+    assert no_broker_publish[-1] == (str(blocked.id), 1)
 
 
 @pytest.mark.django_db(transaction=True)

@@ -312,7 +312,7 @@ def test_insert_queued__sent_when_idle_by_the_statement_never_by_the_twin(
     row = ConversionOutbox.objects.get(id=inserted.outbox_id)
     fresh = ConversionJob.objects.get(id=job.id)
     if path == "twin":
-        assert not inserted.sent
+        assert not inserted.sent and not inserted.no_credit  # the pick decides there
         assert (row.published_at, fresh.dispatched_at) == (None, None)
         return
     assert inserted.sent
@@ -320,8 +320,10 @@ def test_insert_queued__sent_when_idle_by_the_statement_never_by_the_twin(
     assert (row.publish_attempts, fresh.dispatched_generation) == (1, 1)
     clock = DispatchClock.objects.get(id=1).vclock
     assert TenantShare.objects.get(tenant=job.tenant).vtime == pytest.approx(clock + 3)
+    assert not inserted.no_credit
     second = _insert(_new_job(make_job), inline=inline, send_if_idle=True)
     assert not second.sent  # the one slot is held by the first, sent and not claimed
+    assert second.no_credit
     assert ConversionOutbox.objects.get(id=second.outbox_id).published_at is None
 
 
