@@ -81,7 +81,7 @@ def main() -> None:
     dropping = _Dropping()
     publisher._publisher = dropping  # type: ignore[assignment]
     publisher.enable = lambda *a, **k: dropping  # type: ignore[assignment]
-    dispatch.outbox_publish_fast = lambda **k: None  # type: ignore[assignment]
+    dispatch.outbox_publish_fast = lambda item: None  # type: ignore[assignment]
     import project.asgi
     from conversion_jobs.api.auth import token_mint
 

@@ -51,7 +51,7 @@ def main() -> None:
     from conversion_jobs.states import State
     from conversion_jobs.store import jobs, prepared
 
-    dispatch.outbox_publish_fast = lambda **k: None  # type: ignore[assignment]
+    dispatch.outbox_publish_fast = lambda item: None  # type: ignore[assignment]
     keep, kept, direct = prepared._keep, prepared._kept_cursor, jobs.job_insert_params
 
     def by_fields(job: ConversionJob) -> dict[str, Any]:

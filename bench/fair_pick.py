@@ -64,7 +64,7 @@ def main() -> int:
             "lost": float(q["FAIR_LOST_S"]),
             "ttl": float(q["FAIR_SLOT_TTL_S"]),
         }
-        dispatch.outbox_publish_fast = lambda **_kw: True  # type: ignore[assignment]
+        dispatch.outbox_publish_fast = lambda _item: True  # type: ignore[assignment]
 
         def accept() -> None:
             c.submit_job(tenant="bench")

@@ -50,41 +50,23 @@ def outbox_publish_after_commit(
     and the unit goes with the pick that the next slot freed wakes (``relay_wake.py``)."""
     if sent:
         transaction.on_commit(lambda: metrics.FAIR_SENT_AT_ACCEPTANCE.inc())
+    item = publisher.Pending(
+        outbox_id, job_id, generation, traceparent, page_range, sent=sent, no_credit=no_credit
+    )
     background = publisher.current() if page_range is None else None
     if background is not None:
-        item = publisher.Pending(
-            outbox_id, job_id, generation, traceparent, sent=sent, no_credit=no_credit
-        )
         transaction.on_commit(lambda: background.submit(item))
         return
-    transaction.on_commit(
-        lambda: outbox_publish_fast(
-            outbox_id=outbox_id,
-            job_id=job_id,
-            generation=generation,
-            traceparent=traceparent,
-            page_range=page_range,
-            sent=sent,
-            no_credit=no_credit,
-        )
-    )
+    transaction.on_commit(lambda: outbox_publish_fast(item))
 
 
-def outbox_publish_fast(
-    *,
-    outbox_id: int,
-    job_id: uuid.UUID,
-    generation: int,
-    traceparent: str,
-    page_range: RangeRef | None = None,
-    sent: bool = False,
-    no_credit: bool = False,
-) -> bool:
+def outbox_publish_fast(item: publisher.Pending) -> bool:
     """Publish one freshly committed row. Never raises: a failure leaves the row unpublished
     for the sweeper, so the request that committed it is never failed or delayed past the
     confirm timeout. With fair dispatch the commit runs a fair pick instead, which on an idle
     system sends this very row (``fair.py``), unless the acceptance sent it already (``sent``:
     published as the pick's units are) or found no free credit (``no_credit``: nothing)."""
+    outbox_id, job_id, generation, traceparent, page_range, sent, no_credit = item
     if sent:
         unit = fair.Unit.sent_at_acceptance(outbox_id, job_id, generation, traceparent)
         return fair.publish_quietly([unit], path="fast") > 0

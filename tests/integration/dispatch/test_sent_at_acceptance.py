@@ -57,9 +57,9 @@ def handed(monkeypatch: pytest.MonkeyPatch) -> dict[str, bool]:
     seen: dict[str, bool] = {}
     real = dispatch.outbox_publish_fast
 
-    def record(**kw: Any) -> bool:
-        seen[str(kw["job_id"])] = kw["sent"]
-        return real(**kw)
+    def record(item: Any) -> bool:
+        seen[str(item.job_id)] = item.sent
+        return real(item)
 
     monkeypatch.setattr(dispatch, "outbox_publish_fast", record)
     return seen
