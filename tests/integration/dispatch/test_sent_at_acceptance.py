@@ -24,7 +24,7 @@ from conversion_jobs.models import (
     TenantShare,
 )
 from conversion_jobs.observability import metrics
-from conversion_jobs.services import dispatch, fair
+from conversion_jobs.services import broker, dispatch, fair
 from conversion_jobs.states import State
 from conversion_jobs.store import jobs as jobs_store
 from conversion_jobs.store.fair import PICK_LOCK
@@ -107,6 +107,28 @@ def test_accept__an_idle_system_sends_its_own_unit_without_a_pick(
     share = TenantShare.objects.get(tenant="a")
     assert share.vtime == pytest.approx(clock + max(fresh.dispatch_cost, 1))
     assert DispatchClock.objects.get(id=1).vclock == pytest.approx(clock)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_accept__a_unit_sent_at_acceptance_that_the_broker_refuses_waits_again(
+    capacity: Any, tmp_path: Path, handed: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _needs_postgres()
+    capacity(2)
+
+    def refuse(**_kw: Any) -> None:
+        raise ConnectionRefusedError
+
+    monkeypatch.setattr(broker, "publish_conversion", refuse)
+    job = _accept(tmp_path)
+    assert handed[str(job.id)]  # sent by its acceptance, then refused by the broker
+    row = ConversionOutbox.objects.get(job=job)
+    assert (row.published_at, row.last_error_code) == (None, "broker_unreachable")
+    assert ConversionJob.objects.get(id=job.id).dispatched_at is None  # its credit is back
+    sent: list[Any] = []
+    monkeypatch.setattr(broker, "publish_conversion", lambda **kw: sent.append(kw))
+    assert fair.relay_if_waiting(limit=10, path="sweep") == 1  # the sweep's pick sends it
+    assert [kw["job_id"] for kw in sent] == [job.id]
 
 
 @pytest.mark.django_db(transaction=True)
