@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
-from django.db import connection, connections, transaction
+from django.db import connection, connections
 from django.utils import timezone
 
 from conversion_jobs.models import (
@@ -26,7 +25,6 @@ from conversion_jobs.models import (
 from conversion_jobs.observability import metrics
 from conversion_jobs.services import broker, dispatch, fair
 from conversion_jobs.states import State
-from conversion_jobs.store import jobs as jobs_store
 from conversion_jobs.store.fair import PICK_LOCK
 from tests import testdocs
 from tests.integration.execution.jobkit import submit, unique_text
@@ -288,68 +286,3 @@ def test_accept__acceptances_and_picks_at_once_never_exceed_the_credits(
         assert queued.filter(dispatched_at__isnull=False).count() == credits, round_
         sent = [p[0] for p in no_broker_publish]
         assert len(sent) == len(set(sent)) == credits * (round_ + 1), round_
-
-
-def _job_rows_read(run: Any) -> int:
-    """``conversion_job`` rows ``run()`` read (``pg_stat_xact_user_tables``: this transaction's
-    own counts); what it wrote is rolled back."""
-    sql = (
-        "SELECT COALESCE(seq_tup_read, 0) + COALESCE(idx_tup_fetch, 0)"
-        " FROM pg_stat_xact_user_tables WHERE relname = 'conversion_job'"
-    )
-    with transaction.atomic():
-        with connection.cursor() as cursor:
-            cursor.execute(sql)
-            before = cursor.fetchone()[0]
-            run()
-            cursor.execute(sql)
-            after = cursor.fetchone()[0]
-        transaction.set_rollback(True)
-    return int(after - before)
-
-
-@pytest.mark.django_db(transaction=True)
-def test_plans_made_on_a_new_table_count_only_the_sent_jobs(
-    capacity: Any, make_job: Any, no_broker_publish: Any
-) -> None:
-    """A new deployment: the acceptance (prepared once per connection) and the pick (plpgsql,
-    a generic plan) are planned while ``conversion_job`` is empty and never analyzed, and keep
-    their plans. Their count of sent, unclaimed jobs must still read ``job_dispatched_queued``,
-    not every queued job (migration 0021; ADR 0021 "Sent at acceptance")."""
-    _needs_postgres()
-    capacity(1)
-    with connection.cursor() as cursor:
-        cursor.execute("TRUNCATE conversion_job CASCADE")
-    connection.close()  # a connection with no plan kept yet
-
-    def accept() -> None:
-        job = make_job(state=State.QUEUED)  # a template; the acceptance inserts its twin
-        ConversionJob.objects.filter(id=job.id).delete()
-        job.id, job.source_sha256 = uuid.uuid4(), uuid.uuid4().hex * 2
-        new = jobs_store.NewJob(job, "tester", None, "f" * 64, {}, b"x", engine_version="e")
-        jobs_store.insert_queued(new, send_if_idle=True)
-
-    for _ in range(6):  # past the custom plans: the generic one is chosen on a tiny table
-        _job_rows_read(accept)
-        _job_rows_read(lambda: fair.pick(limit=1))
-    ConversionJob.objects.bulk_create(
-        [ConversionJob(**_queued_fields(i)) for i in range(1500)], batch_size=500
-    )
-    assert _job_rows_read(accept) < 100
-    assert _job_rows_read(lambda: fair.pick(limit=1)) < 100
-
-
-def _queued_fields(i: int) -> dict[str, Any]:
-    sha = uuid.uuid4().hex * 2
-    return {
-        "tenant": f"backlog-{i % 3}",
-        "state": State.QUEUED,
-        "source_key": f"sources/{sha[:2]}/{sha}",
-        "source_sha256": sha,
-        "source_size": 10,
-        "source_media_type": "application/pdf",
-        "output": "text",
-        "options": {},
-        "options_digest": uuid.uuid4().hex,
-        "queued_at": timezone.now(),
-    }
