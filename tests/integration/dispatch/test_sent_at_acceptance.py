@@ -65,6 +65,15 @@ def handed(monkeypatch: pytest.MonkeyPatch) -> dict[str, bool]:
     return seen
 
 
+@pytest.fixture
+def picks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The limit of every fair pick this process runs (the pick still runs)."""
+    seen: list[int] = []
+    real = fair.pick
+    monkeypatch.setattr(fair, "pick", lambda *, limit: seen.append(limit) or real(limit=limit))
+    return seen
+
+
 def _sent(job: ConversionJob, handed: dict[str, bool]) -> bool:
     """Written sent by its acceptance: so said to the fast path, and the rows agree."""
     if not handed[str(job.id)]:
@@ -78,16 +87,11 @@ def test_accept__an_idle_system_sends_its_own_unit_without_a_pick(
     capacity: Any,
     tmp_path: Path,
     no_broker_publish: Any,
-    monkeypatch: pytest.MonkeyPatch,
     handed: Any,
+    picks: list[int],
 ) -> None:
     _needs_postgres()
     capacity(2)
-    picks: list[int] = []
-    real_pick = fair.pick
-    monkeypatch.setattr(
-        fair, "pick", lambda *, limit: picks.append(limit) or real_pick(limit=limit)
-    )
     before = metrics.FAIR_SENT_AT_ACCEPTANCE._value.get()
     clock = DispatchClock.objects.get(id=1).vclock
     job = _accept(tmp_path)
@@ -136,15 +140,10 @@ def test_accept__the_unit_waits_for_the_pick_when_another_waits_or_no_credit_is_
     no_broker_publish: Any,
     unit: Any,
     handed: Any,
-    monkeypatch: pytest.MonkeyPatch,
+    picks: list[int],
 ) -> None:
     _needs_postgres()
     capacity(2)
-    picks: list[int] = []
-    real_pick = fair.pick
-    monkeypatch.setattr(
-        fair, "pick", lambda *, limit: picks.append(limit) or real_pick(limit=limit)
-    )
     # another tenant's unit waits (a pick would weigh both): left to the pick, which sends both
     other = unit("b")
     first = _accept(tmp_path)
