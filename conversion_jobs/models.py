@@ -77,6 +77,10 @@ class ConversionJob(models.Model):
     dispatched_at = models.DateTimeField(null=True, blank=True)
     #: The fence: set at claim, cleared when the lease ends. ``worker_lease`` holds its expiry.
     lease_token = models.UUIDField(null=True, blank=True)
+    #: The lease of an attempt that stepped aside (ADR 0022): while it equals ``lease_token``
+    #: the job's slot is handed back (the fair relay's busy count skips it). Never cleared: the
+    #: next claim's new token ends it.
+    aside_lease = models.UUIDField(null=True, blank=True)
     traceparent = models.CharField(max_length=64, blank=True, default="")
 
     result_key = models.CharField(max_length=128, null=True, blank=True)

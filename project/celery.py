@@ -20,6 +20,7 @@ import threading
 
 from celery import Celery
 from celery.signals import celeryd_after_setup, worker_process_init, worker_process_shutdown
+from celery.utils.log import current_process_index
 from celery.worker.consumer import Consumer
 from django.conf import settings
 
@@ -113,16 +114,18 @@ def _conversion_slots(sender: str, instance: object, **_: object) -> None:
     consumes conversions offers each pool process as a slot to the fair relay."""
     from django.conf import settings
 
-    global _CONVERSION_SLOTS
+    global _CONVERSION_SLOTS, _POOL_SLOTS
     queues = instance.app.amqp.queues  # type: ignore[attr-defined]
     if settings.CONVERSION_QUEUE not in queues.consume_from:
         return
     _CONVERSION_SLOTS = True
+    concurrency = int(getattr(instance, "concurrency", 1) or 1)
+    _POOL_SLOTS = max(1, concurrency - settings.QUIRE["WORKER_SPARES"])
     if "prefork" not in _pool_name(instance):
         # No forked pool processes to announce themselves: this process has all the slots.
         from conversion_jobs.services import fair
 
-        fair.slot_beat_start(slots=int(getattr(instance, "concurrency", 1) or 1))
+        fair.slot_beat_start(slots=_POOL_SLOTS)
 
 
 @celeryd_after_setup.connect
@@ -141,6 +144,10 @@ def _relay_wake(sender: str, instance: object, **_: object) -> None:
 #: This worker consumes conversions: each of its pool processes is a slot the fair relay may
 #: fill (conversion_jobs/services/fair.py). Set before the pool forks, so children inherit it.
 _CONVERSION_SLOTS = False
+#: Of the pool's processes, those with an index below this are slots; the others
+#: (``QUIRE_WORKER_SPARES``) are spares, announced with 0 slots: the relay fills one only
+#: while an attempt stepped aside (ADR 0022).
+_POOL_SLOTS = 1
 
 
 @worker_process_init.connect
@@ -148,7 +155,8 @@ def _announce_conversion_slot(**_: object) -> None:
     if _CONVERSION_SLOTS:
         from conversion_jobs.services import fair
 
-        fair.slot_beat_start()
+        index = current_process_index(base=0) or 0
+        fair.slot_beat_start(slots=1 if index < _POOL_SLOTS else 0)
 
 
 @worker_process_shutdown.connect

@@ -415,6 +415,14 @@ QUIRE: dict[str, Any] = {
     # past its slice, how often a running unit asks whether another tenant waits (at a page
     # boundary): the longest another tenant waits for a yield, beyond the page in progress
     "FAIR_CHECK_S": env_float("QUIRE_FAIR_CHECK_S", 0.1),
+    # Stepping aside (ADR 0022): a LibreOffice conversion still running after this long, while
+    # a unit waits and a spare pool process is free, hands its slot back and goes on at the
+    # lowest CPU priority, its limit then the CPU time QUIRE_PREPARE_TIMEOUT_S (a wall clock
+    # cap of WALL_FACTOR x that); 0: never. WORKER_SPARES: how many of a worker's pool processes
+    # (the last by index) are spares, not slots (the Procfile runs concurrency + spares).
+    "STEP_ASIDE_AFTER_S": env_float("QUIRE_STEP_ASIDE_AFTER_S", 1.0),
+    "STEP_ASIDE_WALL_FACTOR": env_float("QUIRE_STEP_ASIDE_WALL_FACTOR", 4.0),
+    "WORKER_SPARES": env_int("QUIRE_WORKER_SPARES", 0),
     # the window of the per-tenant page-share gauge and admin page
     "FAIR_SHARE_WINDOW_S": env_float("QUIRE_FAIR_SHARE_WINDOW_S", 300.0),
     "SWEEP_INTERVAL_S": env_float("QUIRE_SWEEP_INTERVAL_S", 1.0),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
@@ -111,6 +111,9 @@ class PrepareRequest:
     should_stop: Callable[[], bool]
     options: dict | None = None
     first: FirstPages | None = None
+    #: Hand this attempt's worker slot back while a long conversion goes on at the lowest CPU
+    #: priority (ADR 0022, "Stepping aside"); True when it was. None: the attempt keeps its slot.
+    step_aside: Callable[[], bool] | None = None
 
     def pages(self, prepared: Prepared, *, output: str, inline_max_bytes: int = 0) -> PageRequest:
         """The request of the prepared document's pages in ``output``: into this work dir,
@@ -182,9 +185,9 @@ class Converter(Protocol):
         ...
 
 
-def process_group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes whose process group is ``pgid``, from /proc."""
-    members = []
+def _group_stats(pgid: int) -> Iterator[tuple[int, list[bytes]]]:
+    """(pid, the fields of its ``/proc/<pid>/stat`` after the command name) of each live
+    (non-zombie) process whose process group is ``pgid``."""
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -197,5 +200,41 @@ def process_group_members(pgid: int) -> list[int]:
         fields = stat[stat.rfind(b")") + 2 :].split()
         state, pgrp = fields[0], int(fields[2])
         if pgrp == pgid and state not in (b"Z", b"X"):
-            members.append(int(entry.name))
-    return members
+            yield int(entry.name), fields
+
+
+def process_group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes whose process group is ``pgid``, from /proc."""
+    return [pid for pid, _ in _group_stats(pgid)]
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def process_group_cpu_s(pgid: int) -> float:
+    """CPU seconds (user and system) used by the live members of group ``pgid`` and by the
+    children they reaped, from /proc (``utime`` .. ``cstime``)."""
+    ticks = sum(sum(int(f) for f in fields[11:15]) for _, fields in _group_stats(pgid))
+    return ticks / _CLOCK_TICKS
+
+
+def process_group_idle(pgid: int) -> int:
+    """Move every thread of group ``pgid`` to ``SCHED_IDLE`` (it runs only when a core has
+    nothing else to run; threads they start inherit it), or where that is refused to nice 19.
+    Returns how many threads were moved."""
+    moved = 0
+    for pid, _ in _group_stats(pgid):
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            except OSError:
+                try:
+                    os.setpriority(os.PRIO_PROCESS, tid, 19)
+                except OSError:
+                    continue  # gone meanwhile
+            moved += 1
+    return moved

@@ -11,6 +11,8 @@ process group killed with SIGKILL and its private directory removed — when:
 * a conversion failed in any way, structured error included (``failure``), ran past its time
   limit (``timeout``; the attempt is charged ``conversion_timeout``), was stopped by a
   cancellation or a lost lease (``stopped``), or the host died (``crashed``);
+* a conversion stepped aside (``stepped_aside``: its threads run at the lowest priority,
+  ``aside.py``);
 * it sat idle past ``MAX_IDLE_S`` (``idle``; its watchdog would end it anyway), the limits
   changed (``settings``), or it could not start (``start_failed``).
 
@@ -27,12 +29,12 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from conversion_jobs.observability import metrics
 
+from .aside import AsideSettings, ConversionClock
 from .base import Limits, PrepareRequest
 from .errors import (
     ConversionError,
@@ -53,6 +55,8 @@ class EngineSettings:
     max_rss_bytes: int = 800 * 1024 * 1024
     #: where engine hosts keep their private directories (profile, temporary files)
     scratch_dir: Path | None = None
+    #: when a long conversion hands its worker slot back (ADR 0022, "Stepping aside")
+    aside: AsideSettings = field(default_factory=AsideSettings)
 
     @property
     def warm(self) -> bool:
@@ -156,7 +160,7 @@ def _host_for(*, scratch_dir: Path, limits: Limits) -> _Host:
     return _host
 
 
-def _start_engine(host: _Host, *, limits: Limits, should_stop: Callable[[], bool]) -> None:
+def _start_engine(host: _Host, *, clock: ConversionClock) -> None:
     """Start LibreOffice in ``host`` if it is not running (caller holds the lock)."""
     if host.engine_started:
         return
@@ -165,8 +169,8 @@ def _start_engine(host: _Host, *, limits: Limits, should_stop: Callable[[], bool
         started = host.session.call(
             "office_engine_start",
             {},
-            timeout_s=limits.prepare_timeout_s,
-            should_stop=should_stop,
+            timeout_s=clock.begin(),
+            should_stop=clock.should_stop,
         )
     except BaseException:
         _recycle("start_failed")
@@ -192,13 +196,14 @@ def convert(
     ``{"page_count", "engine_rss", "engine_started"}``; raises the conversion's ConversionError
     (the engine is then recycled)."""
     source, media_type = request.source, request.media_type
-    limits, should_stop = request.limits, request.should_stop
+    limits = request.limits
     settings = _settings
     if settings.scratch_dir is None:
         raise RuntimeError("warm engines are not configured")
     with _lock:
         host = _host_for(scratch_dir=settings.scratch_dir, limits=limits)
         session = host.session
+        clock = ConversionClock(request, settings.aside, pgid=lambda: session.pgid)
         args: dict = {}
         refused = False
         try:
@@ -215,19 +220,19 @@ def convert(
                 scan = session.call(
                     "office_scan",
                     {"path": args["path"], "media_type": media_type},
-                    timeout_s=limits.prepare_timeout_s,
-                    should_stop=should_stop,
+                    timeout_s=clock.begin(),
+                    should_stop=clock.should_stop,
                 )
             except (InputTooLarge, InvalidInput):
                 refused = True  # only the host's Python read it; LibreOffice never did
                 raise
             args["has_text"] = scan["has_text"]
-            _start_engine(host, limits=limits, should_stop=should_stop)
+            _start_engine(host, clock=clock)
             result = session.call(
                 "office_engine_convert",
                 args,
-                timeout_s=limits.prepare_timeout_s,
-                should_stop=should_stop,
+                timeout_s=clock.begin(),
+                should_stop=clock.should_stop,
             )
             session.hand_out(Path(result["document"]), dest)
         except ConversionTimeout:
@@ -251,7 +256,9 @@ def convert(
                 if "path" in args:  # the handed-in copy (a refused one too)
                     Path(args["path"]).unlink(missing_ok=True)
         host.conversions += 1
-        if host.conversions >= settings.max_conversions:
+        if clock.aside:
+            _recycle("stepped_aside")  # its threads keep SCHED_IDLE (converters/aside.py)
+        elif host.conversions >= settings.max_conversions:
             _recycle("max_conversions")
         elif int(result.get("engine_rss") or 0) > settings.max_rss_bytes:
             _recycle("memory")

@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from . import engines
+from .aside import ConversionClock
 from .base import (
     BODY,
     DEFAULT_DPI,
@@ -336,7 +337,7 @@ class OfficeConverter(_ChildPages):
 
     def prepare(self, request: PrepareRequest) -> Prepared:
         source, media_type, workdir = request.source, request.media_type, request.workdir
-        limits, should_stop = request.limits, request.should_stop
+        limits = request.limits
         _check_magic(source, media_type)
         options = request.options or {}
         password = options.get("password")
@@ -358,11 +359,14 @@ class OfficeConverter(_ChildPages):
             with fresh_child() as session:
                 session.setup(limits=limits, scratch_dir=workdir)
                 copy = session.hand_in(source)
+                clock = ConversionClock(
+                    request, engines.current_settings().aside, pgid=lambda: session.pgid
+                )
                 scan = session.call(
                     "office_scan",
                     {"path": str(copy), "media_type": media_type},
-                    timeout_s=limits.prepare_timeout_s,
-                    should_stop=should_stop,
+                    timeout_s=clock.begin(),
+                    should_stop=clock.should_stop,
                 )
                 args = {
                     "path": str(copy),
@@ -375,8 +379,8 @@ class OfficeConverter(_ChildPages):
                 result = session.call(
                     "office_prepare" if password is None else "office_engine_convert",
                     args,
-                    timeout_s=limits.prepare_timeout_s,
-                    should_stop=should_stop,
+                    timeout_s=clock.begin(),
+                    should_stop=clock.should_stop,
                     fault=fault,
                 )
                 session.hand_out(Path(result["document"]), document)

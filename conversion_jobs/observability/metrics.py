@@ -24,6 +24,10 @@ FAIR_SENT_AT_ACCEPTANCE = Counter(
     "Jobs whose acceptance sent their unit itself (an idle system: no pick before the publish)",
 )
 FAIR_YIELDS = Counter("quire_fair_yields", "Attempts that yielded their worker at a slice's end")
+FAIR_STEPPED_ASIDE = Counter(
+    "quire_fair_stepped_aside",
+    "Attempts that handed their slot back during a long LibreOffice conversion",
+)
 REDISPATCHES = Counter("quire_redispatches", "Jobs dispatched again", ["reason"])
 DUPLICATE_DELIVERIES = Counter(
     "quire_duplicate_deliveries", "Deliveries acked without work", ["reason"]

@@ -66,6 +66,7 @@ from conversion_jobs.models import (
 )
 from conversion_jobs.observability import gauges, metrics
 from conversion_jobs.services import broker
+from conversion_jobs.services.leases import Lease
 from conversion_jobs.store import fair as fair_store
 from conversion_jobs.store import notify
 
@@ -403,6 +404,29 @@ def outbox_rows_retire_superseded(*, batch: int) -> int:
     return ConversionOutbox.objects.filter(id__in=ids, published_at__isnull=True).update(
         published_at=Now(), last_error_code="superseded"
     )
+
+
+# --- stepping aside (ADR 0022) -------------------------------------------------------------------
+
+
+def step_aside(lease: Lease) -> bool:
+    """The attempt holding ``lease`` hands its slot back for the rest of a long conversion
+    (``store.fair.STEP_ASIDE``: fenced, at most one attempt per spare pool process, only while
+    a unit waits), and the relay is woken to fill it. False (keep the slot and ask again later)
+    when it may not, or when the database cannot say: the conversion goes on either way."""
+    try:
+        stepped = fair_store.step_aside(job_id=lease.job_id, lease=lease.token)
+    except Exception as exc:
+        log.warning("step aside failed", extra={"error": type(exc).__name__})
+        close_old_connections()
+        return False
+    if stepped:
+        metrics.FAIR_STEPPED_ASIDE.inc()
+        if settings.STANDALONE:
+            relay_quietly(path="fast")
+        else:
+            wake()
+    return stepped
 
 
 # --- worker slots ---------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from django.db import transaction
 
 from conversion_jobs import converters, storage
 from conversion_jobs.converters import ConversionError, ConversionStopped, Limits
+from conversion_jobs.converters.aside import AsideSettings
 from conversion_jobs.converters.base import PAGE_EXT, RESULT_EXT, ZIP, PageRequest
 from conversion_jobs.converters.engines import EngineSettings, configure
 from conversion_jobs.converters.errors import SourceMissing
@@ -88,6 +89,10 @@ def engine_settings_from_settings() -> EngineSettings:
         max_conversions=settings.QUIRE["OFFICE_ENGINE_MAX_CONVERSIONS"],
         max_rss_bytes=settings.QUIRE["OFFICE_ENGINE_MAX_RSS_MB"] * 1024 * 1024,
         scratch_dir=Path(settings.QUIRE["WORK_DIR"]) / ".engines",
+        aside=AsideSettings(
+            after_s=settings.QUIRE["STEP_ASIDE_AFTER_S"],
+            wall_factor=settings.QUIRE["STEP_ASIDE_WALL_FACTOR"],
+        ),
     )
 
 
@@ -393,6 +398,7 @@ def _convert(
         options=options,
         workdir=workdir,
         stop=heartbeat.stop.is_set,
+        step_aside=functools.partial(fair.step_aside, lease) if fair.enabled() else None,
         # A first run converts its selected pages from the first on: the prepare asks for them
         # in its own request (a resumed attempt first reads which pages are done, so it does
         # not; nor does a job its acceptance estimate says will fan out: its planner converts
@@ -454,6 +460,7 @@ def _prepared(
     workdir: Path,
     stop: Callable[[], bool],
     first: Sequence[int],
+    step_aside: Callable[[], bool] | None = None,
 ) -> PageRequest:
     """The ``source`` document prepared (``first``: the pages to ask for with the prepare) and
     the request of its pages: this job's output and options, the work dir, the limits, the
@@ -471,6 +478,7 @@ def _prepared(
         should_stop=stop,
         options=options,
         first=first_pages,
+        step_aside=step_aside,
     )
     prepared = converter.prepare(request)
     return request.pages(prepared, output=job.output, inline_max_bytes=inline_max)

@@ -73,6 +73,7 @@ seen AS (
                SELECT COALESCE(sum(w.slots), 0) FROM worker_slot w
                WHERE w.seen_at > now() - make_interval(secs => %(f_ttl)s::float8)) END)
         > (SELECT count(*) FROM conversion_job j WHERE j.state IN ('running', 'cancelling')
+             AND j.aside_lease IS DISTINCT FROM j.lease_token
              AND NOT EXISTS (SELECT 1 FROM job_range r WHERE r.job_id = j.id
                              AND r.job_generation = j.generation
                              AND r.state IN ('queued', 'running')))
@@ -179,7 +180,11 @@ def busy_by_tenant() -> dict[str, int]:
         job_generation=OuterRef("generation"),
         state__in=[RangeState.QUEUED, RangeState.RUNNING],
     )
-    leased = ConversionJob.objects.filter(state__in=LEASED_STATES).exclude(Exists(live_ranges))
+    leased = (
+        ConversionJob.objects.filter(state__in=LEASED_STATES)
+        .exclude(Exists(live_ranges))
+        .exclude(aside_lease=F("lease_token"))  # stepped aside: its slot is handed back
+    )
     sent = ConversionJob.objects.filter(
         state=State.QUEUED,
         dispatched_at__gt=lost,
@@ -198,6 +203,51 @@ def busy_by_tenant() -> dict[str, int]:
     ):
         busy[tenant] += n
     return dict(busy)
+
+
+# --- stepping aside (ADR 0022) -----------------------------------------------------------------
+
+#: An attempt in a long conversion hands its slot back: fenced on its lease, only while the
+#: job runs, while fewer attempts are aside than spare pool processes announced themselves
+#: (``worker_slot`` rows of 0 slots within the slot TTL: every unit the relay sends then finds
+#: a process), and while a unit waits (on an idle system there is nothing to hand the slot to).
+#: Run under the pick's advisory lock, so that two attempts never take one spare.
+STEP_ASIDE = """
+UPDATE conversion_job j SET aside_lease = j.lease_token
+WHERE j.id = %(job)s AND j.lease_token = %(lease)s AND j.state = 'running'
+  AND (SELECT count(*) FROM conversion_job a
+       WHERE a.state IN ('running', 'cancelling') AND a.aside_lease = a.lease_token)
+    < (SELECT count(*) FROM worker_slot w
+       WHERE w.slots = 0 AND w.seen_at > now() - make_interval(secs => %(ttl)s::float8))
+  AND EXISTS (SELECT 1 FROM conversion_outbox o WHERE o.published_at IS NULL)
+"""
+
+
+def step_aside(*, job_id: uuid.UUID, lease: uuid.UUID) -> bool:
+    """``STEP_ASIDE`` (SQLite: its ORM twin under the database's write lock): True when the
+    attempt holding ``lease`` on ``job_id`` handed its slot back (or already had)."""
+    ttl = float(settings.QUIRE["FAIR_SLOT_TTL_S"])
+    with transaction.atomic():
+        if ConversionJob.objects.filter(id=job_id, aside_lease=lease, lease_token=lease).exists():
+            return True
+        if db.postgres():
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_advisory_xact_lock(%s)", [PICK_LOCK])
+                cursor.execute(STEP_ASIDE, {"job": job_id, "lease": lease, "ttl": ttl})
+                return cursor.rowcount == 1
+        since = timezone.now() - timedelta(seconds=ttl)
+        aside = ConversionJob.objects.filter(
+            state__in=LEASED_STATES, aside_lease=F("lease_token")
+        ).count()
+        spares = WorkerSlot.objects.filter(slots=0, seen_at__gt=since).count()
+        if aside >= spares or not anything_unsent():
+            return False
+        return (
+            ConversionJob.objects.filter(id=job_id, lease_token=lease, state=State.RUNNING).update(
+                aside_lease=lease
+            )
+            == 1
+        )
 
 
 def anything_unsent() -> bool:

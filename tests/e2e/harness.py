@@ -313,6 +313,12 @@ def procfile_command(kind: str, env: dict[str, str]) -> list[str]:
         return arg if op == ":-" else ""
 
     expanded = re.sub(r"\$\{(\w+)(?:(:-|:\?)([^}]*))?\}", expand, command.strip())
+    # ... and $(( a + b )), the worker's pool size (its slots plus its spares)
+    expanded = re.sub(
+        r"\$\(\(\s*(\d+)\s*\+\s*(\d+)\s*\)\)",
+        lambda m: str(int(m.group(1)) + int(m.group(2))),
+        expanded,
+    )
     return shlex.split(expanded)
 
 
@@ -470,6 +476,8 @@ class Cluster:
 
     def worker(self, **env: str) -> Proc:
         env.setdefault("WORKER_CONCURRENCY", "1")
+        # no spare pool process unless a test asks for one (ADR 0022, "Stepping aside")
+        env.setdefault("QUIRE_WORKER_SPARES", "0")
         return self.start("worker", **env)
 
     def sweeper(self, **env: str) -> Proc:

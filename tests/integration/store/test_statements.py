@@ -43,6 +43,7 @@ from conversion_jobs.models import (
     WebhookEndpoint,
     WebhookMessage,
     WorkerLease,
+    WorkerSlot,
 )
 from conversion_jobs.services import transitions
 from conversion_jobs.services.audit import audit_chain_verify
@@ -815,3 +816,43 @@ def test_fair_others_unsent__sees_other_tenants_rows_on_both_sides_never_the_ask
     assert not fair.others_unsent(tenant="m")  # sent: not waiting
     _unit(make_job, tenant="z")
     assert fair.others_unsent(tenant="m")
+
+
+def _spare(name: str = "host:9") -> None:
+    WorkerSlot.objects.create(name=name, slots=0, seen_at=timezone.now())
+
+
+def test_fair_step_aside__fenced_one_per_spare_only_while_a_unit_waits(path, make_job, fair_slots):
+    """``STEP_ASIDE``: the holder of the lease hands its slot back (the busy count and the pick
+    skip it) while a unit waits and a spare is free; a stranger, a second attempt with one
+    spare, and an attempt with nothing waiting get False and write nothing."""
+    assert "aside_lease" in fair.STEP_ASIDE
+    first, second = _claimed(make_job, tenant="t"), _claimed(make_job, tenant="t")
+    assert fair.busy_by_tenant() == {"t": 2}
+    step = fair.step_aside
+    assert not step(job_id=first.job_id, lease=first.token)  # no spare announced
+    _spare()
+    assert not step(job_id=first.job_id, lease=first.token)  # nothing waits
+    _unit(make_job, tenant="u")
+    assert not step(job_id=first.job_id, lease=_stranger(first).token)  # not its holder
+    assert ConversionJob.objects.get(id=first.job_id).aside_lease is None
+    assert step(job_id=first.job_id, lease=first.token)
+    assert step(job_id=first.job_id, lease=first.token)  # again: it already has
+    assert not step(job_id=second.job_id, lease=second.token)  # the one spare is taken
+    assert fair.busy_by_tenant() == {"t": 1}
+    assert [p.tenant for p in fair.pick(limit=10)] == ["u"]  # 3 slots, 1 busy, 1 sent now
+    _spare("host:10")
+    assert not step(job_id=second.job_id, lease=second.token)  # sent: nothing waits again
+    _unit(make_job, tenant="v")
+    assert step(job_id=second.job_id, lease=second.token)
+    assert fair.busy_by_tenant() == {"u": 1}
+
+
+def test_fair_step_aside__ends_with_the_lease(path, make_job, fair_slots):
+    """A new claim's token ends the mark without a write: the job's slot counts again."""
+    lease = _claimed(make_job, tenant="t")
+    _spare()
+    _unit(make_job, tenant="u")
+    assert fair.step_aside(job_id=lease.job_id, lease=lease.token)
+    ConversionJob.objects.filter(id=lease.job_id).update(lease_token=uuid.uuid4())
+    assert fair.busy_by_tenant() == {"t": 1}
