@@ -239,6 +239,9 @@ def main() -> int:
         clean_busy = (busy1[0] - busy0[0]) / max(1.0, busy1[1] - busy0[1])
         print(f"clean:  {clean_done} jobs in {clean_s:.1f} s", flush=True)
         worker.stop()  # type: ignore[attr-defined]
+        # Its pool processes' slot rows would count for the TTL (QUIRE_FAIR_SLOT_TTL_S) after
+        # they stopped: the poison phase starts, as the clean one did, with none.
+        c.sql_retry(url, "WITH d AS (DELETE FROM worker_slot RETURNING 1) SELECT count(*) FROM d")
 
         # --- poison ------------------------------------------------------------------------
         normal: list[str] = []

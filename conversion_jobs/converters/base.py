@@ -97,6 +97,16 @@ class FirstPages:
 
 
 @dataclass(frozen=True)
+class StepAside:
+    """The worker's side of stepping aside (ADR 0022): ``ask`` hands the attempt's slot back
+    (True: it was); ``others_wait``, asked while aside, says that other work waits for a slot
+    (True: the conversion pauses)."""
+
+    ask: Callable[[], bool]
+    others_wait: Callable[[], bool]
+
+
+@dataclass(frozen=True)
 class PrepareRequest:
     """What a caller asks of a converter's ``prepare``: open the document ``source`` (accepted
     as ``media_type``) in ``workdir``, under ``limits``, stopping when ``should_stop`` says so;
@@ -111,9 +121,9 @@ class PrepareRequest:
     should_stop: Callable[[], bool]
     options: dict | None = None
     first: FirstPages | None = None
-    #: Hand this attempt's worker slot back while a long conversion goes on at the lowest CPU
-    #: priority (ADR 0022, "Stepping aside"); True when it was. None: the attempt keeps its slot.
-    step_aside: Callable[[], bool] | None = None
+    #: How a long conversion hands this attempt's worker slot back (ADR 0022, "Stepping
+    #: aside"); None: the attempt keeps its slot.
+    step_aside: StepAside | None = None
 
     def pages(self, prepared: Prepared, *, output: str, inline_max_bytes: int = 0) -> PageRequest:
         """The request of the prepared document's pages in ``output``: into this work dir,

@@ -249,6 +249,7 @@ def convert(
             _recycle("failure")
             raise
         finally:
+            clock.end()
             args.pop("password", None)
             if not session.closed:  # nothing of this document stays with the host
                 for folder in ("in", "out"):

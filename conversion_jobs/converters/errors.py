@@ -61,6 +61,11 @@ class ConverterCrashed(ConversionError, code="converter_crashed", retryable=True
     """The converter process crashed (signal, out of memory or unexpected exit)."""
 
 
+class ConversionStarved(ConversionError, code="conversion_starved", retryable=True):
+    """A conversion that stepped aside reached its wall clock cap with less CPU time than its
+    limit: the load starved it. Not a crash: the attempt yields (ADR 0022, "Stepping aside")."""
+
+
 class ConversionStopped(ConversionError, code="conversion_stopped"):
     """The conversion was stopped on request (cancellation, lost lease); not an input fault."""
 

@@ -376,13 +376,16 @@ class OfficeConverter(_ChildPages):
                 }
                 if password is not None:
                     args["password"], args["encrypted"] = password, encrypted
-                result = session.call(
-                    "office_prepare" if password is None else "office_engine_convert",
-                    args,
-                    timeout_s=clock.begin(),
-                    should_stop=clock.should_stop,
-                    fault=fault,
-                )
+                try:
+                    result = session.call(
+                        "office_prepare" if password is None else "office_engine_convert",
+                        args,
+                        timeout_s=clock.begin(),
+                        should_stop=clock.should_stop,
+                        fault=fault,
+                    )
+                finally:
+                    clock.end()
                 session.hand_out(Path(result["document"]), document)
         return Prepared(document=document, media_type=PDF, page_count=result["page_count"])
 

@@ -192,6 +192,7 @@ KNOWN_SERIES: dict[Counter | Histogram, list[dict[str, str]]] = {
             "settings",
             "start_failed",
             "shutdown",
+            "stepped_aside",
         )
     ],
     ENGINE_LIFE_CONVERSIONS: [{"engine": "libreoffice"}],

@@ -37,6 +37,7 @@ its own fast path picks: one statement before the publish instead of one after.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -55,6 +56,7 @@ from django.db.models.functions import Coalesce, Now
 from django.utils import timezone
 
 from conversion_jobs import faults
+from conversion_jobs.converters import StepAside
 from conversion_jobs.models import (
     ConversionJob,
     ConversionOutbox,
@@ -407,6 +409,22 @@ def outbox_rows_retire_superseded(*, batch: int) -> int:
 
 
 # --- stepping aside (ADR 0022) -------------------------------------------------------------------
+
+
+def step_aside_for(lease: Lease) -> StepAside:
+    """What a converter needs to step aside for the attempt holding ``lease``."""
+    return StepAside(ask=functools.partial(step_aside, lease), others_wait=units_waiting)
+
+
+def units_waiting() -> bool:
+    """A unit waits to be sent (``store.fair.anything_unsent``): a conversion aside pauses. False
+    when the database cannot say: it goes on (its CPU limit and wall cap still hold)."""
+    try:
+        return fair_store.anything_unsent()
+    except Exception as exc:
+        log.warning("units waiting: no answer", extra={"error": type(exc).__name__})
+        close_old_connections()
+        return False
 
 
 def step_aside(lease: Lease) -> bool:

@@ -27,7 +27,12 @@ from django.conf import settings
 from django.db import transaction
 
 from conversion_jobs import converters, storage
-from conversion_jobs.converters import ConversionError, ConversionStopped, Limits
+from conversion_jobs.converters import (
+    ConversionError,
+    ConversionStarved,
+    ConversionStopped,
+    Limits,
+)
 from conversion_jobs.converters.aside import AsideSettings
 from conversion_jobs.converters.base import PAGE_EXT, RESULT_EXT, ZIP, PageRequest
 from conversion_jobs.converters.engines import EngineSettings, configure
@@ -230,6 +235,17 @@ def _run(
         return _stopped(lease=lease)
     except _QuarantineFailed as ended:
         return ended.outcome if ended.outcome == "failed" else _stopped(lease=lease)
+    except ConversionStarved:
+        # It stepped aside and the load starved it (ADR 0022): not a crash and not an attempt;
+        # the job goes back into the fair order at its cost.
+        if db_retry(
+            execution.conversion_job_yield,
+            lease=lease,
+            traceparent=job.traceparent,
+            cost=job.dispatch_cost,
+        ):
+            return "yielded"
+        return _stopped(lease=lease)
     except ConversionError as exc:
         code = exc.code
         if quarantine.is_crash(code):
@@ -398,7 +414,7 @@ def _convert(
         options=options,
         workdir=workdir,
         stop=heartbeat.stop.is_set,
-        step_aside=functools.partial(fair.step_aside, lease) if fair.enabled() else None,
+        step_aside=fair.step_aside_for(lease) if fair.enabled() else None,
         # A first run converts its selected pages from the first on: the prepare asks for them
         # in its own request (a resumed attempt first reads which pages are done, so it does
         # not; nor does a job its acceptance estimate says will fan out: its planner converts
@@ -460,7 +476,7 @@ def _prepared(
     workdir: Path,
     stop: Callable[[], bool],
     first: Sequence[int],
-    step_aside: Callable[[], bool] | None = None,
+    step_aside: converters.StepAside | None = None,
 ) -> PageRequest:
     """The ``source`` document prepared (``first``: the pages to ask for with the prepare) and
     the request of its pages: this job's output and options, the work dir, the limits, the
