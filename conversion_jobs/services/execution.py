@@ -116,6 +116,10 @@ def attempt_record_lease_lost(*, lease: Lease) -> None:
     )
 
 
-def conversion_job_yield(*, lease: Lease, traceparent: str, cost: int) -> bool:
+def conversion_job_yield(
+    *, lease: Lease, traceparent: str, cost: int, error_code: str | None = None
+) -> bool:
     """RUNNING -> QUEUED "yielded" (``transitions.yield_slice``). False: lost."""
-    return transitions.yield_slice(lease=lease, traceparent=traceparent, cost=cost)
+    return transitions.yield_slice(
+        lease=lease, traceparent=traceparent, cost=cost, error_code=error_code
+    )

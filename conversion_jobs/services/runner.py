@@ -235,14 +235,16 @@ def _run(
         return _stopped(lease=lease)
     except _QuarantineFailed as ended:
         return ended.outcome if ended.outcome == "failed" else _stopped(lease=lease)
-    except ConversionStarved:
+    except ConversionStarved as exc:
         # It stepped aside and the load starved it (ADR 0022): not a crash and not an attempt;
-        # the job goes back into the fair order at its cost.
+        # the job goes back into the fair order at its cost, and its next attempt keeps its
+        # slot (store.fair.STEP_ASIDE reads the code on the attempt).
         if db_retry(
             execution.conversion_job_yield,
             lease=lease,
             traceparent=job.traceparent,
             cost=job.dispatch_cost,
+            error_code=exc.code,
         ):
             return "yielded"
         return _stopped(lease=lease)

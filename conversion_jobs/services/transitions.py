@@ -628,12 +628,19 @@ def requeue_lost_lease(*, lease: Lease, traceparent: str) -> bool:
 
 
 @edge(State.RUNNING, State.QUEUED, name="yield")
-def yield_slice(*, lease: Lease, traceparent: str, cost: int) -> bool:
+def yield_slice(
+    *, lease: Lease, traceparent: str, cost: int, error_code: str | None = None
+) -> bool:
     """RUNNING -> QUEUED "yielded" (generation + 1, new outbox row of ``cost`` page units): the
     attempt used its fair-share slice while another tenant waits with no free slot
-    (docs/ARCHITECTURE.md §2b). Not a failure and not an attempt: ``attempts`` goes back down,
-    the attempt closes ``yielded``; the job resumes from its checkpoints when the fair order
-    sends it again. Fenced like every worker write. False: lost, nothing written."""
+    (docs/ARCHITECTURE.md §2b), or (``error_code`` ``conversion_starved``, recorded on the
+    attempt) it stepped aside and the load starved it (ADR 0022). Not a failure and not an
+    attempt: ``attempts`` goes back down, the attempt closes ``yielded``; the job resumes from
+    its checkpoints when the fair order sends it again. Fenced like every worker write. False:
+    lost, nothing written."""
+    details: dict[str, Any] = {"attempt": lease.attempt_number, "cost": max(1, cost)}
+    if error_code is not None:
+        details["reason"] = error_code
     with transaction.atomic():
         won = _leave_lease(
             lease,
@@ -641,9 +648,9 @@ def yield_slice(*, lease: Lease, traceparent: str, cost: int) -> bool:
             State.QUEUED,
             values={"attempts": F("attempts") - 1, "dispatch_cost": max(1, cost)},
             outcome=AttemptOutcome.YIELDED,
-            error_code=None,
+            error_code=error_code,
             event_type="yielded",
-            details={"attempt": lease.attempt_number, "cost": max(1, cost)},
+            details=details,
             traceparent=traceparent,
         )
         if won:

@@ -18,6 +18,7 @@ from django.db.models import Count, Exists, F, OuterRef, Q, QuerySet
 from django.utils import timezone
 
 from conversion_jobs.models import (
+    ConversionAttempt,
     ConversionJob,
     ConversionOutbox,
     DispatchClock,
@@ -207,11 +208,16 @@ def busy_by_tenant() -> dict[str, int]:
 
 # --- stepping aside (ADR 0022) -----------------------------------------------------------------
 
+#: The code a starved attempt's yield records on it (``converters.ConversionStarved``).
+STARVED = "conversion_starved"
+
 #: An attempt in a long conversion hands its slot back: fenced on its lease, only while the
 #: job runs, while fewer attempts are aside than spare pool processes announced themselves
 #: (``worker_slot`` rows of 0 slots within the slot TTL: every unit the relay sends then finds
-#: a process), and while a unit waits (on an idle system there is nothing to hand the slot to).
-#: Run under the pick's advisory lock, so that two attempts never take one spare.
+#: a process), while a unit waits (on an idle system there is nothing to hand the slot to),
+#: and never again for a job an earlier attempt of which was starved aside (it yielded once:
+#: now it keeps its slot and converts, so that it ends whatever the load). Run under the
+#: pick's advisory lock, so that two attempts never take one spare.
 STEP_ASIDE = """
 UPDATE conversion_job j SET aside_lease = j.lease_token
 WHERE j.id = %(job)s AND j.lease_token = %(lease)s AND j.state = 'running'
@@ -220,6 +226,8 @@ WHERE j.id = %(job)s AND j.lease_token = %(lease)s AND j.state = 'running'
     < (SELECT count(*) FROM worker_slot w
        WHERE w.slots = 0 AND w.seen_at > now() - make_interval(secs => %(ttl)s::float8))
   AND EXISTS (SELECT 1 FROM conversion_outbox o WHERE o.published_at IS NULL)
+  AND NOT EXISTS (SELECT 1 FROM conversion_attempt a
+                  WHERE a.job_id = j.id AND a.error_code = 'conversion_starved')
 """
 
 
@@ -240,7 +248,8 @@ def step_aside(*, job_id: uuid.UUID, lease: uuid.UUID) -> bool:
             state__in=LEASED_STATES, aside_lease=F("lease_token")
         ).count()
         spares = WorkerSlot.objects.filter(slots=0, seen_at__gt=since).count()
-        if aside >= spares or not anything_unsent():
+        starved = ConversionAttempt.objects.filter(job_id=job_id, error_code=STARVED).exists()
+        if aside >= spares or starved or not anything_unsent():
             return False
         return (
             ConversionJob.objects.filter(id=job_id, lease_token=lease, state=State.RUNNING).update(

@@ -18,7 +18,7 @@ import pytest
 from django.db.models import F
 
 from conversion_jobs import storage
-from conversion_jobs.models import ConversionJob
+from conversion_jobs.models import ConversionAttempt, ConversionJob, DocumentCrash
 from conversion_jobs.services import fair
 from conversion_jobs.services.acceptance import StagedUpload, conversion_job_accept
 from tests import testdocs
@@ -106,3 +106,50 @@ def test_step_aside__the_spare_runs_the_queue_while_libreoffice_converts_at_idle
     row = ConversionJob.objects.get(id=docx.id)
     assert (row.state, row.error_code) == ("failed", "conversion_timeout")
     assert fair.busy_by_tenant() == {}
+
+
+SLOW = {"_test_fault": {"kind": "slow", "seconds": 0.2}}
+
+
+def test_step_aside__starved_by_a_backlog_it_yields_once_then_keeps_its_slot(
+    start, submit, tmp_path
+):
+    """A conversion aside that a backlog keeps paused to its wall clock cap (4 x a 2 s limit)
+    yields ``conversion_starved``: no crash, no attempt counted; the job's next attempt does
+    not step aside again."""
+    env = {**ASIDE, "QUIRE_PREPARE_TIMEOUT_S": "2", "QUIRE_ENABLE_TEST_FAULTS": "1"}
+    start("worker", WORKER_CONCURRENCY="1", QUIRE_WORKER_SPARES="1", **env)
+    start("sweeper", **env)
+    start("beat", **env)
+    harness.wait_until(
+        lambda: fair.capacity() == 1, timeout=20, what="the worker's one slot announced"
+    )
+    docx = _submit_docx(tmp_path, pages=6000)
+    harness.wait_until(
+        lambda: ConversionJob.objects.filter(id=docx.id, state="running").exists(),
+        timeout=30,
+        what="the DOCX claimed",
+    )
+    backlog = [submit(pages=1, options=SLOW, tenant="tenant-b") for _ in range(80)]
+    harness.wait_until(
+        lambda: ConversionAttempt.objects.filter(
+            job_id=docx.id, outcome="yielded", error_code="conversion_starved"
+        ).exists(),
+        timeout=60,
+        what="the DOCX's attempt starved aside, yielded",
+    )
+    assert DocumentCrash.objects.filter(job_id=docx.id).count() == 0
+    harness.wait_until(
+        lambda: ConversionAttempt.objects.filter(job_id=docx.id).count() == 2,
+        timeout=120,
+        what="the DOCX's next attempt",
+    )
+    harness.wait_until(lambda: _finished(docx.id), timeout=120, what="the DOCX's end")
+    row = ConversionJob.objects.get(id=docx.id)
+    second = ConversionAttempt.objects.filter(job_id=docx.id).order_by("id").last()
+    assert second is not None and second.error_code == "conversion_timeout"
+    assert row.aside_lease is not None and row.attempts == 1  # the yield was not an attempt
+    assert (row.state, row.error_code) == ("failed", "conversion_timeout")
+    harness.wait_until(
+        lambda: all(_finished(p.id) for p in backlog), timeout=120, what="the backlog"
+    )

@@ -856,3 +856,14 @@ def test_fair_step_aside__ends_with_the_lease(path, make_job, fair_slots):
     assert fair.step_aside(job_id=lease.job_id, lease=lease.token)
     ConversionJob.objects.filter(id=lease.job_id).update(lease_token=uuid.uuid4())
     assert fair.busy_by_tenant() == {"t": 1}
+
+
+def test_fair_step_aside__never_again_for_a_job_starved_aside_once(path, make_job, fair_slots):
+    """A job whose earlier attempt yielded ``conversion_starved`` keeps its slot from then on."""
+    assert f"'{fair.STARVED}'" in fair.STEP_ASIDE
+    lease = _claimed(make_job, tenant="t")
+    _spare()
+    _unit(make_job, tenant="u")
+    ConversionAttempt.objects.filter(id=lease.attempt_id).update(error_code=fair.STARVED)
+    assert not fair.step_aside(job_id=lease.job_id, lease=lease.token)
+    assert fair.busy_by_tenant() == {"t": 1}
