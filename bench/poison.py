@@ -2,14 +2,21 @@
 crashing documents in the queue against the same run without them, and what the crashing
 documents cost.
 
-    .venv/bin/python bench/poison.py [--n 500] [--resubmissions 50] [--prepare-timeout 5]
-                                     [--office-pages 6000]
+    .venv/bin/python bench/poison.py [--n 500] [--rounds 4] [--resubmissions 50]
+                                     [--prepare-timeout 5] [--office-pages 6000]
 
 One fresh database and throwaway vhost (``bench/_common.py`` ``quire_stack``); the Procfile's
-``beat``, ``sweeper`` and one ``worker`` (``WORKER_CONCURRENCY=2``), production settings but
-``QUIRE_PREPARE_TIMEOUT_S`` (the limit of LibreOffice's conversion, 180 s by default: the
-bench lowers it so that two timeouts fit a run of this length) and
-``QUIRE_ENABLE_TEST_FAULTS=1``.
+``beat``, ``sweeper`` and one ``worker`` (``WORKER_CONCURRENCY=2``: 2 slots, and the Procfile's
+spare pool process), production settings but ``QUIRE_PREPARE_TIMEOUT_S`` (the limit of
+LibreOffice's conversion, 180 s by default: the bench lowers it so that two timeouts fit a run
+of this length) and ``QUIRE_ENABLE_TEST_FAULTS=1``.
+
+``--rounds`` (4) rounds, each a clean and a poison phase, in alternating order (clean first,
+then poison first: over an even number of rounds a steady drift cancels, e.g. the shared
+host's load, or the tables growing by 1,000 jobs a round), each phase on a fresh worker with no
+slot rows left by the last; each round's crashing documents are new bytes. The verdict is on
+the pooled ratio (all normal jobs over all their seconds, poison / clean); the rounds' own
+ratios are printed too.
 
 * phase **clean**: ``--n`` distinct one-page PDF -> text jobs of tenant ``clean``, accepted
   before the worker starts, run to the end. jobs/s = n / (first attempt start -> last finish).
@@ -118,15 +125,15 @@ def _poison_attempts(url: str, job_ids: list[str]) -> tuple[int, float, str]:
     return int(n), float(held), codes
 
 
-def _timeline(url: str, office_ids: list[str], normal: list[str]) -> list[str]:
+def _timeline(url: str, office_ids: list[str], normal: list[str], tenant: str) -> list[str]:
     """Where the office attempts sat in the poison phase: each attempt's start and end in seconds
     from the phase's first attempt start, the normal jobs finished by then, and the normal jobs'
     rate before, during and after the first office attempt (one slot held)."""
     ids = ",".join(f"'{i}'" for i in office_ids)
     normal_ids = ",".join(f"'{i}'" for i in normal)
     t0 = (
-        "(SELECT min(a.started_at) FROM conversion_attempt a JOIN conversion_job j"
-        " ON j.id = a.job_id WHERE j.tenant = 'poisoned')"
+        "(SELECT min(a.started_at) FROM conversion_attempt a JOIN conversion_job j"  # noqa: S608
+        f" ON j.id = a.job_id WHERE j.tenant = '{tenant}')"
     )
     rows = str(
         _scalar(
@@ -184,9 +191,114 @@ def _state(url: str, job_id: object) -> tuple[str, str]:
     return state, code
 
 
+def _office_doc(path: Path, pages: int, salt: str) -> Path:
+    from tests import testdocs
+
+    return testdocs.make_docx(
+        path,
+        paragraphs=[f"Paragraph {i} {salt} " + "lorem ipsum dolor " * 40 for i in range(pages)],
+        page_break_after_each=True,
+    )
+
+
+def _clean_phase(stack: object, args: argparse.Namespace, tenant: str, pdfs: list[Path]) -> dict:
+    url = stack.db_url  # type: ignore[attr-defined]
+    for path in pdfs:
+        c.accept_file(path, tenant=tenant)
+    busy0 = c.machine_cpu()
+    worker = stack.start("worker", WORKER_CONCURRENCY="2")  # type: ignore[attr-defined]
+    _wait(
+        url,
+        f"SELECT count(*) FROM conversion_job WHERE tenant = '{tenant}'"  # noqa: S608
+        " AND finished_at IS NOT NULL",
+        args.n,
+        args.timeout,
+        "the clean phase",
+    )
+    done, seconds = _window(url, tenant)
+    cpu = _tree_cpu_s(worker)
+    busy1 = c.machine_cpu()
+    _stop(worker, url)
+    return {
+        "done": done,
+        "s": seconds,
+        "rate": done / seconds,
+        "cpu": cpu,
+        "busy": (busy1[0] - busy0[0]) / max(1.0, busy1[1] - busy0[1]),
+    }
+
+
+def _stop(worker: object, url: str) -> None:
+    worker.stop()  # type: ignore[attr-defined]
+    # Its pool processes' slot rows would count for the TTL (QUIRE_FAIR_SLOT_TTL_S) after they
+    # stopped: each phase starts with none.
+    c.sql_retry(url, "WITH d AS (DELETE FROM worker_slot RETURNING 1) SELECT count(*) FROM d")
+
+
+def _poison_phase(
+    stack: object, args: argparse.Namespace, tenant: str, pdfs: list[Path], docs: dict[str, Path]
+) -> dict:
+    """Half the normal jobs, the two crashing documents, the other half; the office document is
+    submitted once more when its first job failed (a timeout is not retried by Quire)."""
+    url = stack.db_url  # type: ignore[attr-defined]
+    normal: list[str] = []
+    half = args.n // 2
+    for path in pdfs[:half]:
+        normal.append(str(c.accept_file(path, tenant=tenant).id))  # type: ignore[attr-defined]
+    segv_job = c.accept_file(docs["segv"], tenant=tenant, options=SEGV)
+    office_jobs = [c.accept_file(docs["office"], tenant=tenant, output="pdf").id]  # type: ignore[attr-defined]
+    for path in pdfs[half:]:
+        normal.append(str(c.accept_file(path, tenant=tenant).id))  # type: ignore[attr-defined]
+    busy0 = c.machine_cpu()
+    worker = stack.start("worker", WORKER_CONCURRENCY="2")  # type: ignore[attr-defined]
+    deadline = time.monotonic() + args.timeout
+    resubmitted = False
+    while True:
+        if _state(url, office_jobs[-1])[0] == "failed" and not resubmitted:
+            office_jobs.append(c.accept_file(docs["office"], tenant=tenant, output="pdf").id)  # type: ignore[attr-defined]
+            resubmitted = True
+        normal_done, _ = _window(url, tenant, normal)
+        if (
+            normal_done >= args.n
+            and _state(url, segv_job.id)[0] == "failed"  # type: ignore[attr-defined]
+            and resubmitted
+            and _state(url, office_jobs[-1])[0] == "failed"
+        ):
+            break
+        if time.monotonic() > deadline:
+            raise RuntimeError("timed out in the poison phase")
+        time.sleep(0.25)
+    done, seconds = _window(url, tenant, normal)
+    cpu = _tree_cpu_s(worker)
+    busy1 = c.machine_cpu()
+    result = {
+        "done": done,
+        "s": seconds,
+        "rate": done / seconds,
+        "cpu": cpu,
+        "busy": (busy1[0] - busy0[0]) / max(1.0, busy1[1] - busy0[1]),
+        "held": {
+            "segv": _poison_attempts(url, [str(segv_job.id)]),  # type: ignore[attr-defined]
+            "office": _poison_attempts(url, [str(j) for j in office_jobs]),
+        },
+        "segv": (
+            _state(url, segv_job.id),
+            _scalar(url, f"SELECT attempts FROM conversion_job WHERE id = '{segv_job.id}'"),  # noqa: S608
+        ),  # type: ignore[attr-defined]
+        "office": [_state(url, job_id) for job_id in office_jobs],
+        "timeline": _timeline(url, [str(j) for j in office_jobs], normal, tenant),
+    }
+    _stop(worker, url)
+    return result
+
+
+SEGV = {"_test_fault": {"kind": "segv"}}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--n", type=int, default=500)
+    parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--resubmissions", type=int, default=50)
     parser.add_argument("--prepare-timeout", type=float, default=5.0)
     parser.add_argument("--office-pages", type=int, default=6000)
@@ -197,111 +309,55 @@ def main() -> int:
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="poison-"))
     print(f"load before: {c.load_average()}")
-    clean_pdfs = _pdfs(args.n, scratch / "clean")
-    poisoned_pdfs = _pdfs(args.n, scratch / "poisoned")
-    from tests import testdocs
-
-    segv_doc = _pdfs(1, scratch / "segv")[0]
-    office_doc = testdocs.make_docx(
-        scratch / "long.docx",
-        paragraphs=[
-            f"Paragraph {i} " + "lorem ipsum dolor " * 40 for i in range(args.office_pages)
-        ],
-        page_break_after_each=True,
-    )
     env = {
         "QUIRE_PREPARE_TIMEOUT_S": str(args.prepare_timeout),
         "QUIRE_ENABLE_TEST_FAULTS": "1",
     }
+    rounds: list[tuple[dict, dict]] = []
     with c.quire_stack(db_name=DB_NAME, keep=args.keep, **env) as stack:
         url = stack.db_url
         from conversion_jobs.exceptions import DocumentQuarantined
 
         stack.start("beat")
         stack.start("sweeper")
-
-        # --- clean -------------------------------------------------------------------------
-        for path in clean_pdfs:
-            c.accept_file(path, tenant="clean")
-        busy0 = c.machine_cpu()
-        worker = stack.start("worker", WORKER_CONCURRENCY="2")
-        _wait(
-            url,
-            "SELECT count(*) FROM conversion_job WHERE tenant = 'clean'"
-            " AND finished_at IS NOT NULL",
-            args.n,
-            args.timeout,
-            "the clean phase",
-        )
-        clean_done, clean_s = _window(url, "clean")
-        clean_cpu = _tree_cpu_s(worker)
-        busy1 = c.machine_cpu()
-        clean_busy = (busy1[0] - busy0[0]) / max(1.0, busy1[1] - busy0[1])
-        print(f"clean:  {clean_done} jobs in {clean_s:.1f} s", flush=True)
-        worker.stop()  # type: ignore[attr-defined]
-        # Its pool processes' slot rows would count for the TTL (QUIRE_FAIR_SLOT_TTL_S) after
-        # they stopped: the poison phase starts, as the clean one did, with none.
-        c.sql_retry(url, "WITH d AS (DELETE FROM worker_slot RETURNING 1) SELECT count(*) FROM d")
-
-        # --- poison ------------------------------------------------------------------------
-        normal: list[str] = []
-        half = args.n // 2
-        for path in poisoned_pdfs[:half]:
-            normal.append(str(c.accept_file(path, tenant="poisoned").id))  # type: ignore[attr-defined]
-        segv_job = c.accept_file(
-            segv_doc, tenant="poisoned", options={"_test_fault": {"kind": "segv"}}
-        )
-        office_job = c.accept_file(office_doc, tenant="poisoned", output="pdf")
-        for path in poisoned_pdfs[half:]:
-            normal.append(str(c.accept_file(path, tenant="poisoned").id))  # type: ignore[attr-defined]
-        busy0 = c.machine_cpu()
-        worker = stack.start("worker", WORKER_CONCURRENCY="2")
-        office_jobs = [office_job.id]  # type: ignore[attr-defined]
-        deadline = time.monotonic() + args.timeout
-        resubmitted = False
-        while True:
-            office_state = _state(url, office_jobs[-1])
-            if office_state[0] == "failed" and not resubmitted:
-                # the client tries once more (a timeout is not retried by Quire)
-                office_jobs.append(c.accept_file(office_doc, tenant="poisoned", output="pdf").id)  # type: ignore[attr-defined]
-                resubmitted = True
-            normal_done, _ = _window(url, "poisoned", normal)
-            segv_state = _state(url, segv_job.id)  # type: ignore[attr-defined]
-            if (
-                normal_done >= args.n
-                and segv_state[0] == "failed"
-                and resubmitted
-                and _state(url, office_jobs[-1])[0] == "failed"
-            ):
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError("timed out in the poison phase")
-            time.sleep(0.25)
-        normal_done, poison_s = _window(url, "poisoned", normal)
-        poison_cpu = _tree_cpu_s(worker)
-        busy1 = c.machine_cpu()
-        poison_busy = (busy1[0] - busy0[0]) / max(1.0, busy1[1] - busy0[1])
-        held = {
-            "segv": _poison_attempts(url, [str(segv_job.id)]),  # type: ignore[attr-defined]
-            "office": _poison_attempts(url, [str(j) for j in office_jobs]),
-        }
-        office_states = [_state(url, job_id) for job_id in office_jobs]
-        timeline = _timeline(url, [str(j) for j in office_jobs], normal)
+        for r in range(args.rounds):
+            clean_pdfs = _pdfs(args.n, scratch / f"clean{r}")
+            poisoned_pdfs = _pdfs(args.n, scratch / f"poisoned{r}")
+            docs = {  # new bytes each round: an earlier round's quarantine would refuse them
+                "segv": _pdfs(1, scratch / f"segv{r}")[0],
+                "office": _office_doc(scratch / f"long{r}.docx", args.office_pages, f"r{r}"),
+            }
+            # the phases alternate their order, so a drift of the shared host's speed cancels
+            if r % 2 == 0:
+                clean = _clean_phase(stack, args, f"clean{r}", clean_pdfs)
+                poison = _poison_phase(stack, args, f"poisoned{r}", poisoned_pdfs, docs)
+            else:
+                poison = _poison_phase(stack, args, f"poisoned{r}", poisoned_pdfs, docs)
+                clean = _clean_phase(stack, args, f"clean{r}", clean_pdfs)
+            rounds.append((clean, poison))
+            print(
+                f"round {r + 1}: clean {clean['rate']:.1f} jobs/s, poison {poison['rate']:.1f}"
+                f" jobs/s, ratio {poison['rate'] / clean['rate']:.3f}",
+                flush=True,
+            )
         most_crashes = int(
             _scalar(url, "SELECT coalesce(max(crashes), 0) FROM document_quarantine")
         )  # type: ignore[call-overload]
 
-        # --- resubmissions -----------------------------------------------------------------
+        # --- resubmissions of the last round's documents, with a worker running ---------------
+        worker = stack.start("worker", WORKER_CONCURRENCY="2")
         attempts_before = int(_scalar(url, "SELECT count(*) FROM conversion_attempt"))  # type: ignore[call-overload]
         refused = 0
         t0 = time.perf_counter()
         for _ in range(args.resubmissions):
             for path, options, output in (
-                (segv_doc, {"_test_fault": {"kind": "segv"}}, "text"),
-                (office_doc, None, "pdf"),
+                (docs["segv"], SEGV, "text"),
+                (docs["office"], None, "pdf"),
             ):
                 try:
-                    c.accept_file(path, tenant="poisoned", options=options, output=output)
+                    c.accept_file(
+                        path, tenant=f"poisoned{args.rounds - 1}", options=options, output=output
+                    )
                 except DocumentQuarantined:
                     refused += 1
         resubmit_s = time.perf_counter() - t0
@@ -315,32 +371,33 @@ def main() -> int:
             " count(quarantined_at) AS q, max(crashes) AS most FROM document_quarantine"
             " GROUP BY engine) AS by_engine",
         )
-        segv_attempts = _scalar(
-            url,
-            f"SELECT attempts FROM conversion_job WHERE id = '{segv_job.id}'",  # type: ignore[attr-defined]  # noqa: S608
-        )
-        worker.stop()  # type: ignore[attr-defined]
+        _stop(worker, url)
 
-    clean_rate = clean_done / clean_s
-    poison_rate = normal_done / poison_s
-    ratio = poison_rate / clean_rate
     print(f"load after: {c.load_average()}")
-    print(f"clean:  {clean_done} jobs in {clean_s:.1f} s = {clean_rate:.1f} jobs/s")
-    print(f"poison: {normal_done} normal jobs in {poison_s:.1f} s = {poison_rate:.1f} jobs/s")
-    print(
-        f"worker tree CPU: clean {clean_cpu:.1f} s ({1000 * clean_cpu / clean_done:.1f} ms/job),"
-        f" poison phase {poison_cpu:.1f} s; machine busy: clean {clean_busy:.0%},"
-        f" poison {poison_busy:.0%}"
-    )
-    for name, (n, seconds, codes) in held.items():
+    for r, (clean, poison) in enumerate(rounds):
+        print(f"--- round {r + 1} ({'clean first' if r % 2 == 0 else 'poison first'})")
+        print(f"clean:  {clean['done']} jobs in {clean['s']:.1f} s = {clean['rate']:.1f} jobs/s")
         print(
-            f"{name} attempts: {n}, holding a slot {seconds:.1f} s = {seconds / (2 * poison_s):.1%}"
-            f" of the poison phase's 2 slots ({codes})"
+            f"poison: {poison['done']} normal jobs in {poison['s']:.1f} s ="
+            f" {poison['rate']:.1f} jobs/s"
         )
-    for line in timeline:
-        print(line)
-    print(f"segv job: {_fmt(segv_state)}, attempts {segv_attempts}")
-    print(f"office jobs: {', '.join(_fmt(s) for s in office_states)}")
+        print(
+            f"worker tree CPU: clean {clean['cpu']:.1f} s"
+            f" ({1000 * clean['cpu'] / clean['done']:.1f} ms/job), poison phase"
+            f" {poison['cpu']:.1f} s; machine busy: clean {clean['busy']:.0%},"
+            f" poison {poison['busy']:.0%}"
+        )
+        for name, (n, seconds, codes) in poison["held"].items():
+            print(
+                f"{name} attempts: {n}, holding a slot {seconds:.1f} s ="
+                f" {seconds / (2 * poison['s']):.1%} of the poison phase's 2 slots ({codes})"
+            )
+        for line in poison["timeline"]:
+            print(line)
+        (segv_state, segv_attempts) = poison["segv"]
+        print(f"segv job: {_fmt(segv_state)}, attempts {segv_attempts}")
+        print(f"office jobs: {', '.join(_fmt(s) for s in poison['office'])}")
+    print("---")
     print(f"quarantine rows: {crashes}")
     print(
         f"most crashes before quarantine: {most_crashes} (target <= 2)"
@@ -352,7 +409,12 @@ def main() -> int:
         f" {attempts_after - attempts_before} (target 0) "
         f"{c.verdict(attempts_after == attempts_before and refused == 2 * args.resubmissions)}"
     )
-    print(c.ratio_line("normal jobs/s poison / clean", ratio, TARGET_RATIO))
+    ratios = sorted(poison["rate"] / clean["rate"] for clean, poison in rounds)
+    pooled = (sum(p["done"] for _, p in rounds) / sum(p["s"] for _, p in rounds)) / (
+        sum(cl["done"] for cl, _ in rounds) / sum(cl["s"] for cl, _ in rounds)
+    )
+    print(f"ratios by round: {', '.join(f'{x:.3f}' for x in ratios)}")
+    print(c.ratio_line("normal jobs/s poison / clean (pooled)", pooled, TARGET_RATIO))
     return 0
 
 
