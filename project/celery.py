@@ -18,9 +18,9 @@ from __future__ import annotations
 import os
 import threading
 
+from billiard.process import current_process
 from celery import Celery
 from celery.signals import celeryd_after_setup, worker_process_init, worker_process_shutdown
-from celery.utils.log import current_process_index
 from celery.worker.consumer import Consumer
 from django.conf import settings
 
@@ -155,7 +155,7 @@ def _announce_conversion_slot(**_: object) -> None:
     if _CONVERSION_SLOTS:
         from conversion_jobs.services import fair
 
-        index = current_process_index(base=0) or 0
+        index = getattr(current_process(), "index", None) or 0  # billiard's pool index
         fair.slot_beat_start(slots=1 if index < _POOL_SLOTS else 0)
 
 
