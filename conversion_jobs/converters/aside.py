@@ -42,13 +42,14 @@ from .errors import ConversionStarved, ConversionTimeout
 
 @dataclass(frozen=True)
 class AsideSettings:
-    #: seconds of preparation after which a conversion asks to step aside; 0: never
+    """``after_s``: seconds of preparation after which a conversion asks to step aside (0:
+    never); ``wall_factor``: the wall clock cap of a conversion aside, in multiples of its
+    limit; ``retry_s``: how often a conversion refused (no spare, nothing waiting) asks again;
+    ``check_s``: how often a conversion aside asks whether other work waits (pause, resume)."""
+
     after_s: float = 0.0
-    #: the wall clock cap of a conversion that stepped aside, in multiples of its limit
     wall_factor: float = 4.0
-    #: how often a conversion whose request was refused (no spare, nothing waiting) asks again
     retry_s: float = 1.0
-    #: how often a conversion aside asks whether other work waits (pause or resume)
     check_s: float = 0.5
 
 

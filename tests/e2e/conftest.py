@@ -7,9 +7,7 @@ A missing broker or database fails the test; it never skips.
 
 from __future__ import annotations
 
-import hashlib
 import os
-import shutil
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -137,8 +135,6 @@ def start(cluster: harness.Cluster) -> Callable[..., harness.Proc]:
 def submit(settings: Any, tmp_path: Path) -> Callable[..., Any]:
     """``submit(pages=…, options=…)`` -> a new job accepted through the service layer (its
     on_commit fast path publishes as the publisher user)."""
-    from conversion_jobs import storage
-    from conversion_jobs.services.acceptance import StagedUpload, conversion_job_accept
     from tests import testdocs
 
     def make(
@@ -152,19 +148,8 @@ def submit(settings: Any, tmp_path: Path) -> Callable[..., Any]:
         src = tmp_path / f"{uuid.uuid4().hex}.pdf"
         salt = uuid.uuid4().hex
         testdocs.make_pdf(src, pages=pages, text_of=lambda n: f"Page {n} {salt}")
-        fh, staged = storage.stage()
-        with fh, open(src, "rb") as data:
-            shutil.copyfileobj(data, fh)
-        raw = src.read_bytes()
-        upload = StagedUpload(path=staged, sha256=hashlib.sha256(raw).hexdigest(), size=len(raw))
-        accepted = conversion_job_accept(
-            tenant=tenant,
-            actor="e2e",
-            upload=upload,
-            output=output,
-            raw_options=options or {},
-            idempotency_key=None,
-            raw_metadata=metadata,
+        accepted = harness.accept_path(
+            src, tenant=tenant, output=output, options=options, metadata=metadata
         )
         assert accepted.created
         return accepted.job

@@ -294,6 +294,38 @@ def process_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def accept_path(
+    path: Path,
+    *,
+    tenant: str,
+    output: str = "text",
+    options: dict[str, Any] | None = None,
+    metadata: dict[str, Any] | None = None,
+) -> Any:
+    """Accept the file ``path`` through the service layer, staged in the artifact store (its
+    on_commit fast path publishes as this process's broker user): the acceptance."""
+    import hashlib
+    import shutil
+
+    from conversion_jobs import storage
+    from conversion_jobs.services.acceptance import StagedUpload, conversion_job_accept
+
+    fh, staged = storage.stage()
+    with fh, open(path, "rb") as data:
+        shutil.copyfileobj(data, fh)
+    raw = path.read_bytes()
+    upload = StagedUpload(path=staged, sha256=hashlib.sha256(raw).hexdigest(), size=len(raw))
+    return conversion_job_accept(
+        tenant=tenant,
+        actor="e2e",
+        upload=upload,
+        output=output,
+        raw_options=options or {},
+        idempotency_key=None,
+        raw_metadata=metadata,
+    )
+
+
 def procfile_command(kind: str, env: dict[str, str]) -> list[str]:
     """The Procfile's command for ``kind`` with ``${VAR:-default}`` expanded from ``env``."""
     for line in PROCFILE.read_text().splitlines():

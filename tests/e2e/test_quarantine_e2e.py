@@ -72,28 +72,18 @@ def test_quarantine__crashes_on_one_of_two_hosts_wait_for_the_second(start, subm
 
 def submit_same(submit, job, *, tenant: str):
     """Submit the stored source of ``job`` again (same bytes) as ``tenant``."""
-    import hashlib
     import shutil
+    import tempfile
+    from pathlib import Path
 
     from conversion_jobs import storage
-    from conversion_jobs.services.acceptance import StagedUpload, conversion_job_accept
+    from conversion_jobs.models import InlineSource
 
-    fh, staged = storage.stage()
-    with fh:
+    with tempfile.TemporaryDirectory() as scratch:
+        copy = Path(scratch) / "source"
         if storage.is_inline_source(job.source_key):
-            from conversion_jobs.models import InlineSource
-
-            fh.write(bytes(InlineSource.objects.get(job_id=job.id).content))
+            copy.write_bytes(bytes(InlineSource.objects.get(job_id=job.id).content))
         else:
-            with storage.open_object(job.source_key) as data:
+            with storage.open_object(job.source_key) as data, open(copy, "wb") as fh:
                 shutil.copyfileobj(data, fh)
-    raw = staged.read_bytes()
-    upload = StagedUpload(path=staged, sha256=hashlib.sha256(raw).hexdigest(), size=len(raw))
-    return conversion_job_accept(
-        tenant=tenant,
-        actor="e2e",
-        upload=upload,
-        output="text",
-        raw_options={},
-        idempotency_key=None,
-    ).job
+        return harness.accept_path(copy, tenant=tenant).job

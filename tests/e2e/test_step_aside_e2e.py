@@ -9,18 +9,14 @@ on its CPU time (converters/aside.py; tests/integration/converters/test_conv_asi
 
 from __future__ import annotations
 
-import hashlib
 import os
-import shutil
 from pathlib import Path
 
 import pytest
 from django.db.models import F
 
-from conversion_jobs import storage
 from conversion_jobs.models import ConversionAttempt, ConversionJob, DocumentCrash
 from conversion_jobs.services import fair
-from conversion_jobs.services.acceptance import StagedUpload, conversion_job_accept
 from tests import testdocs
 from tests.e2e import harness
 
@@ -39,19 +35,24 @@ def _submit_docx(tmp_path: Path, *, pages: int) -> ConversionJob:
         paragraphs=[f"Paragraph {i} " + "lorem ipsum dolor " * 40 for i in range(pages)],
         page_break_after_each=True,
     )
-    fh, staged = storage.stage()
-    with fh, open(source, "rb") as data:
-        shutil.copyfileobj(data, fh)
-    raw = source.read_bytes()
-    upload = StagedUpload(path=staged, sha256=hashlib.sha256(raw).hexdigest(), size=len(raw))
-    return conversion_job_accept(
-        tenant="tenant-a",
-        actor="e2e",
-        upload=upload,
-        output="text",
-        raw_options={},
-        idempotency_key=None,
-    ).job
+    return harness.accept_path(source, tenant="tenant-a").job
+
+
+def _stack_with_a_spare(start, tmp_path: Path, **env: str) -> tuple[harness.Proc, ConversionJob]:
+    """A worker of one slot and one spare, the sweeper and beat; the long DOCX, claimed."""
+    worker = start("worker", WORKER_CONCURRENCY="1", QUIRE_WORKER_SPARES="1", **env)
+    start("sweeper", **env)
+    start("beat", **env)
+    harness.wait_until(
+        lambda: fair.capacity() == 1, timeout=20, what="the worker's one slot announced"
+    )
+    docx = _submit_docx(tmp_path, pages=6000)
+    harness.wait_until(
+        lambda: ConversionJob.objects.filter(id=docx.id, state="running").exists(),
+        timeout=30,
+        what="the DOCX claimed",
+    )
+    return worker, docx
 
 
 def _soffice_threads(worker: harness.Proc) -> list[tuple[int, int]]:
@@ -75,18 +76,7 @@ def _finished(job_id) -> bool:
 def test_step_aside__the_spare_runs_the_queue_while_libreoffice_converts_at_idle_priority(
     start, submit, tmp_path
 ):
-    worker = start("worker", WORKER_CONCURRENCY="1", QUIRE_WORKER_SPARES="1", **ASIDE)
-    start("sweeper", **ASIDE)
-    start("beat", **ASIDE)
-    harness.wait_until(
-        lambda: fair.capacity() == 1, timeout=20, what="the worker's one slot announced"
-    )
-    docx = _submit_docx(tmp_path, pages=6000)
-    harness.wait_until(
-        lambda: ConversionJob.objects.filter(id=docx.id, state="running").exists(),
-        timeout=30,
-        what="the DOCX claimed",
-    )
+    worker, docx = _stack_with_a_spare(start, tmp_path, **ASIDE)
     pdfs = [submit(pages=1, tenant="tenant-a") for _ in range(5)]
     harness.wait_until(
         lambda: ConversionJob.objects.filter(
@@ -118,18 +108,7 @@ def test_step_aside__starved_by_a_backlog_it_yields_once_then_keeps_its_slot(
     yields ``conversion_starved``: no crash, no attempt counted; the job's next attempt does
     not step aside again."""
     env = {**ASIDE, "QUIRE_PREPARE_TIMEOUT_S": "2", "QUIRE_ENABLE_TEST_FAULTS": "1"}
-    start("worker", WORKER_CONCURRENCY="1", QUIRE_WORKER_SPARES="1", **env)
-    start("sweeper", **env)
-    start("beat", **env)
-    harness.wait_until(
-        lambda: fair.capacity() == 1, timeout=20, what="the worker's one slot announced"
-    )
-    docx = _submit_docx(tmp_path, pages=6000)
-    harness.wait_until(
-        lambda: ConversionJob.objects.filter(id=docx.id, state="running").exists(),
-        timeout=30,
-        what="the DOCX claimed",
-    )
+    _, docx = _stack_with_a_spare(start, tmp_path, **env)
     backlog = [submit(pages=1, options=SLOW, tenant="tenant-b") for _ in range(80)]
     harness.wait_until(
         lambda: ConversionAttempt.objects.filter(
