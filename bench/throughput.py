@@ -126,7 +126,10 @@ def _worker_argv(layout_concurrency: str, hostname: str, queue: str) -> list[str
     cmd = cmd.replace("-A project", "-A bench.noop_celery").replace(
         "-Q conversion.v1", f"-Q {queue}"
     )
-    cmd = cmd.replace("${WORKER_CONCURRENCY:-2}", layout_concurrency)
+    # the slots alone: the baseline app has no spare pool process (ADR 0022, "Stepping aside")
+    cmd = cmd.replace(
+        "$(( ${WORKER_CONCURRENCY:-2} + ${QUIRE_WORKER_SPARES:-1} ))", layout_concurrency
+    )
     cmd = cmd.replace("worker.%h.${PORT:-0}", hostname)
     argv = shlex.split(cmd)
     argv[0] = str(c.VENV_BIN / "celery")
