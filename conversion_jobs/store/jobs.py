@@ -48,7 +48,7 @@ from conversion_jobs.store.checkpoints import (
     pages_converted_by,
 )
 from conversion_jobs.store.leases import FENCE, Fence, fence_params
-from conversion_jobs.store.prepared import prepared_cursor
+from conversion_jobs.store.prepared import Positional, positional, prepared_cursor
 
 # --- the guarded move of an edge and the lock of a choosing caller ----------------------------
 
@@ -301,8 +301,10 @@ def insert_queued(new: NewJob, *, send_if_idle: bool = False) -> Inserted | None
         params["inline"] = new.inline_content
     if send_if_idle:
         params.update(fair.admit_params())
-    with prepared_cursor() as cursor:  # prepared: parsed and planned once per connection
-        cursor.execute(accept_sql(new.inline_content is not None, send_if_idle), params)
+    statement = accept_statement(new.inline_content is not None, send_if_idle)
+    # prepared: parsed and planned once per connection; raw: psycopg sends it as it is
+    with prepared_cursor(raw=True) as cursor:
+        cursor.execute(statement.sql, statement.params(params))
         row = cursor.fetchone()
     return None if row is None else Inserted(int(row[0]), bool(row[1]), not row[2])
 
@@ -409,6 +411,13 @@ def accept_sql(inline: bool, send_if_idle: bool = False) -> str:
         sent="EXISTS (SELECT 1 FROM gate)" if send_if_idle else "false",
         free="(SELECT free FROM credit)" if send_if_idle else "true",
     )
+
+
+@functools.cache
+def accept_statement(inline: bool, send_if_idle: bool = False) -> Positional:
+    """:func:`accept_sql` in PostgreSQL's placeholders, made once each: with ``ADMIT`` it is
+    past what psycopg keeps converted (``store/prepared.py``)."""
+    return positional(accept_sql(inline, send_if_idle))
 
 
 # --- queued -> running: the claim -------------------------------------------------------------

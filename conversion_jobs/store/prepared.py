@@ -16,6 +16,14 @@ position where an ``unknown`` parameter is ambiguous): values in the audit hash 
 ``%(_litN)s::text`` parameters (``audit.spliced_sql``), never as SQL text, so the text stays the
 same from job to job. The cursor is a Django ``CursorWrapper``: errors are Django's, execute
 wrappers and query logging see it as any other cursor.
+
+psycopg turns ``%(name)s`` into ``$n`` on every ``execute``, and keeps the result only for a
+statement of at most 4,096 bytes and 50 parameters (its cache is meant for statements an ORM
+made). A longer statement is split with a regular expression each time it runs: the
+acceptance's, with fair dispatch's ``ADMIT`` in it (5.6 KB, 52 parameters), was ≈ 0.2-0.5 ms of
+the web's CPU per acceptance (bench/JOURNAL.md, "Issue 23: the web's CPU per acceptance"). Such
+a statement is turned into PostgreSQL's own placeholders once (:func:`positional`) and runs on a
+``psycopg.RawCursor`` (``prepared_cursor(raw=True)``), which sends its text as it is.
 """
 
 from __future__ import annotations
@@ -23,12 +31,14 @@ from __future__ import annotations
 import functools
 import re
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.backends.utils import CursorDebugWrapper, CursorWrapper
+from psycopg import RawCursor
 from psycopg.adapt import Dumper
 from psycopg.postgres import types
 from psycopg.pq import Format
@@ -46,10 +56,13 @@ def _postgres_parts() -> tuple[Any, Any, Any, Any]:
 
 
 @contextmanager
-def prepared_cursor() -> Iterator[Any]:
+def prepared_cursor(*, raw: bool = False) -> Iterator[Any]:
     """A server-binding cursor on the default connection, as ``connection.cursor()`` would make
     it otherwise. On another database (SQLite, the standalone profile) Django's own cursor: the
-    statements that run on both (the acceptance's) use only ``%(name)s`` placeholders."""
+    statements that run on both (the acceptance's) use only ``%(name)s`` placeholders.
+
+    ``raw``: on Postgres a ``psycopg.RawCursor``, for a :class:`Positional` statement's
+    ``sql`` and ``params()`` (kept apart from the other: one of each per connection)."""
     db: Any = connections[DEFAULT_DB_ALIAS]  # the proxy's every attribute is a thread-local lookup
     if db.vendor != "postgresql":
         with db.cursor() as cursor:
@@ -58,61 +71,74 @@ def prepared_cursor() -> Iterator[Any]:
     db.close_if_health_check_failed()
     db.ensure_connection()
     db.validate_thread_sharing()
-    kept = _kept_cursor(db)
+    slot = _RAW_SLOT if raw else _SLOT
+    kept = _kept_cursor(db, slot)
     if kept is _BUSY:  # the kept one is in use further up this thread's stack: a cursor of its own
-        raw = _new_cursor(db)
+        cursor = _new_cursor(db, raw=raw)
     else:
-        raw = kept if kept is not None else _keep(db, _new_cursor(db))
-        db._quire_prepared_busy = True
-    wrapped = _logged_cursor_class()(raw, db) if db.queries_logged else db.make_cursor(raw)
+        cursor = kept if kept is not None else _keep(db, slot, _new_cursor(db, raw=raw))
+        setattr(db, slot.busy, True)
+    wrapped = _logged_cursor_class()(cursor, db) if db.queries_logged else db.make_cursor(cursor)
     try:
         yield wrapped
     finally:
         if kept is _BUSY:
             with db.wrap_database_errors:
-                raw.close()
+                cursor.close()
         else:
-            db._quire_prepared_busy = False
+            setattr(db, slot.busy, False)
 
 
 _BUSY = object()
 
 
-def _kept_cursor(db: Any) -> Any:
+@dataclass(frozen=True)
+class _Slot:
+    """Where a connection's kept cursor of one kind lives (attributes of Django's wrapper)."""
+
+    kept: str
+    busy: str
+
+
+_SLOT = _Slot("_quire_prepared", "_quire_prepared_busy")
+_RAW_SLOT = _Slot("_quire_prepared_raw", "_quire_prepared_raw_busy")
+
+
+def _kept_cursor(db: Any, slot: _Slot = _SLOT) -> Any:
     """The cursor kept for this connection, ``_BUSY`` if it is in use, or None: none yet, or
     Django reconnected since (``DatabaseWrapper.connection`` is a new object), or the session's
     time zone changed. Keeping one cursor keeps psycopg's ``Transformer`` with it: the dumpers
     found for each parameter type by the first statement serve the next ones, instead of a
     lookup per parameter per statement (ADR 0017, session 6, branch ``accept2``). Django's
     connections are per thread, and so is the cursor."""
-    kept = getattr(db, "_quire_prepared", None)
+    kept = getattr(db, slot.kept, None)
     if kept is None:
         return None
-    if db._quire_prepared_busy:
+    if getattr(db, slot.busy):
         return _BUSY
-    connection, raw, timezone = kept
-    if connection is not db.connection or timezone is not db.timezone or raw.closed:
-        db._quire_prepared = None
+    connection, cursor, timezone = kept
+    if connection is not db.connection or timezone is not db.timezone or cursor.closed:
+        setattr(db, slot.kept, None)
         return None
-    return raw
+    return cursor
 
 
-def _keep(db: Any, raw: Any) -> Any:
-    db._quire_prepared = (db.connection, raw, db.timezone)
-    db._quire_prepared_busy = False
-    return raw
+def _keep(db: Any, slot: _Slot, cursor: Any) -> Any:
+    setattr(db, slot.kept, (db.connection, cursor, db.timezone))
+    setattr(db, slot.busy, False)
+    return cursor
 
 
-def _new_cursor(db: Any) -> Any:
-    cursor_class, register_tzloader, timestamptz, text = _postgres_parts()
+def _new_cursor(db: Any, *, raw: bool = False) -> Any:
+    server_binding, register_tzloader, timestamptz, text = _postgres_parts()
     with db.wrap_database_errors:
-        raw = cursor_class(db.connection)
+        cursor = (RawCursor if raw else server_binding)(db.connection)
         for cls, dumper in _array_dumpers().items():
-            raw.adapters.register_dumper(cls, dumper)
+            cursor.adapters.register_dumper(cls, dumper)
         # As DatabaseWrapper.create_cursor: the session's time zone for timestamptz results.
         if db.timezone != db.connection.adapters.get_loader(timestamptz, text).timezone:
-            register_tzloader(db.timezone, raw)
-    return raw
+            register_tzloader(db.timezone, cursor)
+    return cursor
 
 
 @functools.cache
@@ -131,6 +157,9 @@ def _logged_cursor_class() -> Any:
 
 
 def _as_logged(db: Any, sql: str, params: Any) -> str:
+    known = _POSITIONAL.get(sql)
+    if known is not None:  # logged as it was written, its values by name
+        sql, params = known.named, dict(zip(known.names, params, strict=True))
     try:
         return str(db.ops.compose_sql(_BINARY_PLACEHOLDER.sub(r"%(\1)s", sql), params))
     except Exception:  # a value the client-side rendering cannot show: the statement's text
@@ -138,6 +167,48 @@ def _as_logged(db: Any, sql: str, params: Any) -> str:
 
 
 _BINARY_PLACEHOLDER = re.compile(r"%\((\w+)\)b")
+
+
+# --- statements in PostgreSQL's own placeholders ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class Positional:
+    """A statement written with ``%(name)s`` placeholders, as PostgreSQL takes it: ``sql`` with
+    ``$1``, ``$2``, ... (one per name, in the order each first appears), for a
+    ``prepared_cursor(raw=True)``."""
+
+    sql: str
+    names: tuple[str, ...]
+    #: the statement as written (the query log shows it, with its values)
+    named: str
+
+    def params(self, values: Mapping[str, Any]) -> list[Any]:
+        """The values of ``names``, in order (a name missing from ``values`` is a KeyError)."""
+        return [values[name] for name in self.names]
+
+
+#: ``Positional`` statements by their ``sql``: the query log shows each as it was written.
+_POSITIONAL: dict[str, Positional] = {}
+_NAMED = re.compile(r"%\((\w+)\)s")
+
+
+def positional(statement: str) -> Positional:
+    """``statement`` in PostgreSQL's placeholders; made once per statement by its caller (a
+    module constant, or a ``functools.cache`` of the function that builds it). Only
+    ``%(name)s`` placeholders: any other ``%`` (``%%``, ``%s``, ``%(name)b``) is refused, since
+    the raw cursor would send it as it is."""
+    names: dict[str, int] = {}
+
+    def number(match: re.Match[str]) -> str:
+        return f"${names.setdefault(match[1], len(names) + 1)}"
+
+    sql = _NAMED.sub(number, statement)
+    if "%" in sql:
+        raise ValueError("positional(): only %(name)s placeholders, and no other '%'")
+    made = Positional(sql=sql, names=tuple(names), named=statement)
+    _POSITIONAL[sql] = made
+    return made
 
 
 # --- arrays with a fixed element type --------------------------------------------------------

@@ -8,6 +8,7 @@ import shutil
 import uuid
 from pathlib import Path
 
+import psycopg
 import pytest
 from django.conf import settings
 from django.db import IntegrityError, connection, transaction
@@ -18,7 +19,14 @@ from conversion_jobs.models import ConversionJob, DispatchClock
 from conversion_jobs.services.acceptance import StagedUpload, conversion_job_accept
 from conversion_jobs.store import fair
 from conversion_jobs.store.db import violated_constraint
-from conversion_jobs.store.prepared import Byteas, Int4s, Int8s, Texts, prepared_cursor
+from conversion_jobs.store.prepared import (
+    Byteas,
+    Int4s,
+    Int8s,
+    Texts,
+    positional,
+    prepared_cursor,
+)
 from tests import testdocs
 
 pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
@@ -110,6 +118,8 @@ def test_prepared__with_query_logging_on_the_statements_are_logged_with_their_pa
     assert any(q.startswith("SELECT (SELECT fingerprint FROM") for q in logged), logged
     assert any(q.startswith(_ACCEPT_START) for q in logged), logged
     assert any("logged" in q for q in logged), logged  # the key, with the statements' values
+    # the insert runs in PostgreSQL's placeholders, and is logged as written, with its values
+    assert any(q.startswith(_ACCEPT_START) and "'logged'" in q for q in logged), logged
 
 
 def _raw(cursor) -> object:
@@ -143,6 +153,34 @@ def test_prepared__one_cursor_is_kept_per_connection_and_replaced_when_it_reconn
         assert fresh.fetchone() == (4,)
     with prepared_cursor() as kept:
         assert _raw(kept) is _raw(fresh)
+
+
+def test_prepared__a_positional_statement_runs_on_a_raw_cursor_kept_beside_the_other():
+    """``positional``: each name one ``$n``, in the order it first appears; the raw cursor (a
+    ``psycopg.RawCursor``) is kept per connection apart from the named one, and prepares the
+    statement as the other does."""
+    statement = positional("SELECT %(b)s::int + %(a)s::int, %(b)s::int AS positional_kept")
+    assert statement.sql == "SELECT $1::int + $2::int, $1::int AS positional_kept"
+    assert statement.names == ("b", "a")
+    assert statement.params({"a": 2, "b": 5, "unused": 0}) == [5, 2]
+    with prepared_cursor(raw=True) as cursor:
+        assert isinstance(_raw(cursor), psycopg.RawCursor)
+        cursor.execute(statement.sql, statement.params({"a": 2, "b": 5}))
+        assert cursor.fetchone() == (7, 5)
+    with prepared_cursor(raw=True) as again, prepared_cursor() as named:
+        assert _raw(again) is _raw(cursor)
+        assert _raw(named) is not _raw(again)
+        again.execute(statement.sql, statement.params({"a": 1, "b": 1}))
+        assert again.fetchone() == (2, 1)
+    assert _prepared()["SELECT $1::int + $2::int, $1::"] == 2
+
+
+@pytest.mark.parametrize("sql", ["SELECT %s", "SELECT 5 %% 2", "SELECT %(a)b::int[]"])
+def test_prepared__positional_refuses_any_other_percent(sql):
+    """The raw cursor sends the text as it is: a ``%`` that psycopg would have read is refused
+    when the statement is made, not sent."""
+    with pytest.raises(ValueError, match="only %"):
+        positional(sql)
 
 
 def test_prepared__the_kept_cursor_serves_the_next_statement_after_an_error(

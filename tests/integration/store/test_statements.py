@@ -362,6 +362,23 @@ def test_job_insert_params__one_per_column(make_job):
         assert jobs.ACCEPT_INLINE not in jobs.accept_sql(False)
         assert "ON CONFLICT DO NOTHING" in jobs.accept_sql(True)
         assert jobs.ACCEPT.split("{")[0] in jobs.accept_sql(False)
+        # ... and in PostgreSQL's placeholders, each name once, as the raw cursor sends it
+        statement = jobs.accept_statement(True, True)
+        assert statement is jobs.accept_statement(True, True)
+        assert statement.named == jobs.accept_sql(True, True)
+        assert "%" not in statement.sql and f"${len(statement.names)}" in statement.sql
+        assert set(statement.names) <= {
+            *params,
+            "inline",
+            "now",
+            "actor",
+            "key",
+            "fingerprint",
+            "details",
+            "genesis",
+            "q_engine",
+            *fair.admit_params(),
+        }
 
 
 def _publish_setup(make_job: Callable[..., ConversionJob]) -> Lease:
