@@ -157,9 +157,7 @@ def _logged_cursor_class() -> Any:
 
 
 def _as_logged(db: Any, sql: str, params: Any) -> str:
-    known = _POSITIONAL.get(sql)
-    if known is not None:  # logged as it was written, its values by name
-        sql, params = known.named, dict(zip(known.names, params, strict=True))
+    sql, params = as_written(sql, params)  # a positional statement: its values by name
     try:
         return str(db.ops.compose_sql(_BINARY_PLACEHOLDER.sub(r"%(\1)s", sql), params))
     except Exception:  # a value the client-side rendering cannot show: the statement's text
@@ -191,6 +189,16 @@ class Positional:
 #: ``Positional`` statements by their ``sql``: the query log shows each as it was written.
 _POSITIONAL: dict[str, Positional] = {}
 _NAMED = re.compile(r"%\((\w+)\)s")
+
+
+def as_written(sql: str, params: Any) -> tuple[str, Any]:
+    """``sql`` and ``params`` as they were written: a :class:`Positional` statement's text with
+    ``%(name)s`` and its values by name, anything else as it is (for the query log, and for
+    whoever runs a captured statement again on a client-binding cursor, as EXPLAIN does)."""
+    known = _POSITIONAL.get(sql)
+    if known is None:
+        return sql, params
+    return known.named, dict(zip(known.names, params, strict=True))
 
 
 def positional(statement: str) -> Positional:

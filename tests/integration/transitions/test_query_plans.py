@@ -31,6 +31,7 @@ from conversion_jobs.services.acceptance import StagedUpload, conversion_job_acc
 from conversion_jobs.services.admission import admission_snapshot_reset
 from conversion_jobs.services.cancellation import conversion_job_cancel
 from conversion_jobs.store import checkpoints
+from conversion_jobs.store.prepared import as_written
 from tests import testdocs
 from tests.integration.transitions.builders import done_page, text_result
 
@@ -57,7 +58,7 @@ def _plans(run: Callable[[], Any]) -> list[tuple[str, str]]:
     captured: list[tuple[str, Any]] = []
 
     def capture(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
-        captured.append((sql, params))
+        captured.append(as_written(sql, params))  # the acceptance's runs in $n placeholders
         return execute(sql, params, many, context)
 
     with connection.execute_wrapper(capture):
