@@ -1,8 +1,9 @@
 """The fair relay's statements (docs/ARCHITECTURE.md §2b, ADR 0021): the pick, the
 acceptance's own pick on an idle system (``ADMIT``), the confirm mark, the return of units
-never confirmed, and an attempt's step aside (``STEP_ASIDE``, ADR 0022). Postgres runs the pick as ``quire_fair_pick`` (migrations 0020, 0021) under a
-transaction-scoped advisory lock; SQLite's twins run the same algorithm in Python under
-``BEGIN IMMEDIATE`` (the database's one write lock). ``services/fair.py`` says what they are
+never confirmed, and an attempt's step aside (``STEP_ASIDE``, ADR 0022). Postgres runs the
+pick as ``quire_fair_pick`` (migrations 0020-0022) under a transaction-scoped advisory lock;
+SQLite's twins run the same algorithm in Python under ``BEGIN IMMEDIATE`` (the database's one
+write lock). ``services/fair.py`` says what they are
 for: the cost of a unit, the relay, the slots, what operators see."""
 
 from __future__ import annotations
