@@ -12,11 +12,11 @@ pool process. If it may:
   (``SIGCONT``) when none does. ``SCHED_IDLE`` alone was not enough: a converting
   LibreOffice on the cores' idle time still halved the throughput of the one-page jobs beside
   it on a 2-core host (bench/JOURNAL.md, session 18), paused it costs them nothing;
-* its limit becomes CPU time: ``prepare_timeout_s`` CPU seconds of the group per call, so that
-  the load does not time it out (and quarantine it). At a wall clock cap of ``wall_factor`` x
-  the limit it ends ``ConversionStarved`` (the attempt yields: not a crash, not an attempt),
-  unless it ran unpaused for a whole limit meanwhile: short of its CPU even so, it hangs, and
-  ends ``ConversionTimeout`` (a crash, as before);
+* its limit becomes CPU time (read every ``check_s``): ``prepare_timeout_s`` CPU seconds of the
+  group per call, so that the load does not time it out (and quarantine it). At a wall clock
+  cap of ``wall_factor`` x the limit it ends ``ConversionStarved`` (the attempt yields: not a
+  crash, not an attempt), unless it ran unpaused for a whole limit meanwhile: short of its CPU
+  even so, it hangs, and ends ``ConversionTimeout`` (a crash, as before);
 * the engine is recycled after the conversion (its threads keep their scheduling class).
 
 A request without ``step_aside`` runs on the wall clock alone, as before.
@@ -84,10 +84,10 @@ class ConversionClock:
         """Start a call's limit now; returns the wall clock bound to hand to the call: the
         limit, or the cap of one that may step aside (``should_stop`` then keeps the limit)."""
         self._call_started = self._last_poll = time.monotonic()
-        self._call_cpu_s = self._group_cpu_s()
         self._running_s = 0.0
         if self._aside is None:
             return self.limit_s
+        self._call_cpu_s = self._group_cpu_s()  # a scan of /proc: only where it may be needed
         # just past the cap: should_stop ends the call there as starved, not timed out
         return self.limit_s * self._settings.wall_factor + 2 * self._settings.check_s
 
@@ -101,10 +101,6 @@ class ConversionClock:
             return False  # the call's own timeout is the limit
         now = time.monotonic()
         if self.aside:
-            if self._group_cpu_s() - self._call_cpu_s >= self.limit_s:
-                raise ConversionTimeout(
-                    f"the converter used {self.limit_s:g} s of CPU time without finishing"
-                )
             if not self.paused:
                 self._running_s += now - self._last_poll
             self._last_poll = now
@@ -118,8 +114,12 @@ class ConversionClock:
                 raise ConversionStarved(
                     "the conversion stepped aside and was starved past its wall clock cap"
                 )
-            if now >= self._next_ask:
+            if now >= self._next_ask:  # the /proc scans and the question, every check_s
                 self._next_ask = now + self._settings.check_s
+                if self._group_cpu_s() - self._call_cpu_s >= self.limit_s:
+                    raise ConversionTimeout(
+                        f"the converter used {self.limit_s:g} s of CPU time without finishing"
+                    )
                 self._pause(self._aside.others_wait())
             return False
         if now - self._call_started >= self.limit_s:

@@ -440,11 +440,21 @@ def step_aside(lease: Lease) -> bool:
         return False
     if stepped:
         metrics.FAIR_STEPPED_ASIDE.inc()
-        if settings.STANDALONE:
-            relay_quietly(path="fast")
-        else:
-            wake()
+        slot_freed()
     return stepped
+
+
+def slot_freed() -> None:
+    """A worker slot is free (an attempt or a range ended, or an attempt stepped aside): the
+    fair order fills it now, not at the next outbox sweep. Where the worker may publish
+    (standalone) it picks itself; in production its broker user may not (deploy/rabbitmq), so
+    it wakes the sweeper's relay (``NOTIFY``, docs/ARCHITECTURE.md §2b)."""
+    if not enabled():
+        return
+    if settings.STANDALONE:
+        relay_quietly(path="fast")
+    else:
+        wake()
 
 
 # --- worker slots ---------------------------------------------------------------------------------

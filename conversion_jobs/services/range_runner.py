@@ -19,7 +19,7 @@ from conversion_jobs.converters.engines import configure
 from conversion_jobs.models import ConversionJob
 from conversion_jobs.passwords import sealed_passwords_wipe
 from conversion_jobs.pseudonym import pseudonym
-from conversion_jobs.services import execution, runner
+from conversion_jobs.services import execution, fair, runner
 from conversion_jobs.services.checkpoints import (
     CheckpointBatch,
     page_checkpoints_by_page,
@@ -145,7 +145,7 @@ def conversion_range_execute(
         converters.release(spare=False)
         converters.begin_attempt(tenant=None)
         tidy_later(functools.partial(runner._tidy, workdir))
-        runner.slot_freed()
+        fair.slot_freed()
 
 
 def _run_range(*, claim: RangeClaim, beats: _Beats, workdir: Path) -> str:

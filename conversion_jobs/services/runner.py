@@ -153,23 +153,10 @@ def conversion_job_execute(
         tidy_later(functools.partial(_tidy, workdir))
         # The attempt's slot is free, or (fanned out) the ranges just planned wait for the other
         # slots: the relay picks now either way.
-        slot_freed()
+        fair.slot_freed()
     if kept and then is not None:
         return then(kept[0])
     return outcome
-
-
-def slot_freed() -> None:
-    """This worker slot is free (an attempt or a range ended): the fair order fills it now, not
-    at the next outbox sweep. Where the worker may publish (standalone) it picks itself; in
-    production its broker user may not (deploy/rabbitmq), so it wakes the sweeper's relay
-    (``NOTIFY``, docs/ARCHITECTURE.md §2b)."""
-    if not fair.enabled():
-        return
-    if settings.STANDALONE:
-        fair.relay_quietly(path="fast")
-    else:
-        fair.wake()
 
 
 def _tidy(workdir: Path) -> None:

@@ -237,17 +237,15 @@ def test_wake__a_plan_wakes_the_relay_which_sends_the_ranges_at_once(
 def test_wake__a_freed_worker_slot_is_filled_at_once_in_production(
     capacity: Any, unit: Any, no_broker_publish: list[Any], listening_relay: Any
 ) -> None:
-    from conversion_jobs.services import runner
-
     capacity(1)
     first = unit("a")
-    runner.slot_freed()
+    fair.slot_freed()
     assert _until(lambda: len(no_broker_publish) == 1)
     second = unit("b")
     claim = transitions.claim(job_id=first.id, generation=1, worker="w")
     assert claim is not None and transitions.fail(lease=claim.lease, code="invalid_input")
     assert no_broker_publish == [(str(first.id), 1)]  # nobody picked yet: no tick here
-    runner.slot_freed()  # what a production worker does after an attempt: NOTIFY
+    fair.slot_freed()  # what a production worker does after an attempt: NOTIFY
     assert _until(lambda: len(no_broker_publish) == 2)
     assert no_broker_publish[1] == (str(second.id), 1)
 

@@ -24,6 +24,7 @@ from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
 from conversion_jobs import store
+from conversion_jobs.converters import ConversionStarved
 from conversion_jobs.ids import uuid7
 from conversion_jobs.models import (
     CancellationRequest,
@@ -877,7 +878,7 @@ def test_fair_step_aside__ends_with_the_lease(path, make_job, fair_slots):
 
 def test_fair_step_aside__never_again_for_a_job_starved_aside_once(path, make_job, fair_slots):
     """A job whose earlier attempt yielded ``conversion_starved`` keeps its slot from then on."""
-    assert f"'{fair.STARVED}'" in fair.STEP_ASIDE
+    assert f"'{fair.STARVED}'" in fair.STEP_ASIDE and fair.STARVED == ConversionStarved.code
     lease = _claimed(make_job, tenant="t")
     _spare()
     _unit(make_job, tenant="u")
